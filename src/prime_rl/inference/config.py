@@ -1,0 +1,84 @@
+"""Config of the `inference` service. Imports no torch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, Section
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class ServerConfig(Section):
+    host: Annotated[
+        str | None,
+        Field(description="bind address; unset = 0.0.0.0 when an API key is set, else 127.0.0.1"),
+    ] = None
+    port: Annotated[int, Field(ge=0, le=65535, description="HTTP port")] = 8000
+
+
+class EngineConfig(Section):
+    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="built-in engine device")] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Field(description="weights dtype; auto = float32 on CPU, bfloat16 on CUDA"),
+    ] = "auto"
+    max_batch_size: Annotated[int, Field(ge=1, description="most sequences decoded together")] = 64
+    batch_wait_ms: Annotated[
+        float, Field(ge=0, description="how long the batcher waits for more requests before starting a batch")
+    ] = 2.0
+
+
+class ParallelConfig(Section):
+    dp: Annotated[int, Field(ge=1, description="data-parallel engine replicas (vLLM)")] = 1
+    tp: Annotated[int, Field(ge=1, description="tensor-parallel size (vLLM)")] = 1
+
+
+class InferenceConfig(BaseConfig):
+    """OpenAI-compatible inference server with runtime weight updates."""
+
+    model: Annotated[ModelConfig, Field(description="the served model")] = ModelConfig()
+    output_dir: Annotated[Path, Field(description="shared output directory (logs, run config)")] = Path("outputs")
+    backend: Annotated[
+        Literal["auto", "vllm", "builtin"],
+        Field(description="auto = vLLM when importable and CUDA is present, else the built-in engine"),
+    ] = "auto"
+    server: Annotated[ServerConfig, Field(description="HTTP server")] = ServerConfig()
+    engine: Annotated[EngineConfig, Field(description="built-in engine")] = EngineConfig()
+    parallel: Annotated[ParallelConfig, Field(description="parallelism (vLLM backend)")] = ParallelConfig()
+    api_key: Annotated[
+        str | None, Field(description="require `Authorization: Bearer <key>` on every route but /health")
+    ] = None
+    api_key_var: Annotated[str | None, Field(description="name of an env var holding the API key")] = None
+    allow_unauthenticated: Annotated[
+        bool, Field(description="allow binding a non-loopback address without an API key")
+    ] = False
+    max_model_len: Annotated[int, Field(ge=1, description="most prompt + completion tokens per sequence")] = 4096
+    gpu_memory_utilization: Annotated[
+        float, Field(gt=0, le=1, description="fraction of GPU memory the engine may use (vLLM)")
+    ] = 0.9
+    seed: Annotated[int, Field(description="seed for requests that give none")] = 0
+    log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+
+    @model_validator(mode="after")
+    def _resolve_api_key(self) -> InferenceConfig:
+        if self.api_key is None and self.api_key_var:
+            key = os.environ.get(self.api_key_var)
+            if not key:
+                raise ValueError(f"api_key_var names {self.api_key_var}, but that env var is unset or empty")
+            self.__dict__["api_key"] = key  # resolved once here, so the server reads one field
+        return self
+
+    @model_validator(mode="after")
+    def _bind_is_safe(self) -> InferenceConfig:
+        host = self.server.host
+        if host is not None and host not in LOOPBACK and not self.api_key and not self.allow_unauthenticated:
+            raise ValueError(
+                f"refusing to bind {host} without an API key: set --api-key / --api-key-var, "
+                "or --allow-unauthenticated"
+            )
+        return self

@@ -1,0 +1,66 @@
+"""Config of the `orchestrator` service. Imports no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, Section
+
+
+class ClientConfig(Section):
+    base_url: Annotated[
+        list[str], Field(min_length=1, description="OpenAI-compatible base URL(s) of the inference server(s)")
+    ] = ["http://localhost:8000/v1"]
+    api_key_var: Annotated[
+        str, Field(description="name of the env var holding the inference API key (unset var = no key)")
+    ] = "INFERENCE_SERVER_API_KEY"
+    timeout: Annotated[float, Field(gt=0, description="seconds before one HTTP request is abandoned")] = 600.0
+    max_concurrency: Annotated[int, Field(ge=1, description="most requests in flight at once")] = 64
+
+
+class SamplingConfig(Section):
+    temperature: Annotated[float, Field(gt=0, description="sampling temperature")] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass")] = 1.0
+    max_tokens: Annotated[int, Field(ge=1, description="most completion tokens per rollout")] = 128
+
+
+class EnvConfig(Section):
+    id: Annotated[str, Field(description="environment name from the registry")] = "reverse-text"
+    args: Annotated[dict[str, Any], Field(description="keyword arguments for the environment")] = {}
+
+
+class OrchestratorConfig(BaseConfig):
+    """Samples rollouts from the inference server, scores them and writes packed batches for the trainer."""
+
+    model: Annotated[ModelConfig, Field(description="the policy model (must match the server's)")] = ModelConfig()
+    output_dir: Annotated[Path, Field(description="shared output directory")] = Path("outputs")
+    max_steps: Annotated[int, Field(ge=1, description="number of training steps to produce batches for")] = 20
+    async_level: Annotated[
+        int, Field(ge=0, description="step n samples from a policy no older than n - async_level (0 = on-policy)")
+    ] = 1
+    batch_size: Annotated[int, Field(ge=1, description="rollouts per step")] = 64
+    rollouts_per_example: Annotated[int, Field(ge=1, description="samples per prompt (the advantage group)")] = 8
+    seq_len: Annotated[int, Field(ge=1, description="tokens per packed micro batch row")] = 2048
+    num_train_workers: Annotated[int, Field(ge=1, description="trainer world size (one rank file per rank)")] = 1
+    seed: Annotated[int, Field(description="seed for the data order")] = 0
+    sampling: Annotated[SamplingConfig, Field(description="sampling parameters")] = SamplingConfig()
+    env: Annotated[EnvConfig, Field(description="the training environment")] = EnvConfig()
+    client: Annotated[ClientConfig, Field(description="inference client")] = ClientConfig()
+    weights_timeout: Annotated[
+        float, Field(gt=0, description="seconds to wait for the trainer's weights of a step")
+    ] = 3600.0
+    heartbeat_timeout: Annotated[
+        float, Field(gt=0, description="a trainer heartbeat older than this means the trainer is dead")
+    ] = 120.0
+    log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> OrchestratorConfig:
+        if self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example ({self.rollouts_per_example})"
+            )
+        return self

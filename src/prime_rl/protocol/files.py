@@ -1,0 +1,91 @@
+"""Crash- and NFS-safe writes: temp file in the same directory, fsync, rename; `STABLE` markers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO
+
+from prime_rl.protocol.paths import STABLE, list_steps
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write `path` via `write(fileobj)` so readers see either nothing or the whole file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: object) -> Path:
+    return atomic_write_text(path, json.dumps(obj))
+
+
+def mark_stable(directory: Path) -> None:
+    """Declare `directory` complete. Call only after every file in it was written atomically."""
+    _fsync_dir(Path(directory))
+    atomic_write_text(Path(directory) / STABLE, "")
+
+
+def is_stable(directory: Path) -> bool:
+    return (Path(directory) / STABLE).is_file()
+
+
+def stable_steps(parent: Path) -> list[int]:
+    """Sorted steps of the complete (`STABLE`) `step_n` directories under `parent`."""
+    return [s for s in list_steps(parent) if is_stable(Path(parent) / f"step_{s}")]
+
+
+def prune_steps(parent: Path, keep: int, protect: Iterable[int] = ()) -> list[int]:
+    """Delete all but the `keep` newest `step_n` entries under `parent` (never those in `protect`).
+
+    Incomplete directories newer than the newest kept one are left alone: a writer may be busy there.
+    """
+    steps = list_steps(parent)
+    kept = set(steps[-keep:]) if keep > 0 else set()
+    protected = set(protect)
+    removed = []
+    for step in steps:
+        if step in kept or step in protected or (kept and step > max(kept)):
+            continue
+        target = Path(parent) / f"step_{step}"
+        # Drop the marker first so a concurrent reader never takes a half-deleted dir as complete.
+        (target / STABLE).unlink(missing_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        removed.append(step)
+    return removed

@@ -1,0 +1,67 @@
+"""Every path of the OUTPUT_DIR layout (DESIGN §2). No other module formats these names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+STABLE = "STABLE"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def run_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "run"
+
+
+def log_file(output_dir: Path, service: str) -> Path:
+    return Path(output_dir) / "logs" / f"{service}.log"
+
+
+def metrics_file(output_dir: Path, service: str) -> Path:
+    return Path(output_dir) / "metrics" / f"{service}.jsonl"
+
+
+def rollouts_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "rollouts"
+
+
+def rollout_step_dir(output_dir: Path, step: int) -> Path:
+    return rollouts_dir(output_dir) / f"step_{step}"
+
+
+def rank_file(output_dir: Path, step: int, rank: int) -> Path:
+    return rollout_step_dir(output_dir, step) / f"rank_{rank}.pt"
+
+
+def weights_root(output_dir: Path) -> Path:
+    return Path(output_dir) / "weights"
+
+
+def weights_dir(output_dir: Path, step: int) -> Path:
+    return weights_root(output_dir) / f"step_{step}"
+
+
+def checkpoints_root(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return checkpoints_root(output_dir) / f"step_{step}"
+
+
+def heartbeat_file(output_dir: Path, name: str) -> Path:
+    """`name` is `orchestrator` or `trainer-rank{r}`."""
+    return Path(output_dir) / "heartbeat" / f"{name}.json"
+
+
+def step_of(path: Path) -> int | None:
+    """The n of a `step_n` directory name, else None."""
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def list_steps(parent: Path) -> list[int]:
+    """Sorted step numbers of the `step_n` entries under `parent` (complete or not)."""
+    if not Path(parent).is_dir():
+        return []
+    return sorted(s for s in (step_of(p) for p in Path(parent).iterdir()) if s is not None)

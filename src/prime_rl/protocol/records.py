@@ -1,0 +1,112 @@
+"""The rank-file record: what the orchestrator hands trainer rank r for step n (DESIGN §2).
+
+`rollouts/step_{n}/rank_{r}.pt` is a `torch.save`d dict
+`{"version": 1, "step": n, "rank": r, "micro_batches": [MicroBatch.to_dict(), ...]}`.
+Each micro batch is one packed row (batch dim 1): samples laid end to end, positions restarting at 0,
+`cu_seqlens` marking the boundaries. For two samples of lengths 3 and 2:
+
+    input_ids    [[a0 a1 a2 b0 b1]]
+    position_ids [[0  1  2  0  1 ]]
+    cu_seqlens   [0, 3, 5]
+    loss_mask    [[F  T  T  F  T ]]     # generated tokens only
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prime_rl.protocol.files import atomic_write
+from prime_rl.protocol.paths import rank_file
+
+RANK_FILE_VERSION = 1
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # int64 [1, L]
+    position_ids: torch.Tensor  # int64 [1, L]
+    cu_seqlens: torch.Tensor  # int32 [k+1]
+    loss_mask: torch.Tensor  # bool [1, L]
+    advantages: torch.Tensor  # float32 [1, L]
+    inference_logprobs: torch.Tensor  # float32 [1, L]
+    temperature: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MicroBatch:
+        mb = cls(**d)
+        mb.validate()
+        return mb
+
+    def validate(self) -> None:
+        length = self.input_ids.shape[-1]
+        expected = {
+            "input_ids": torch.int64,
+            "position_ids": torch.int64,
+            "loss_mask": torch.bool,
+            "advantages": torch.float32,
+            "inference_logprobs": torch.float32,
+        }
+        for name, dtype in expected.items():
+            t = getattr(self, name)
+            if t.dtype != dtype or tuple(t.shape) != (1, length):
+                raise ValueError(f"micro batch field {name}: expected {dtype} [1, {length}], got {t.dtype} {list(t.shape)}")
+        cu = self.cu_seqlens
+        if cu.dtype != torch.int32 or cu.ndim != 1 or cu[0] != 0 or cu[-1] != length:
+            raise ValueError(f"micro batch cu_seqlens must be int32 from 0 to {length}, got {cu.tolist()}")
+
+    @classmethod
+    def pack(cls, samples: list[dict], temperature: float) -> MicroBatch:
+        """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row."""
+        def cat(key: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in samples]).unsqueeze(0)
+
+        lengths = [len(s["input_ids"]) for s in samples]
+        cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        return cls(
+            input_ids=cat("input_ids", torch.int64),
+            position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+            cu_seqlens=cu,
+            loss_mask=cat("loss_mask", torch.bool),
+            advantages=cat("advantages", torch.float32),
+            inference_logprobs=cat("inference_logprobs", torch.float32),
+            temperature=float(temperature),
+        )
+
+    @classmethod
+    def padding(cls, length: int, temperature: float, pad_id: int = 0) -> MicroBatch:
+        """An all-masked micro batch that keeps FSDP collectives in lockstep on ranks with less data."""
+        return cls.pack(
+            [{"input_ids": [pad_id] * length, "loss_mask": [False] * length,
+              "advantages": [0.0] * length, "inference_logprobs": [0.0] * length}],
+            temperature,
+        )
+
+
+def write_rank_file(output_dir: Path, step: int, rank: int, micro_batches: list[MicroBatch]) -> Path:
+    record = {
+        "version": RANK_FILE_VERSION,
+        "step": step,
+        "rank": rank,
+        "micro_batches": [mb.to_dict() for mb in micro_batches],
+    }
+    return atomic_write(rank_file(output_dir, step, rank), lambda f: torch.save(record, f))
+
+
+def read_rank_file(path: Path, step: int, rank: int) -> list[MicroBatch]:
+    record = torch.load(path, weights_only=True)
+    if record.get("version") != RANK_FILE_VERSION:
+        raise ValueError(f"{path}: rank file version {record.get('version')}, expected {RANK_FILE_VERSION}")
+    if record.get("step") != step or record.get("rank") != rank:
+        raise ValueError(f"{path}: holds step {record.get('step')} rank {record.get('rank')}, expected {step}/{rank}")
+    return [MicroBatch.from_dict(d) for d in record["micro_batches"]]

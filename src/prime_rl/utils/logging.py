@@ -1,0 +1,29 @@
+"""One logging setup per process: console plus `OUTPUT_DIR/logs/<service>.log`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from prime_rl.protocol.paths import log_file
+
+logger = logging.getLogger("prime_rl")
+
+
+def setup_logging(service: str, output_dir: Path | None, level: str = "INFO", to_file: bool = True) -> logging.Logger:
+    """Configure the `prime_rl` logger. `to_file=False` when a launcher already captures our output."""
+    fmt = logging.Formatter(f"%(asctime)s {service} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logger.handlers.clear()
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(fmt)
+    logger.addHandler(console)
+    if to_file and output_dir is not None:
+        path = log_file(output_dir, service)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+    return logger

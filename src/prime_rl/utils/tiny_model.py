@@ -1,0 +1,135 @@
+"""Tiny, deterministic HF causal LMs with a locally built tokenizer, for tests and CPU examples.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained (deterministically) on a small
+generated corpus, with ChatML special tokens and a chat template; the model is a randomly
+initialised Qwen3 or Llama of ~0.3M parameters. Both are written with `save_pretrained`, so every
+part of prime-rl loads them exactly like a hub model.
+
+    uv run tiny-model outputs/tiny-qwen3 --arch qwen3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+ARCHS = ("qwen3", "llama")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Letters and short words: enough structure for BPE merges, and what the built-in environments write.
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _corpus(seed: int, lines: int = 2000) -> list[str]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(_ALPHABET) for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    digits = [str(rng.randint(0, 999)) for _ in range(100)]
+    out = []
+    for _ in range(lines):
+        parts = [rng.choice(words if rng.random() < 0.8 else digits) for _ in range(rng.randint(3, 12))]
+        out.append(" ".join(parts) + rng.choice([".", "?", "!", ""]))
+    out += ["Reverse the text character by character.", "What is 12 + 30? Answer: 42", "system user assistant"]
+    return out
+
+
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
+    """A byte-level BPE `PreTrainedTokenizerFast` with ChatML specials; same inputs give the same vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 2, max_len: int = 4096):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden_size // 4, **common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny-model arch {arch!r}; choose from {ARCHS}")
+
+
+def create_tiny_model(
+    path: Path, arch: str = "qwen3", seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+) -> Path:
+    """Write a tiny model + tokenizer to `path` (an HF model dir) and return it. Deterministic in `seed`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    tokenizer = build_tokenizer(seed=seed)
+    config = build_config(arch, len(tokenizer), hidden_size, num_layers)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def ensure_tiny_model(path: Path, arch: str = "qwen3", seed: int = 0) -> Path:
+    """Create the tiny model at `path` unless a complete one is already there."""
+    path = Path(path)
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    tmp = path.with_name(path.name + ".partial")
+    create_tiny_model(tmp, arch=arch, seed=seed)
+    if not path.exists():
+        tmp.rename(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="tiny-model", description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="directory to write the model and tokenizer to")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    args = parser.parse_args()
+    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers)
+    print(f"wrote tiny {args.arch} model to {args.path}")
+
+
+if __name__ == "__main__":
+    main()
