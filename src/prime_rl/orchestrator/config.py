@@ -19,12 +19,24 @@ class ClientConfig(Section):
     ] = "INFERENCE_SERVER_API_KEY"
     timeout: Annotated[float, Field(gt=0, description="seconds before one HTTP request is abandoned")] = 600.0
     max_concurrency: Annotated[int, Field(ge=1, description="most requests in flight at once")] = 64
+    max_retries: Annotated[
+        int, Field(ge=0, description="retries of a request after a connection error, 5xx or 429 (with backoff)")
+    ] = 3
+    health_timeout: Annotated[
+        float, Field(gt=0, description="seconds to wait at start for every server's /health to answer 200")
+    ] = 600.0
 
 
 class SamplingConfig(Section):
     temperature: Annotated[float, Field(gt=0, description="sampling temperature")] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass")] = 1.0
     max_tokens: Annotated[int, Field(ge=1, description="most completion tokens per rollout")] = 128
+
+
+class AdvantageConfig(Section):
+    std_norm: Annotated[
+        bool, Field(description="divide each group's advantages by the group's reward std (GRPO-style)")
+    ] = False
 
 
 class EnvConfig(Section):
@@ -49,6 +61,7 @@ class OrchestratorConfig(BaseConfig):
     sampling: Annotated[SamplingConfig, Field(description="sampling parameters")] = SamplingConfig()
     env: Annotated[EnvConfig, Field(description="the training environment")] = EnvConfig()
     client: Annotated[ClientConfig, Field(description="inference client")] = ClientConfig()
+    advantage: Annotated[AdvantageConfig, Field(description="advantage computation")] = AdvantageConfig()
     weights_timeout: Annotated[
         float, Field(gt=0, description="seconds to wait for the trainer's weights of a step")
     ] = 3600.0

@@ -277,6 +277,9 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
 def load_config(cls: type[C], argv: Sequence[str]) -> C:
     """Build `cls` from argv and the environment; raises ConfigError with readable lines."""
     values, sources, errors = parse_args(cls, argv)
+    prepare = getattr(cls, "prepare_args", None)
+    if prepare is not None:
+        values = prepare(values, sources)
     try:
         config = cls(**values)
     except ValidationError as err:
@@ -349,3 +352,23 @@ class LogConfig(Section):
     file: Annotated[
         bool, Field(description="also write OUTPUT_DIR/logs/<service>.log (off when `rl` captures the output)")
     ] = True
+
+
+def write_run_config(config: BaseModel, service: str, output_dir: Path) -> Path:
+    """Record the resolved config (and package versions) under OUTPUT_DIR/run/ at start-up."""
+    import json
+    from importlib import metadata
+
+    import tomli_w
+
+    from prime_rl.protocol import atomic_write_text, run_dir
+
+    versions = {}
+    for package in ("prime-rl", "torch", "transformers", "vllm"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    versions["python"] = sys.version.split()[0]
+    atomic_write_text(run_dir(output_dir) / "versions.json", json.dumps(versions, indent=2))
+    return atomic_write_text(run_dir(output_dir) / f"{service}.toml", tomli_w.dumps(to_toml_dict(config)))

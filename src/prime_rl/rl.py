@@ -1,0 +1,335 @@
+"""`rl`: run inference, orchestrator and trainer on one node.
+
+Launcher only: resolve the three configs (copying the shared keys into each), write them to
+OUTPUT_DIR/run/, spawn the services with their output captured in OUTPUT_DIR/logs/, follow their
+logs, and stop everything when one fails or on Ctrl-C (exit non-zero, naming the failed service).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.trainer.rl.config import TrainerConfig
+from prime_rl.utils.config import BaseConfig, LogConfig, Section, parse_config, write_run_config
+from prime_rl.utils.logging import logger, setup_logging
+
+SERVICES = ("inference", "orchestrator", "trainer")
+# Shared key -> the sub-configs that carry it. A value set at the top goes to all of them;
+# values set in several sub-configs must agree.
+SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("output_dir",): SERVICES,
+    ("model", "name"): SERVICES,
+    ("max_steps",): ("orchestrator", "trainer"),
+    ("async_level",): ("orchestrator", "trainer"),
+}
+
+
+class SharedModelConfig(Section):
+    name: Annotated[str | None, Field(description="policy model for all three services (hub id or local path)")] = (
+        None
+    )
+
+
+class RLConfig(BaseConfig):
+    """Runs inference, orchestrator and trainer together on one node."""
+
+    inference: Annotated[InferenceConfig, Field(description="inference server config")] = InferenceConfig()
+    orchestrator: Annotated[OrchestratorConfig, Field(description="orchestrator config")] = OrchestratorConfig()
+    trainer: Annotated[TrainerConfig, Field(description="trainer config")] = TrainerConfig()
+    output_dir: Annotated[Path | None, Field(description="shared output directory for all services")] = None
+    model: Annotated[SharedModelConfig, Field(description="shared model")] = SharedModelConfig()
+    max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
+    async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None
+    inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
+    trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
+    trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
+    startup_timeout: Annotated[float, Field(gt=0, description="seconds to wait for the inference server")] = 600.0
+    log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
+
+    @classmethod
+    def prepare_args(cls, values: dict, sources: dict) -> dict:
+        """A shared key given as a top-level flag overrides what the sub-config files say."""
+        for key, services in SHARED_KEYS.items():
+            if str(sources.get(key, "")).startswith("flag"):
+                for service in services:
+                    node = _get(values, (service, *key[:-1]))
+                    if isinstance(node, dict):
+                        node.pop(key[-1], None)
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            propagate_shared(data)
+        return data
+
+    @model_validator(mode="after")
+    def _same_output_dir(self) -> RLConfig:
+        dirs = {str(getattr(self, s).output_dir) for s in SERVICES}
+        if len(dirs) > 1:
+            raise ValueError(f"the services' output_dir differ ({sorted(dirs)}); set --output-dir once")
+        return self
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
+
+
+def propagate_shared(data: dict) -> None:
+    """Copy shared keys into each sub-config in place; raise ValueError on inconsistent values.
+
+    {"max_steps": 5, "trainer": {}} -> {"max_steps": 5, "trainer": {"max_steps": 5}, "orchestrator": {"max_steps": 5}}
+    """
+    for key, services in SHARED_KEYS.items():
+        name = ".".join(key)
+        top = _get(data, key)
+        explicit = {s: v for s in services if (v := _get(data.get(s) or {}, key)) is not None}
+        if top is not None:
+            for service, value in explicit.items():
+                if str(value) != str(top):
+                    raise ValueError(f"{name} is {top!r} but {service}.{name} is {value!r}; set it once at the top")
+            value = top
+        elif len({str(v) for v in explicit.values()}) > 1:
+            found = ", ".join(f"{s}.{name}={v!r}" for s, v in explicit.items())
+            raise ValueError(f"inconsistent {name}: {found}")
+        elif explicit:
+            value = next(iter(explicit.values()))
+        else:
+            continue
+        for service in services:
+            data.setdefault(service, {})
+            if not isinstance(data[service], dict):
+                continue
+            _put(data[service], key, value)
+        if len(key) == 1:
+            data[key[0]] = value
+        else:
+            _put(data, key, value)
+    # The orchestrator talks to the server `rl` starts unless told otherwise.
+    port = _get(data, ("inference", "server", "port"))
+    if port is not None and _get(data, ("orchestrator", "client", "base_url")) is None:
+        _put(data.setdefault("orchestrator", {}), ("client", "base_url"), [f"http://127.0.0.1:{port}/v1"])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def count_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def assign_devices(config: RLConfig, num_gpus: int) -> tuple[dict[str, dict[str, str]], int]:
+    """Per-service env additions and the trainer world size."""
+    if num_gpus == 0:
+        if config.inference_gpu_ids or config.trainer_gpu_ids:
+            raise ValueError("GPU ids were given but no CUDA device is visible; drop --*-gpu-ids to run on CPU")
+        cpu = {"CUDA_VISIBLE_DEVICES": ""}
+        return {s: dict(cpu) for s in SERVICES}, config.trainer_cpu_ranks
+    inference_ids = config.inference_gpu_ids or [0]
+    trainer_ids = config.trainer_gpu_ids or [1 if num_gpus > 1 else 0]
+    for ids in (inference_ids, trainer_ids):
+        if bad := [i for i in ids if not 0 <= i < num_gpus]:
+            raise ValueError(f"GPU ids {bad} do not exist (this node has {num_gpus})")
+    env = {
+        "inference": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, inference_ids))},
+        "orchestrator": {"CUDA_VISIBLE_DEVICES": ""},
+        "trainer": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, trainer_ids))},
+    }
+    return env, len(trainer_ids)
+
+
+def service_commands(run_dir: Path, trainer_procs: int) -> dict[str, list[str]]:
+    py = sys.executable
+    return {
+        "inference": [py, "-m", "prime_rl.inference.server", "@", str(run_dir / "inference.toml")],
+        "orchestrator": [py, "-m", "prime_rl.orchestrator.orchestrator", "@", str(run_dir / "orchestrator.toml")],
+        "trainer": [
+            py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainer_procs),
+            "-m", "prime_rl.trainer.rl.train", "@", str(run_dir / "trainer.toml"),
+        ],
+    }  # fmt: skip
+
+
+class Service:
+    """One child process whose stdout/stderr go to OUTPUT_DIR/logs/<name>.log."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str]):
+        self.name, self.log_path = name, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        # Own process group, so stopping it also stops torchrun's workers.
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **env}, start_new_session=True,
+        )  # fmt: skip
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def follow_logs(services: list[Service], stop: threading.Event) -> None:
+    """Echo the services' step lines and problems to our console while they run."""
+    files: dict[str, Any] = {}
+    while not stop.is_set():
+        for s in services:
+            if s.name not in files and s.log_path.exists():
+                files[s.name] = open(s.log_path, errors="replace")
+            f = files.get(s.name)
+            for line in f.readlines() if f else []:
+                if s.name != "inference" or " WARNING " in line or " ERROR " in line or "serving" in line:
+                    print(line.rstrip(), flush=True)
+        stop.wait(0.5)
+    for f in files.values():
+        f.close()
+
+
+def wait_for_inference(service: Service, url: str, timeout: float) -> None:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if service.returncode is not None:
+            raise ServiceFailed(service)
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"inference server not healthy at {url} after {timeout:.0f}s; see {service.log_path}")
+
+
+class ServiceFailed(RuntimeError):
+    def __init__(self, service: Service):
+        self.service = service
+        super().__init__(
+            f"{service.name} failed (exit {service.returncode}); last lines of {service.log_path}:\n{service.tail()}"
+        )
+
+
+def run(config: RLConfig) -> None:
+    from prime_rl.protocol import run_dir
+
+    output_dir = config.orchestrator.output_dir
+    env, trainer_procs = assign_devices(config, count_gpus())
+    if config.orchestrator.num_train_workers != trainer_procs:
+        if "num_train_workers" in config.orchestrator.model_fields_set:
+            raise ValueError(
+                f"orchestrator.num_train_workers={config.orchestrator.num_train_workers} but the trainer "
+                f"runs {trainer_procs} ranks"
+            )
+        config.orchestrator.num_train_workers = trainer_procs
+    for name in SERVICES:
+        sub = getattr(config, name)
+        sub.log.file = False  # we capture each service's output into its log file
+        write_run_config(sub, name, output_dir)
+    write_run_config(config, "rl", output_dir)
+    if config.inference.api_key:
+        env["orchestrator"][config.orchestrator.client.api_key_var] = config.inference.api_key
+
+    from prime_rl.protocol import log_file
+
+    commands = service_commands(run_dir(output_dir), trainer_procs)
+    services: list[Service] = []
+    stop_following = threading.Event()
+    follower = threading.Thread(target=follow_logs, args=(services, stop_following), daemon=True)
+    follower.start()
+    try:
+        inference = Service("inference", commands["inference"], log_file(output_dir, "inference"), env["inference"])
+        services.append(inference)
+        port = config.inference.server.port
+        wait_for_inference(inference, f"http://127.0.0.1:{port}/health", config.startup_timeout)
+        logger.info(f"inference ready on port {port}; starting orchestrator and trainer ({trainer_procs} rank(s))")
+        for name in ("orchestrator", "trainer"):
+            services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
+        watch(services)
+        logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
+    finally:
+        for service in reversed(services):
+            service.stop()
+        time.sleep(0.6)  # let the follower print the last lines
+        stop_following.set()
+        follower.join(timeout=2)
+
+
+def watch(services: list[Service]) -> None:
+    """Return when orchestrator and trainer both exit 0; raise ServiceFailed as soon as any service fails."""
+    workers = [s for s in services if s.name != "inference"]
+    while True:
+        for service in services:
+            rc = service.returncode
+            if rc is not None and (rc != 0 or service.name == "inference"):
+                raise ServiceFailed(service)
+        if all(s.returncode == 0 for s in workers):
+            return
+        time.sleep(0.2)
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    config = parse_config(RLConfig, prog="rl")
+    setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        run(config)
+    except KeyboardInterrupt:
+        logger.error("interrupted; stopped all services")
+        raise SystemExit(130) from None
+    except (ServiceFailed, TimeoutError, ValueError) as e:
+        logger.error(str(e))
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The OUTPUT_DIR protocol: atomic files, STABLE markers, pruning, rank files, waits (DESIGN §2)."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from prime_rl.protocol import (
+    Heartbeat,
+    WaitTimeout,
+    WriterDead,
+    atomic_write_text,
+    heartbeat_file,
+    list_steps,
+    mark_stable,
+    prune_steps,
+    rank_file,
+    stable_steps,
+    step_of,
+    wait_for_rank_file,
+    wait_for_weights,
+    weights_dir,
+    weights_root,
+)
+from prime_rl.protocol.records import MicroBatch, read_rank_file, write_rank_file
+
+
+def test_atomic_write_leaves_no_temp_files_and_replaces_whole(tmp_path):
+    path = tmp_path / "a" / "b.txt"
+    atomic_write_text(path, "one")
+    atomic_write_text(path, "two")
+    assert path.read_text() == "two"
+    assert os.listdir(path.parent) == ["b.txt"]
+
+
+def test_only_stable_dirs_count_and_pruning_keeps_newest(tmp_path):
+    root = weights_root(tmp_path)
+    for step in range(1, 6):
+        weights_dir(tmp_path, step).mkdir(parents=True)
+        if step != 5:
+            mark_stable(weights_dir(tmp_path, step))
+    assert stable_steps(root) == [1, 2, 3, 4]
+    assert list_steps(root) == [1, 2, 3, 4, 5]
+    removed = prune_steps(root, keep=2, protect=[1])
+    assert removed == [2, 3]
+    assert list_steps(root) == [1, 4, 5]
+    assert step_of(weights_dir(tmp_path, 12)) == 12 and step_of(tmp_path / "step_x") is None
+
+
+def test_rank_file_round_trip_and_mismatch_is_an_error(tmp_path):
+    sample = {"input_ids": [5, 6, 7], "loss_mask": [False, True, True], "advantages": [0, 1, 1],
+              "inference_logprobs": [0, -1.5, -0.5]}  # fmt: skip
+    mb = MicroBatch.pack([sample, sample], temperature=0.7)
+    assert mb.cu_seqlens.tolist() == [0, 3, 6]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    write_rank_file(tmp_path, 3, 1, [mb, MicroBatch.padding(4, 0.7)])
+    loaded = read_rank_file(rank_file(tmp_path, 3, 1), step=3, rank=1)
+    assert torch.equal(loaded[0].input_ids, mb.input_ids) and loaded[0].temperature == 0.7
+    assert not loaded[1].loss_mask.any()
+    with pytest.raises(ValueError, match="holds step 3 rank 1, expected 4/1"):
+        read_rank_file(rank_file(tmp_path, 3, 1), step=4, rank=1)
+
+
+def test_malformed_micro_batch_is_rejected():
+    mb = MicroBatch.padding(4, 1.0)
+    mb.loss_mask = mb.loss_mask.long()
+    with pytest.raises(ValueError, match="loss_mask"):
+        mb.validate()
+
+
+def test_wait_times_out_naming_what_it_waited_for(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout, match=r"rollouts for step 2 .*rank_0.pt"):
+        wait_for_rank_file(tmp_path, 2, 0, timeout=0.3, heartbeat_timeout=60)
+    assert time.monotonic() - start < 3
+
+
+def test_stale_writer_heartbeat_is_reported_dead(tmp_path):
+    with Heartbeat(tmp_path, "trainer-rank0", interval=60):
+        pass
+    old = time.time() - 100
+    os.utime(heartbeat_file(tmp_path, "trainer-rank0"))
+    atomic_write_text(heartbeat_file(tmp_path, "trainer-rank0"), f'{{"pid": 1, "host": "h", "step": 0, "time": {old}}}')
+    with pytest.raises(WriterDead, match="trainer-rank0 heartbeat is 100s old"):
+        wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=5)
+
+
+def test_wait_returns_once_stable_appears(tmp_path):
+    import threading
+
+    def writer():
+        time.sleep(0.2)
+        weights_dir(tmp_path, 1).mkdir(parents=True)
+        mark_stable(weights_dir(tmp_path, 1))
+
+    threading.Thread(target=writer).start()
+    assert wait_for_weights(tmp_path, 1, timeout=5, heartbeat_timeout=5) == weights_dir(tmp_path, 1)

@@ -1,0 +1,51 @@
+"""`rl` copies the shared keys into each sub-config and rejects inconsistent ones."""
+
+import pytest
+
+from prime_rl.rl import RLConfig, assign_devices
+from prime_rl.utils.config import ConfigError, load_config
+
+
+def test_shared_keys_reach_every_sub_config():
+    config = load_config(RLConfig, ["--max-steps", "7", "--model.name", "m", "--output-dir", "out", "--async-level", "2"])
+    for sub in (config.trainer, config.orchestrator):
+        assert (sub.max_steps, sub.async_level, sub.model.name, str(sub.output_dir)) == (7, 2, "m", "out")
+    assert config.inference.model.name == "m"
+    assert str(config.inference.output_dir) == "out"
+
+
+def test_one_toml_with_tables_and_top_level_flag_override(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text('max_steps = 5\n[trainer]\nmax_steps = 5\n[orchestrator]\nbatch_size = 8\nrollouts_per_example = 2\n')
+    config = load_config(RLConfig, ["@", str(path), "--max-steps", "9"])
+    assert config.trainer.max_steps == config.orchestrator.max_steps == 9
+    assert config.orchestrator.batch_size == 8
+
+
+def test_inconsistent_shared_values_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="inconsistent model.name"):
+        load_config(RLConfig, ["--trainer.model.name", "a", "--orchestrator.model.name", "b"])
+    path = tmp_path / "rl.toml"
+    path.write_text("max_steps = 5\n")
+    with pytest.raises(ConfigError, match="max_steps is 5 but trainer.max_steps is '3'"):
+        load_config(RLConfig, ["@", str(path), "--trainer.max-steps", "3"])
+
+
+def test_orchestrator_follows_the_inference_port():
+    config = load_config(RLConfig, ["--inference.server.port", "8123"])
+    assert config.orchestrator.client.base_url == ["http://127.0.0.1:8123/v1"]
+
+
+def test_device_assignment():
+    config = load_config(RLConfig, ["--trainer-cpu-ranks", "2"])
+    env, ranks = assign_devices(config, num_gpus=0)
+    assert ranks == 2 and env["trainer"]["CUDA_VISIBLE_DEVICES"] == ""
+    env, ranks = assign_devices(load_config(RLConfig, []), num_gpus=2)
+    assert env["inference"]["CUDA_VISIBLE_DEVICES"] == "0" and env["trainer"]["CUDA_VISIBLE_DEVICES"] == "1"
+    config = load_config(RLConfig, ["--inference-gpu-ids", "0,1", "--trainer-gpu-ids", "2,3"])
+    env, ranks = assign_devices(config, num_gpus=4)
+    assert ranks == 2 and env["trainer"]["CUDA_VISIBLE_DEVICES"] == "2,3"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        assign_devices(config, num_gpus=0)
+    with pytest.raises(ValueError, match=r"GPU ids \[2, 3\] do not exist"):
+        assign_devices(config, num_gpus=2)

@@ -1,0 +1,121 @@
+"""The config system: precedence, flag syntax, readable errors (DESIGN §1)."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+from pydantic import Field
+
+from prime_rl.utils.config import BaseConfig, ConfigError, Section, load_config
+
+
+class Optim(Section):
+    lr: Annotated[float, Field(description="learning rate")] = 1e-3
+    max_norm: Annotated[float, Field(description="clip")] = 1.0
+
+
+class Ckpt(Section):
+    interval: Annotated[int, Field(description="every n steps")] = 10
+
+
+class Demo(BaseConfig):
+    optim: Annotated[Optim, Field(description="optimizer")] = Optim()
+    ckpt: Annotated[Ckpt | None, Field(description="checkpointing")] = None
+    ids: Annotated[list[int], Field(description="ids")] = [0]
+    verbose: Annotated[bool, Field(description="chatty")] = False
+    name: Annotated[str, Field(description="name")] = "default"
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_is_cli_over_later_toml_over_earlier_toml_over_env_over_default(tmp_path, monkeypatch):
+    a = write(tmp_path, "a.toml", 'name = "a"\n[optim]\nlr = 0.1\nmax_norm = 2.0\n')
+    b = write(tmp_path, "b.toml", "[optim]\nlr = 0.2\n")
+    monkeypatch.setenv("PRIME_OPTIM__MAX_NORM", "5.0")
+    monkeypatch.setenv("PRIME_NAME", "env")
+    monkeypatch.setenv("PRIME_VERBOSE", "true")
+    config = load_config(Demo, ["@", a, "@", b, "--optim.lr", "0.3"])
+    assert config.optim.lr == 0.3  # flag beats both files
+    assert config.optim.max_norm == 2.0  # file beats env
+    assert config.name == "a"
+    assert config.verbose is True  # env beats default
+    assert load_config(Demo, ["@", a, "@", b]).optim.lr == 0.2  # later file wins
+
+
+def test_kebab_flags_booleans_lists_and_optional_sections():
+    config = load_config(Demo, ["--optim.max-norm", "0.5", "--verbose", "--ids", "1,2", "--ids", "3", "--ckpt"])
+    assert config.optim.max_norm == 0.5
+    assert config.verbose is True
+    assert config.ids == [1, 2, 3]
+    assert config.ckpt == Ckpt()
+    assert load_config(Demo, ["--verbose", "--no-verbose"]).verbose is False
+    assert load_config(Demo, ["--ckpt.interval=3"]).ckpt.interval == 3
+    assert load_config(Demo, []).ckpt is None
+
+
+def test_section_can_come_from_its_own_file(tmp_path):
+    optim = write(tmp_path, "optim.toml", "lr = 0.5\n")
+    assert load_config(Demo, ["--optim", "@", optim]).optim.lr == 0.5
+
+
+def test_errors_name_key_and_source_one_line_each(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[optim]\nlr = 'fast'\nmomentum = 0.9\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(Demo, ["@", bad, "--ids", "x", "--nope", "1"])
+    lines = err.value.lines
+    assert "unknown option --nope (flag); see --help" in lines
+    assert any(line.startswith("optim.lr:") and f"[{bad}]" in line for line in lines)
+    assert any(line.startswith("optim.momentum: unknown key") and f"[{bad}]" in line for line in lines)
+    assert any(line.startswith("ids:") and "[flag --ids]" in line for line in lines)
+    assert len(lines) == 4
+
+
+def test_missing_file_and_invalid_toml_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: nowhere.toml"):
+        load_config(Demo, ["@", "nowhere.toml"])
+    broken = write(tmp_path, "broken.toml", "lr = = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(Demo, ["@", broken])
+
+
+@pytest.mark.parametrize("command", ["trainer", "orchestrator", "inference", "rl"])
+def test_entrypoint_bad_config_exits_2_with_readable_lines(command, tmp_path):
+    bad = write(tmp_path, "bad.toml", "max_stepz = 3\n")
+    module = {"trainer": "prime_rl.trainer.rl.train", "orchestrator": "prime_rl.orchestrator.orchestrator",
+              "inference": "prime_rl.inference.server", "rl": "prime_rl.rl"}[command]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", module, "@", bad, "--no-such-flag", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "unknown option --no-such-flag (flag)" in result.stderr
+    assert "max_stepz: unknown key" in result.stderr
+
+
+def test_help_lists_every_field_with_description_and_default():
+    result = subprocess.run(
+        [sys.executable, "-m", "prime_rl.trainer.rl.train", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert "--optim.lr VALUE  AdamW learning rate (default: 1e-06)" in result.stdout
+    assert "--max-steps VALUE" in result.stdout
+
+
+def test_every_shipped_toml_parses():
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.rl import RLConfig
+    from prime_rl.trainer.rl.config import TrainerConfig
+
+    by_name = {"rl": RLConfig, "infer": InferenceConfig, "orch": OrchestratorConfig, "train": TrainerConfig}
+    files = sorted(Path(__file__).parents[3].joinpath("configs").rglob("*.toml"))
+    assert files
+    for path in files:
+        cls = next(c for prefix, c in by_name.items() if path.stem.startswith(prefix))
+        load_config(cls, ["@", str(path)])
