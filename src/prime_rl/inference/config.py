@@ -13,6 +13,10 @@ from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, Section
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+class StartupError(RuntimeError):
+    """The config asks for something this machine cannot provide (a backend, a device, a port, a model)."""
+
+
 class ServerConfig(Section):
     host: Annotated[
         str | None,
@@ -78,7 +82,6 @@ class InferenceConfig(BaseConfig):
         host = self.server.host
         if host is not None and host not in LOOPBACK and not self.api_key and not self.allow_unauthenticated:
             raise ValueError(
-                f"refusing to bind {host} without an API key: set --api-key / --api-key-var, "
-                "or --allow-unauthenticated"
+                f"refusing to bind {host} without an API key: set --api-key / --api-key-var, or --allow-unauthenticated"
             )
         return self

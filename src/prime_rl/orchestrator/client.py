@@ -72,9 +72,7 @@ def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[flo
         elif list(ids) != logprob_ids:
             raise ValueError(f"choice {choice['index']}: token_ids disagree with the logprob tokens")
         text = (choice.get("message") or {}).get("content") or ""
-        out.append(
-            (list(prompt_ids), list(ids), [float(t["logprob"]) for t in content], text, choice["finish_reason"])
-        )
+        out.append((list(prompt_ids), list(ids), [float(t["logprob"]) for t in content], text, choice["finish_reason"]))
     return out
 
 

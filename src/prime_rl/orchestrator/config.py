@@ -74,6 +74,7 @@ class OrchestratorConfig(BaseConfig):
     def _batch_divides(self) -> OrchestratorConfig:
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example ({self.rollouts_per_example})"
+                f"batch_size ({self.batch_size}) must be a multiple of "
+                f"rollouts_per_example ({self.rollouts_per_example})"
             )
         return self

@@ -17,12 +17,23 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
+from prime_rl.orchestrator.advantage import compute_advantages
 from prime_rl.orchestrator.client import Completion, InferenceClient, InferenceError
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs import EnvLoadError, Environment, Example, load_environment
-from prime_rl.protocol import Heartbeat, WaitTimeout, WriterDead, stable_steps, wait_for_weights, weights_root
+from prime_rl.orchestrator.envs import EnvError, Environment, Example, load_environment
+from prime_rl.orchestrator.packing import SampleTooLong, make_sample, pack_micro_batches
+from prime_rl.protocol import (
+    Heartbeat,
+    WaitTimeout,
+    WriterDead,
+    stable_steps,
+    wait_for_weights,
+    weights_dir,
+    weights_root,
+)
 from prime_rl.utils.config import parse_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
@@ -55,12 +66,12 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     if current >= need:
         return current
     logger.info(f"step {step}: servers hold weights step {current}, need >= {need}; waiting for the trainer")
-    await asyncio.to_thread(
-        wait_for_weights, config.output_dir, need, config.weights_timeout, config.heartbeat_timeout
-    )
+    # A plain blocking wait: nothing else is in flight between steps, and unlike a worker thread it stops
+    # at once on Ctrl-C.
+    wait_for_weights(config.output_dir, need, config.weights_timeout, config.heartbeat_timeout)
     # The trainer may have moved on while we waited: take the newest complete weights, never older than need.
     newest = max(s for s in stable_steps(weights_root(config.output_dir)) if s >= need)
-    weight_dir = weights_root(config.output_dir) / f"step_{newest}"
+    weight_dir = weights_dir(config.output_dir, newest)
     loaded = await client.update_weights(str(weight_dir))
     if loaded != newest:
         raise InferenceError(f"servers report weights step {loaded} after loading {weight_dir}")
@@ -68,9 +79,14 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     return loaded
 
 
-async def generate_rollouts(client: InferenceClient, examples: Iterator[Example], config: OrchestratorConfig) -> Rollouts:
+async def generate_rollouts(
+    client: InferenceClient, examples: Iterator[Example], config: OrchestratorConfig
+) -> Rollouts:
     """Sample rollouts_per_example completions for each of the step's prompts, all requests in flight at once."""
-    batch = list(itertools.islice(examples, config.batch_size // config.rollouts_per_example))
+    num_prompts = config.batch_size // config.rollouts_per_example
+    batch = list(itertools.islice(examples, num_prompts))
+    if len(batch) < num_prompts:
+        raise EnvError(f"environment {config.env.id!r} ran out of examples ({len(batch)} of {num_prompts} needed)")
     results = await asyncio.gather(
         *(client.chat(example.prompt, config.rollouts_per_example, config.sampling) for example in batch)
     )
@@ -82,8 +98,6 @@ def score(env: Environment, rollouts: Rollouts) -> list[list[float]]:
 
 
 def build_samples(rollouts: Rollouts, advantages: list[list[float]]) -> list[dict]:
-    from prime_rl.orchestrator.packing import make_sample
-
     return [
         make_sample(c.prompt_ids, c.completion_ids, c.logprobs, a)
         for g, group_advantages in zip(rollouts.groups, advantages, strict=True)
@@ -119,49 +133,49 @@ def step_metrics(rollouts: Rollouts, rewards: list[list[float]], times: dict[str
 
 
 async def orchestrate(config: OrchestratorConfig) -> None:
-    from prime_rl.orchestrator.advantage import compute_advantages
-    from prime_rl.orchestrator.packing import pack_micro_batches
-
     env = load_environment(config.env.id, **config.env.args)
     examples = env.examples(config.seed)
-    metrics = MetricsWriter(config.output_dir, "orchestrator")
     async with InferenceClient(config.client, config.model.name) as client:
-        with Heartbeat(config.output_dir, "orchestrator") as heartbeat:
-            await client.wait_for_servers(config.client.health_timeout)
-            for step in range(config.max_steps):
-                heartbeat.step = step
-                times: dict[str, float] = {}
-                start = time.perf_counter()
+        with closing(MetricsWriter(config.output_dir, "orchestrator")) as metrics:
+            with Heartbeat(config.output_dir, "orchestrator") as heartbeat:
+                await client.wait_for_servers(config.client.health_timeout)
+                for step in range(config.max_steps):
+                    heartbeat.step = step
+                    times: dict[str, float] = {}
+                    start = time.perf_counter()
 
-                with timer(times, "wait_weights"):
-                    await wait_for_policy(client, config, step)
-                with timer(times, "generate"):
-                    rollouts = await generate_rollouts(client, examples, config)
-                with timer(times, "score"):
-                    rewards = score(env, rollouts)
-                advantages = compute_advantages(rewards, config.advantage.std_norm)
-                with timer(times, "pack"):
-                    per_rank = pack_micro_batches(
-                        build_samples(rollouts, advantages),
-                        config.seq_len,
-                        config.num_train_workers,
-                        config.sampling.temperature,
+                    with timer(times, "wait_weights"):
+                        await wait_for_policy(client, config, step)
+                    with timer(times, "generate"):
+                        rollouts = await generate_rollouts(client, examples, config)
+                    with timer(times, "score"):
+                        rewards = score(env, rollouts)
+                    advantages = compute_advantages(rewards, config.advantage.std_norm)
+                    with timer(times, "pack"):
+                        per_rank = pack_micro_batches(
+                            build_samples(rollouts, advantages),
+                            config.seq_len,
+                            config.num_train_workers,
+                            config.sampling.temperature,
+                        )
+                    with timer(times, "write"):
+                        write_rank_files(config, step, per_rank)
+
+                    times["step"] = time.perf_counter() - start
+                    m = step_metrics(rollouts, rewards, times, step)
+                    metrics.log(step, m)
+                    logger.info(
+                        f"step {step} | reward {m['reward_mean']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+                        f"weight_step {m['weight_step']} | {times['step']:.2f}s"
                     )
-                with timer(times, "write"):
-                    write_rank_files(config, step, per_rank)
-
-                times["step"] = time.perf_counter() - start
-                m = step_metrics(rollouts, rewards, times, step)
-                metrics.log(step, m)
-                logger.info(
-                    f"step {step} | reward {m['reward_mean']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
-                    f"weight_step {m['weight_step']} | {times['step']:.2f}s"
-                )
-                logger.debug(f"step {step} metrics: {m}")
-    metrics.close()
+                    logger.debug(f"step {step} metrics: {m}")
+    logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
 
 
 def run(config: OrchestratorConfig) -> None:
+    # torch (for the rank-file records) loads here: after config parsing, and not inside step 0's timings.
+    import prime_rl.protocol.records  # noqa: F401
+
     asyncio.run(orchestrate(config))
 
 
@@ -170,7 +184,7 @@ def main() -> None:
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
     try:
         run(config)
-    except (WaitTimeout, WriterDead, InferenceError, EnvLoadError, ValueError) as e:
+    except (WaitTimeout, WriterDead, InferenceError, EnvError, SampleTooLong) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

@@ -19,7 +19,10 @@
 
 from __future__ import annotations
 
-from prime_rl.protocol.records import MicroBatch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prime_rl.protocol.records import MicroBatch
 
 # Padding rows are all masked, so their content never matters. A few tokens keep their compute negligible
 # while sparing the trainer zero-size tensors after its next-token shift.
@@ -81,6 +84,8 @@ def pack_micro_batches(
     samples: list[dict], seq_len: int, num_ranks: int, temperature: float, pad_id: int = 0
 ) -> list[list[MicroBatch]]:
     """The micro batches of each rank, all ranks with the same number of them."""
+    from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
+
     bins = first_fit_decreasing([len(s["input_ids"]) for s in samples], seq_len)
     rows = [MicroBatch.pack([samples[i] for i in b], temperature) for b in bins]
     per_rank = [[rows[i] for i in idx] for idx in split_over_ranks([r.num_tokens for r in rows], num_ranks)]

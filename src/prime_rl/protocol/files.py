@@ -32,6 +32,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; other users on a shared filesystem must read our files
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -1,7 +1,7 @@
 """The built-in PyTorch engine (CPU, or CUDA without vLLM): dynamic batching, sampling, weight swaps."""
 
-from prime_rl.inference.engine.engine import Engine, EngineError, Sample, build_engine
+from prime_rl.inference.engine.engine import Engine, Sample, build_engine
 from prime_rl.inference.engine.sampling import SamplingParams
 from prime_rl.inference.engine.weights import WeightsError
 
-__all__ = ["Engine", "EngineError", "Sample", "SamplingParams", "WeightsError", "build_engine"]
+__all__ = ["Engine", "Sample", "SamplingParams", "WeightsError", "build_engine"]

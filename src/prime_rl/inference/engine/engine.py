@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from prime_rl.inference.config import StartupError
 from prime_rl.inference.engine.sampling import SamplingParams, sample_token, top_logprobs
 from prime_rl.inference.engine.weights import load_weight_dir
 
@@ -91,6 +92,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.step = 0  # weight step being served; 0 = base model
         self.batches = 0  # batches run so far (several requests share one when they arrive together)
@@ -325,7 +327,11 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
 
 
 def build_engine(
-    model_name: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, batch_wait_ms: float = 2.0,
+    model_name: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_batch_size: int = 64,
+    batch_wait_ms: float = 2.0,
     seed: int = 0,
 ) -> Engine:
     """Load the model and tokenizer on `device` (auto = CUDA when present) and start the worker."""
@@ -334,17 +340,13 @@ def build_engine(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise EngineError("engine.device is cuda, but no CUDA device is available")
+        raise StartupError("engine.device is cuda, but no CUDA device is available")
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
         model = AutoModelForCausalLM.from_pretrained(model_name, dtype=getattr(torch, dtype)).to(device)
-    except OSError as e:
-        raise EngineError(f"cannot load model {model_name!r}: {e}") from None
+    except (OSError, ValueError) as e:  # missing path / not a model dir / hub id unreachable
+        raise StartupError(f"cannot load model {model_name!r}: {e}") from None
     engine = Engine(model, tokenizer, torch.device(device), max_batch_size, batch_wait_ms, seed)
     return engine.start()
-
-
-class EngineError(RuntimeError):
-    """The engine cannot start as configured; the message says why."""

@@ -33,8 +33,8 @@ class Environment(Protocol):
     def score(self, text: str, example: Example) -> float: ...
 
 
-class EnvLoadError(ValueError):
-    """The environment id or its arguments are wrong; the message says which and what is available."""
+class EnvError(ValueError):
+    """The environment id, its arguments or what it yields are wrong; the message says which."""
 
 
 # Built-ins as import paths so that loading one environment never imports the others.
@@ -46,14 +46,14 @@ BUILTIN: dict[str, str] = {
 def _resolve(path: str) -> Callable[..., Any]:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise EnvLoadError(f"environment import path {path!r} must look like 'package.module:function'")
+        raise EnvError(f"environment import path {path!r} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise EnvLoadError(f"cannot import environment module {module_name!r} (from {path!r}): {e}") from None
+        raise EnvError(f"cannot import environment module {module_name!r} (from {path!r}): {e}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise EnvLoadError(f"module {module_name!r} has no callable {attr!r} (from environment {path!r})")
+        raise EnvError(f"module {module_name!r} has no callable {attr!r} (from environment {path!r})")
     return factory
 
 
@@ -65,15 +65,15 @@ def load_environment(env_id: str, **args: Any) -> Environment:
         factory = _resolve(env_id)
     else:
         known = ", ".join(sorted(BUILTIN))
-        raise EnvLoadError(
+        raise EnvError(
             f"unknown environment {env_id!r}; built-ins are: {known} (or give an import path 'module:function')"
         )
     try:
         env = factory(**args)
     except (TypeError, ValueError) as e:
-        raise EnvLoadError(f"environment {env_id!r} rejected its arguments {args}: {e}") from None
+        raise EnvError(f"environment {env_id!r} rejected its arguments {args}: {e}") from None
     if not isinstance(env, Environment):
-        raise EnvLoadError(
+        raise EnvError(
             f"environment {env_id!r} built a {type(env).__name__}, which lacks examples(seed) and score(text, example)"
         )
     return env

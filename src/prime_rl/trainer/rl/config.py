@@ -45,6 +45,9 @@ class TrainerConfig(BaseConfig):
         Literal["auto", "float32", "bfloat16"], Field(description="parameter dtype; auto = fp32 on CPU, bf16 on CUDA")
     ] = "auto"
     seed: Annotated[int, Field(description="torch seed")] = 0
+    activation_checkpointing: Annotated[
+        bool, Field(description="recompute each decoder layer's activations in backward (less memory, ~30% slower)")
+    ] = False
     optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig()
     loss: Annotated[LossConfig, Field(description="RL loss")] = LossConfig()
     data: Annotated[DataConfig, Field(description="reading rollouts")] = DataConfig()

@@ -1,0 +1,103 @@
+"""Entry point of the `inference` service: pick a backend, load the engine, serve the HTTP API.
+
+uv run inference --model.name outputs/tiny-qwen3 --server.port 8000
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from prime_rl.inference.config import InferenceConfig, StartupError
+from prime_rl.utils.config import parse_config
+from prime_rl.utils.logging import setup_logging
+
+logger = logging.getLogger("prime_rl")
+
+
+def main() -> None:
+    config = parse_config(InferenceConfig)
+    setup_logging("inference", config.output_dir, config.log.level, config.log.file)
+    try:
+        run(config)
+    except StartupError as e:
+        logger.error(str(e))
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def run(config: InferenceConfig) -> None:
+    import torch
+
+    backend = resolve_backend(config.backend, vllm_importable(), torch.cuda.is_available())
+    if backend == "vllm":
+        raise StartupError("vLLM is installed, but its adapter lands with the vLLM backend work; use --backend builtin")
+
+    from prime_rl.inference.api import build_app
+    from prime_rl.inference.engine import build_engine
+
+    e = config.engine
+    engine = build_engine(config.model.name, e.device, e.dtype, e.max_batch_size, e.batch_wait_ms, config.seed)
+    try:
+        app = build_app(engine, config)
+        ready = f"serving {config.model.name} on {{url}} (backend builtin, device {engine.device.type})"
+        serve(app, bind_host(config), config.server.port, ready)
+    finally:
+        engine.close()
+
+
+def resolve_backend(requested: str, has_vllm: bool, has_cuda: bool) -> str:
+    """`auto` picks vLLM only when it is importable and CUDA is present; `vllm` without vLLM is an error."""
+    if requested == "vllm" and not has_vllm:
+        raise StartupError("backend vllm requested, but vLLM is not installed (install the `vllm` extra)")
+    if requested == "auto":
+        return "vllm" if has_vllm and has_cuda else "builtin"
+    return requested
+
+
+def vllm_importable() -> bool:
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # a broken install counts as absent; `--backend vllm` then says so
+        return False
+    return True
+
+
+def bind_host(config: InferenceConfig) -> str:
+    """The configured host, else all interfaces when an API key protects them, else loopback only."""
+    if config.server.host is not None:
+        return config.server.host
+    return "0.0.0.0" if config.api_key else "127.0.0.1"
+
+
+def serve(app, host: str, port: int, ready_message: str) -> None:
+    """Serve `app` until interrupted; log `ready_message` (with `{url}` filled in) once it accepts requests."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    url_host = f"[{host}]" if ":" in host else host
+    url = f"http://{url_host}:{sock.getsockname()[1]}"  # the real port, also when port 0 asked for any
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+
+    async def serve_and_announce() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            logger.info(ready_message.format(url=url))
+        await task
+
+    asyncio.run(serve_and_announce())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Process group and FSDP2 sharding: one code path for CPU (gloo) and CUDA (NCCL).
+
+Under torchrun the rank and world size come from its environment; launched directly (`trainer ...`)
+the trainer is a one-process group held in an in-memory store, so no port is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from prime_rl.trainer.errors import TrainerError
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(choice: Literal["auto", "cpu", "cuda"]) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise TrainerError("device = 'cuda' but no CUDA device is available")
+    return choice
+
+
+def init_distributed(device_type: str) -> Dist:
+    """Join (or create) the default process group and pick this rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = device if device.type == "cuda" else None
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype) -> None:
+    """Shard every decoder layer, then the root (embeddings, final norm, head), over all ranks.
+
+    Master weights and optimizer state stay float32; with `param_dtype=bfloat16` the all-gathered
+    weights used in forward/backward are bf16 while gradients are reduced in fp32.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of an HF causal LM (`model.model.layers` for Llama-like models)."""
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise TrainerError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return list(layers)
+
+
+def all_reduce(values: list[float], device: torch.device, op: Literal["sum", "max"] = "sum") -> list[float]:
+    """Reduce a few scalars over all ranks in one collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

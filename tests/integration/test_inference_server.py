@@ -1,0 +1,254 @@
+"""The real `inference` process on loopback, driven by the `openai` client and plain HTTP.
+
+Two servers start once for the module (one open, one with an API key). Each test prints the server's
+new log lines when it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.utils.net import free_port
+
+START_TIMEOUT = 120.0  # generous: two servers import torch at once on a small CI machine
+PROMPT = [74, 71, 331, 81, 521, 71, 586]
+TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+
+
+class Server:
+    def __init__(self, model: Path, output_dir: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output_dir = output_dir
+        self.log_path = output_dir / "server.out"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model)]
+        cmd += ["--server.port", str(self.port), "--output-dir", str(output_dir), "--no-log.file", *args]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.read = 0
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"inference server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"inference server not healthy after {timeout:.0f}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def new_output(self) -> str:
+        text = self.output()
+        new, self.read = text[self.read :], len(text)
+        return new
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def post(self, route: str, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.url}{route}", timeout=30, **kwargs)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("inference")
+    started = [Server(tiny_model, root / "open"), Server(tiny_model, root / "keyed", "--api-key", "secret")]
+    try:
+        for s in started:
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(autouse=True)
+def show_server_log_on_failure(request):
+    yield
+    # Printed output is shown by pytest only for failing tests.
+    if "servers" in request.fixturenames:
+        for s in request.getfixturevalue("servers"):
+            print(f"--- {s.output_dir.name} server log ---\n{s.new_output()}")
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def greedy_logprobs(client: openai.OpenAI, model: str) -> list[float]:
+    """Logprobs of the greedy continuation of a fixed prompt: a fingerprint of the served weights."""
+    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0)
+    return response.choices[0].logprobs.token_logprobs
+
+
+def write_weights(model_dir: Path, output_dir: Path, step: int, stable: bool = True) -> Path:
+    """A trainer-like `weights/step_n`: the tiny model with noise added, plus its tokenizer."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = weights_dir(output_dir, step)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    if stable:
+        mark_stable(path)
+    return path
+
+
+def test_completion_and_chat(client, tiny_model):
+    completion = client.completions.create(model=str(tiny_model), prompt="hello there", max_tokens=5)
+    assert len(completion.choices) == 1 and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 5
+    chat = client.chat.completions.create(
+        model=str(tiny_model), messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3
+    )
+    assert len(chat.choices) == 3
+    assert all(c.message.role == "assistant" and isinstance(c.message.content, str) for c in chat.choices)
+    assert 3 <= chat.usage.completion_tokens <= 12  # three samples of at most 4 tokens each
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+
+def test_chat_token_id_logprobs_match_the_choice_token_ids(client, tiny_model):
+    chat = client.chat.completions.create(
+        model=str(tiny_model),
+        messages=[{"role": "user", "content": "reverse abc"}],
+        max_tokens=6,
+        n=3,
+        logprobs=True,
+        extra_body=TOKEN_IDS,
+    )
+    data = chat.model_dump()
+    assert len(data["prompt_token_ids"]) == chat.usage.prompt_tokens
+    for choice in data["choices"]:
+        tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+        assert tokens == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert all(entry["logprob"] <= 0 for entry in choice["logprobs"]["content"])
+
+
+def test_same_seed_gives_the_same_output(client, tiny_model):
+    def sample(seed: int) -> list[str]:
+        response = client.completions.create(
+            model=str(tiny_model), prompt=PROMPT, max_tokens=10, n=2, seed=seed, temperature=1.0, logprobs=0
+        )
+        return [(c.text, c.logprobs.token_logprobs) for c in response.choices]
+
+    first = sample(11)
+    assert sample(11) == first
+    assert sample(12) != first
+
+
+def test_stop_string_truncates_the_completion(client, tiny_model):
+    full = client.completions.create(model=str(tiny_model), prompt=PROMPT, max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2]
+    stopped = client.completions.create(model=str(tiny_model), prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
+    assert stopped.choices[0].text == text[: text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_update_weights_changes_the_policy_and_reload_restores_it_exactly(server, client, tiny_model):
+    base = greedy_logprobs(client, str(tiny_model))
+    step_dir = write_weights(tiny_model, server.output_dir, step=1)
+    response = server.post("/update_weights", json={"weight_dir": str(step_dir)})
+    assert response.status_code == 200, response.text
+    assert response.json()["step"] == 1 and response.json()["weight_dir"] == str(step_dir)
+    assert server.health()["step"] == 1
+    assert greedy_logprobs(client, str(tiny_model)) != pytest.approx(base, abs=1e-3)
+    response = server.post("/reload_weights")
+    assert response.status_code == 200 and response.json()["step"] == 0
+    assert server.health()["step"] == 0
+    assert greedy_logprobs(client, str(tiny_model)) == base
+
+
+def test_unusable_weight_dirs_get_400_and_the_old_weights_keep_serving(server, client, tiny_model):
+    base = greedy_logprobs(client, str(tiny_model))
+    unstable = write_weights(tiny_model, server.output_dir, step=5, stable=False)
+    wrong_shape = weights_dir(server.output_dir, 6)
+    wrong_shape.mkdir(parents=True)
+    tensors = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, wrong_shape / "model.safetensors")
+    mark_stable(wrong_shape)
+    for path, message in [(unstable, "no STABLE marker"), (wrong_shape, "model.norm.weight has shape (3,)")]:
+        response = server.post("/update_weights", json={"weight_dir": str(path)})
+        assert response.status_code == 400
+        assert message in response.json()["error"]["message"]
+    assert server.health()["step"] == 0
+    assert greedy_logprobs(client, str(tiny_model)) == base
+
+
+def test_malformed_json_gets_400_not_500(server):
+    response = server.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert server.health()["status"] == "ok"
+
+
+def test_api_key_is_enforced_except_on_health(servers, tiny_model):
+    keyed = servers[1]
+    assert httpx.get(f"{keyed.url}/health").status_code == 200
+    assert httpx.get(f"{keyed.url}/v1/models").status_code == 401
+    wrong = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    right = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="secret", max_retries=0)
+    assert [m.id for m in right.models.list()] == [str(tiny_model)]
+    completion = right.completions.create(model=str(tiny_model), prompt="hi", max_tokens=2)
+    assert completion.usage.completion_tokens == 2
+
+
+def test_concurrent_requests_are_all_answered_in_fewer_batches(server, tiny_model):
+    before = server.health()["batches"]
+
+    async def ask_all() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        prompts = [f"question number {i}" for i in range(16)]
+        return await asyncio.gather(
+            *(
+                client.completions.create(model=str(tiny_model), prompt=p, max_tokens=8, seed=i)
+                for i, p in enumerate(prompts)
+            )
+        )
+
+    responses = asyncio.run(ask_all())
+    assert len(responses) == 16
+    assert all(r.usage.completion_tokens == 8 for r in responses)
+    batches = server.health()["batches"] - before
+    assert 1 <= batches < 16

@@ -1,0 +1,211 @@
+"""The real `orchestrator` process against a fake inference server and a fake trainer.
+
+`FakeInferenceServer` stands in for the inference server so the orchestrator can be tested alone: it speaks
+the wire format of DESIGN §4 (chat completions with prompt/completion token ids and `token_id:<id>`
+logprobs, /health, /update_weights) over real HTTP on a loopback port. The test itself plays the trainer:
+it publishes `weights/step_n` (with STABLE) once `rollouts/step_{n-1}` are written. The end-to-end run with
+the real server and trainer is tests/integration/test_rl.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from prime_rl.protocol import atomic_write_text, mark_stable, rank_file, weights_dir
+from prime_rl.protocol.records import read_rank_file
+from prime_rl.utils.metrics import read_metrics
+
+EOS = 2
+BATCH_SIZE, ROLLOUTS_PER_EXAMPLE, RANKS, STEPS = 8, 4, 2, 3
+
+
+def encode(text: str) -> list[int]:
+    return [b + 3 for b in text.encode()]
+
+
+class FakeInferenceServer:
+    """Answers half of each prompt's samples correctly (the reversed text), half with the text itself."""
+
+    def __init__(self, port: int):
+        self.step = 0
+        self.updates: list[int] = []
+        self.chat_bodies: list[dict] = []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status: int, data: dict) -> None:
+                payload = json.dumps(data).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self.reply(200, {"status": "ok", "step": server.step})
+                else:
+                    self.reply(404, {"error": f"no route {self.path}"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/update_weights":
+                    weight_dir = Path(body["weight_dir"])
+                    if not (weight_dir / "STABLE").is_file():
+                        return self.reply(400, {"error": f"{weight_dir} is not STABLE"})
+                    with server.lock:
+                        server.step = int(weight_dir.name.removeprefix("step_"))
+                        server.updates.append(server.step)
+                    return self.reply(200, {"step": server.step, "weight_dir": str(weight_dir), "seconds": 0.0})
+                if self.path == "/v1/chat/completions":
+                    with server.lock:
+                        server.chat_bodies.append(body)
+                    return self.reply(200, server.chat(body))
+                self.reply(404, {"error": f"no route {self.path}"})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def chat(self, body: dict) -> dict:
+        text = body["messages"][-1]["content"]
+        prompt_ids = [t for m in body["messages"] for t in encode(m["content"])]
+        choices = []
+        for i in range(body["n"]):
+            answer = text[::-1] if i % 2 == 0 else text
+            ids = encode(answer) + [EOS]
+            content = [{"token": f"token_id:{t}", "logprob": -0.25, "bytes": [], "top_logprobs": []} for t in ids]
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": answer},
+                    "finish_reason": "stop",
+                    "token_ids": ids,
+                    "logprobs": {"content": content},
+                }
+            )
+        return {"id": "chatcmpl-fake", "object": "chat.completion", "prompt_token_ids": prompt_ids, "choices": choices}
+
+    def __enter__(self) -> FakeInferenceServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def fake_trainer(output_dir: Path, steps: int, stop: threading.Event, seconds_per_step: float = 1.0) -> None:
+    """Publish weights/step_n after rollouts/step_{n-1} of every rank exist, like the trainer would."""
+    for n in range(1, steps + 1):
+        while not all(rank_file(output_dir, n - 1, r).is_file() for r in range(RANKS)):
+            if stop.wait(0.05):
+                return
+        if stop.wait(seconds_per_step):  # "training"
+            return
+        directory = weights_dir(output_dir, n)
+        atomic_write_text(directory / "config.json", "{}")
+        mark_stable(directory)
+
+
+def run_orchestrator(output_dir: Path, port: int, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "prime_rl.orchestrator.orchestrator",
+        "--output-dir", str(output_dir),
+        "--model.name", "tiny",
+        "--client.base-url", f"http://127.0.0.1:{port}/v1",
+        "--max-steps", str(STEPS),
+        "--async-level", "1",
+        "--batch-size", str(BATCH_SIZE),
+        "--rollouts-per-example", str(ROLLOUTS_PER_EXAMPLE),
+        "--num-train-workers", str(RANKS),
+        "--seq-len", "128",
+        "--sampling.temperature", "0.7",
+        "--weights-timeout", "30",
+        *extra,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    print(result.stdout, result.stderr, sep="\n")  # shown by pytest when the test fails
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_orchestrator_writes_rank_files_and_relays_weights_with_async_level_1(tmp_path, free_port):
+    port = free_port
+    stop = threading.Event()
+    trainer = threading.Thread(target=fake_trainer, args=(tmp_path, STEPS, stop), daemon=True)
+    with FakeInferenceServer(port) as server:
+        trainer.start()
+        try:
+            result = run_orchestrator(tmp_path, port)
+        finally:
+            stop.set()
+            trainer.join(timeout=5)
+    assert result.returncode == 0
+
+    for step in range(STEPS):
+        per_rank = [read_rank_file(rank_file(tmp_path, step, r), step, r) for r in range(RANKS)]
+        assert len(per_rank[0]) == len(per_rank[1]) >= 1
+        real = [mb for mbs in per_rank for mb in mbs if mb.loss_mask.any()]
+        assert sum(len(mb.cu_seqlens) - 1 for mb in real) == BATCH_SIZE
+        for mb in (mb for mbs in per_rank for mb in mbs):
+            assert mb.temperature == 0.7 and mb.num_tokens <= 128
+            # Half the rollouts of each prompt are right (reward 1) and half are not, so advantages are ±x.
+            completion_advantages = mb.advantages[mb.loss_mask]
+            assert (completion_advantages.abs() > 0.05).all()
+            assert (mb.advantages[~mb.loss_mask] == 0).all()
+            assert (mb.inference_logprobs[mb.loss_mask] == -0.25).all()
+            # The completion of each sample ends with the EOS the server sampled.
+            ends = mb.cu_seqlens[1:].long() - 1
+            assert (mb.input_ids[0, ends] == EOS).all() or not mb.loss_mask.any()
+
+    # Step 2 needs weights >= 1: they were relayed once (the newest STABLE, which may already be step 2).
+    assert len(server.updates) == 1 and server.updates[0] in (1, 2)
+    bodies = server.chat_bodies
+    assert len(bodies) == STEPS * BATCH_SIZE // ROLLOUTS_PER_EXAMPLE
+    assert all(b["n"] == ROLLOUTS_PER_EXAMPLE and b["return_token_ids"] and b["logprobs"] for b in bodies)
+    assert all(b["return_tokens_as_token_ids"] and b["temperature"] == 0.7 for b in bodies)
+
+    metrics = read_metrics(tmp_path, "orchestrator")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert m["weight_step"] >= m["step"] - 1
+        assert m["off_policy_gap"] == m["step"] - m["weight_step"]
+        assert 0.0 < m["reward_mean"] < 1.0
+        assert m["truncated_fraction"] == 0.0 and m["tokens"] > 0
+    assert [m["weight_step"] for m in metrics][:2] == [0, 0]
+    assert metrics[2]["time_wait_weights"] > 0.1  # it really waited for the trainer
+    assert "step 2 | reward" in result.stderr
+    assert (tmp_path / "logs" / "orchestrator.log").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_orchestrator_without_server_exits_nonzero_naming_the_url(tmp_path, free_port):
+    port = free_port  # nothing listens here
+    start = time.monotonic()
+    result = run_orchestrator(tmp_path, port, "--client.health-timeout", "2", timeout=30)
+    assert result.returncode == 1
+    assert time.monotonic() - start < 20
+    assert f"http://127.0.0.1:{port}/health" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "rollouts").exists()
+
+
+@pytest.mark.timeout(60)
+def test_sample_longer_than_seq_len_exits_nonzero_without_writing_rollouts(tmp_path, free_port):
+    with FakeInferenceServer(free_port):
+        result = run_orchestrator(tmp_path, free_port, "--seq-len", "16", timeout=30)
+    assert result.returncode == 1
+    assert "but seq_len is 16" in result.stderr and "Traceback" not in result.stderr
+    assert not rank_file(tmp_path, 0, 0).exists()

@@ -1,0 +1,77 @@
+"""The whole loop: `rl` runs inference, orchestrator and trainer as real processes on loopback."""
+
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from prime_rl.protocol import is_stable, list_steps, rollouts_dir, weights_dir, weights_root
+from prime_rl.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def run_rl(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prime_rl.rl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def show_logs(output_dir) -> str:
+    logs = sorted((output_dir / "logs").glob("*.log"))
+    return "\n".join(f"===== {p.name}\n{p.read_text()[-4000:]}" for p in logs)
+
+
+def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, free_port):
+    out = tmp_path / "out"
+    result = run_rl([
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "4", "--async-level", "1",
+        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "256",
+        "--orchestrator.sampling.max-tokens", "12", "--trainer.optim.lr", "1e-3",
+    ])  # fmt: skip
+    assert result.returncode == 0, result.stderr + show_logs(out)
+
+    # OUTPUT_DIR holds what DESIGN §2 promises.
+    for service in ("rl", "inference", "orchestrator", "trainer"):
+        assert (out / "logs" / f"{service}.log").is_file()
+    for service in ("inference", "orchestrator", "trainer", "rl"):
+        assert (out / "run" / f"{service}.toml").is_file()
+    assert list_steps(rollouts_dir(out))[-1] == 3
+    kept = list_steps(weights_root(out))
+    assert kept == [3, 4]  # async_level + 1 newest; older ones pruned
+    for step in kept:
+        assert is_stable(weights_dir(out, step))
+        assert (weights_dir(out, step) / "config.json").is_file()
+        assert (weights_dir(out, step) / "tokenizer.json").is_file()
+
+    # The trainer really changed the policy.
+    base = load_file(tiny_model / "model.safetensors")
+    last = load_file(weights_dir(out, 4) / "model.safetensors")
+    assert any(not (base[k] == last[k]).all() for k in base)
+
+    # Steps are numbered 0..3 on both sides, and every step sampled from a policy no older than step - 1,
+    # as reported back by the server after /update_weights.
+    orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
+    assert [m["step"] for m in orch] == [0, 1, 2, 3]
+    assert [m["step"] for m in trainer] == [0, 1, 2, 3]
+    weight_steps = [m["weight_step"] for m in orch]
+    assert all(step - 1 <= w <= step for step, w in zip(range(4), weight_steps, strict=True)), weight_steps
+    assert weight_steps[-1] >= 2
+    served = (out / "logs" / "inference.log").read_text()
+    for step in sorted(set(weight_steps) - {0}):
+        assert f"now serving weights step {step}" in served
+
+
+def test_rl_stops_everything_and_names_the_failed_service(tiny_model, tmp_path, free_port):
+    out = tmp_path / "out"
+    # The trainer is asked for CUDA on a machine without one, so it fails; rl must stop the others and exit 1.
+    result = run_rl([
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "2",
+        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "4",
+        "--orchestrator.rollouts-per-example", "2", "--trainer.dtype", "bfloat16", "--trainer.device", "cuda",
+    ], timeout=240)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "trainer failed" in result.stderr
+    assert "Traceback" not in result.stderr.split("last lines of")[0]
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "orphan processes left behind"

@@ -1,0 +1,135 @@
+"""The real trainer entrypoints (torchrun with 1 and 2 ranks, plain `trainer`) on hand-written rank files."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from prime_rl.protocol import is_stable, weights_dir
+from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.trainer.model import build_model, forward_logprobs
+from prime_rl.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "trainer" / "rl" / "train.py"
+TRAINER = Path(sys.executable).parent / "trainer"
+
+
+def _micro_batches(tiny_model, num: int, seed: int = 0) -> list[MicroBatch]:
+    """`num` packed micro batches of random samples; μ = the base model's logprobs (ratios ≈ 1)."""
+    model = build_model(str(tiny_model))
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num):
+        samples = []
+        for _ in range(3):
+            n = int(torch.randint(6, 24, (1,), generator=g))
+            ids = torch.randint(3, 1000, (n,), generator=g).tolist()
+            alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
+                                      "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
+            with torch.no_grad():
+                mu = forward_logprobs(model, alone, torch.device("cpu")).logprobs[0].tolist()
+            advantage = float(torch.randn(1, generator=g))
+            samples.append({"input_ids": ids, "loss_mask": [False] * 4 + [True] * (n - 4),
+                            "advantages": [advantage] * n, "inference_logprobs": mu})  # fmt: skip
+        batches.append(MicroBatch.pack(samples, temperature=1.0))
+    return batches
+
+
+def _args(tiny_model, out: Path, timeout: float = 60) -> list[str]:
+    return ["--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "1", "--optim.lr", "1e-3",
+            "--data.timeout", str(timeout)]  # fmt: skip
+
+
+def _torchrun(nproc: int, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(TRAIN_PY)]
+    return subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"trainer did not finish within {timeout}s:\n{output[-6000:]}")
+    return proc.returncode, output
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """Every trainer run of this file, started together: most of their time is importing torch, which overlaps."""
+    root = tmp_path_factory.mktemp("trainer")
+    batches = _micro_batches(tiny_model, 4)
+    dirs = {name: root / name for name in ("split", "whole", "uneven", "missing")}
+    write_rank_file(dirs["split"], 0, 0, batches[:2])
+    write_rank_file(dirs["split"], 0, 1, batches[2:])
+    write_rank_file(dirs["whole"], 0, 0, batches)
+    write_rank_file(dirs["uneven"], 0, 0, batches[:2])
+    write_rank_file(dirs["uneven"], 0, 1, batches[2:3])
+    procs = {
+        "split": _torchrun(2, _args(tiny_model, dirs["split"])),
+        "whole": _torchrun(1, _args(tiny_model, dirs["whole"])),
+        "uneven": _torchrun(2, _args(tiny_model, dirs["uneven"])),
+        # Plain console script, no torchrun: a one-process group.
+        "missing": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["missing"], timeout=2)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }  # fmt: skip
+    yield {name: (procs[name], dirs[name]) for name in procs}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_two_ranks_and_one_rank_produce_the_same_weights(tiny_model, runs):
+    (split_proc, split), (whole_proc, whole) = runs["split"], runs["whole"]
+    for proc in (split_proc, whole_proc):
+        rc, output = _finish(proc)
+        assert rc == 0, output[-6000:]
+
+    base = load_file(tiny_model / "model.safetensors")
+    new = {}
+    for out in (split, whole):
+        path = weights_dir(out, 1)
+        assert is_stable(path)
+        assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+        new[out] = load_file(path / "model.safetensors")
+        assert new[out].keys() == base.keys()
+        AutoModelForCausalLM.from_pretrained(path)
+    for name in base:
+        torch.testing.assert_close(new[split][name], new[whole][name], atol=1e-5, rtol=0, msg=name)
+    changed = max((new[whole][name] - base[name]).abs().max().item() for name in base)
+    assert changed > 5e-4  # Adam's first step moves weights by about lr
+
+    # Same step, same statistics, however the data was split; only rank 0 logs, one line per step.
+    m_split, m_whole = read_metrics(split, "trainer"), read_metrics(whole, "trainer")
+    assert [m["step"] for m in m_split] == [0]
+    for key in ("loss", "entropy", "mismatch_kl", "grad_norm", "num_loss_tokens", "num_samples", "num_tokens"):
+        assert m_split[0][key] == pytest.approx(m_whole[0][key], rel=1e-4, abs=1e-7), key
+    assert m_whole[0]["mismatch_kl"] < 1e-6 and m_whole[0]["clip_frac"] == 0.0
+    log = (split / "logs" / "trainer.log").read_text()
+    assert "step 0 | loss" in log and "tok/s" in log
+    assert sorted(p.name for p in (split / "logs").iterdir()) == ["trainer.log"]
+
+
+def test_ranks_with_different_micro_batch_counts_fail_with_a_clear_message(runs):
+    proc, out = runs["uneven"]
+    rc, output = _finish(proc)
+    assert rc != 0
+    assert "ranks hold between 1 and 2 micro batches" in (out / "logs" / "trainer.log").read_text(), output[-6000:]
+    assert not weights_dir(out, 1).exists()
+
+
+def test_missing_rank_file_exits_nonzero_naming_what_it_waited_for(runs):
+    proc, _ = runs["missing"]
+    rc, output = _finish(proc, timeout=90)
+    assert rc == 1, output[-4000:]
+    assert "timed out after 2s waiting for rollouts for step 0" in output
+    assert "rollouts/step_0/rank_0.pt" in output
+    assert "Traceback" not in output

@@ -1,0 +1,187 @@
+"""The built-in engine on the tiny model: padding, batching, seeds, stop conditions, weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, build_engine
+from prime_rl.inference.engine.engine import left_padded_positions
+from prime_rl.inference.engine.weights import check_tensors
+from prime_rl.protocol import mark_stable, weights_dir
+
+PROMPT = [74, 71, 331, 81, 521, 71, 586]
+OTHERS = [[5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    # A long batch window so that requests submitted together surely share a batch.
+    engine = build_engine(str(tiny_model), device="cpu", batch_wait_ms=200)
+    yield engine
+    engine.close()
+
+
+def generate_together(engine: Engine, *requests: tuple[list[int], SamplingParams]):
+    async def go():
+        return await asyncio.gather(*(engine.generate(ids, params) for ids, params in requests))
+
+    return asyncio.run(go())
+
+
+def write_weights(model_dir: Path, output_dir: Path, step: int, noise: float = 0.05, stable: bool = True) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    path = weights_dir(output_dir, step)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    if stable:
+        mark_stable(path)
+    return path
+
+
+def test_left_padded_positions_start_at_each_rows_first_token():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert left_padded_positions(mask).tolist() == [[1, 1, 0, 1], [0, 1, 2, 3]]
+
+
+def test_left_padded_batch_gives_the_same_logits_as_each_sequence_alone(engine):
+    model, prompts = engine.model, [PROMPT, *OTHERS]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask, position_ids=left_padded_positions(mask)).logits
+        for b, p in enumerate(prompts):
+            alone = model(input_ids=torch.tensor([p])).logits[0]
+            torch.testing.assert_close(batch[b, width - len(p) :], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_output_does_not_depend_on_what_else_is_in_the_batch(engine):
+    (alone,) = generate_together(engine, (PROMPT, GREEDY))
+    together = generate_together(engine, *[(p, GREEDY) for p in OTHERS], (PROMPT, GREEDY))
+    assert together[-1][0].token_ids == alone[0].token_ids
+    assert together[-1][0].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
+
+
+def test_seeded_samples_do_not_depend_on_what_else_is_in_the_batch(engine):
+    seeded = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=5)
+    (alone,) = generate_together(engine, (PROMPT, seeded))
+    sampled = SamplingParams(n=2, max_tokens=12, temperature=1.0)
+    together = generate_together(engine, (OTHERS[1], sampled), (PROMPT, seeded), (OTHERS[0], sampled))
+    assert [s.token_ids for s in together[1]] == [s.token_ids for s in alone]
+    assert len({tuple(s.token_ids) for s in alone}) == 3  # the n samples differ from each other
+
+
+def test_concurrent_requests_share_one_batch_up_to_max_batch_size(tiny_model):
+    engine = build_engine(str(tiny_model), device="cpu", max_batch_size=4, batch_wait_ms=200)
+    try:
+        results = generate_together(engine, *[(PROMPT, SamplingParams(max_tokens=3)) for _ in range(4)])
+        assert engine.batches == 1 and engine.requests == 4
+        assert [len(r) for r in results] == [1, 1, 1, 1]
+        generate_together(engine, *[(PROMPT, SamplingParams(n=2, max_tokens=3)) for _ in range(3)])
+        assert engine.batches == 3  # 2 + 2 rows fill one batch, the third request waits for the next
+    finally:
+        engine.close()
+
+
+def test_max_tokens_ends_a_sample_with_length(engine):
+    ((sample,),) = generate_together(engine, (PROMPT, SamplingParams(max_tokens=5, temperature=0.0)))
+    assert len(sample.token_ids) == len(sample.logprobs) == 5
+    assert sample.finish_reason == "length"
+    assert sample.text == engine.tokenizer.decode(sample.token_ids)
+
+
+def test_stop_string_truncates_the_text_and_ends_the_sample(engine):
+    ((full,),) = generate_together(engine, (PROMPT, SamplingParams(max_tokens=12, temperature=0.0)))
+    stop = full.text[len(full.text) // 2]  # a character from the middle of the greedy continuation
+    cut = full.text.find(stop)
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))
+    ((sample,),) = generate_together(engine, (PROMPT, params))
+    assert sample.finish_reason == "stop"
+    assert sample.text == full.text[:cut]
+    # The token that completed the stop string is kept, so token ids and logprobs stay aligned.
+    assert sample.token_ids == full.token_ids[: len(sample.token_ids)]
+    assert stop in engine.tokenizer.decode(sample.token_ids)
+    assert stop not in engine.tokenizer.decode(sample.token_ids[:-1])
+
+
+def test_eos_ends_a_sample_and_stays_in_its_token_ids(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    eos = tokenizer.eos_token_id
+    # An output layer that always prefers EOS.
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[eos] = 10.0
+    engine = Engine(model, tokenizer, torch.device("cpu")).start()
+    try:
+        ((sample,),) = generate_together(engine, (PROMPT, SamplingParams(max_tokens=8, temperature=0.0)))
+    finally:
+        engine.close()
+    assert sample.token_ids == [eos]
+    assert sample.finish_reason == "stop"
+    assert sample.text == ""
+
+
+def test_update_weights_changes_outputs_and_reload_restores_them_exactly(engine, tiny_model, tmp_path):
+    ((base,),) = generate_together(engine, (PROMPT, GREEDY))
+    step_dir = write_weights(tiny_model, tmp_path, step=1)
+    assert asyncio.run(engine.update_weights(step_dir)) == 1
+    assert engine.step == 1
+    ((updated,),) = generate_together(engine, (PROMPT, GREEDY))
+    assert updated.logprobs != pytest.approx(base.logprobs, abs=1e-3)
+    assert asyncio.run(engine.reload_weights()) == 0
+    assert engine.step == 0
+    ((restored,),) = generate_together(engine, (PROMPT, GREEDY))
+    assert restored.token_ids == base.token_ids
+    assert restored.logprobs == base.logprobs  # bit for bit
+
+
+def test_unusable_weight_dirs_are_refused_and_the_old_weights_keep_serving(engine, tiny_model, tmp_path):
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    unstable = write_weights(tiny_model, tmp_path, step=1, stable=False)
+    wrong_shape = weights_dir(tmp_path, 2)
+    wrong_shape.mkdir(parents=True)
+    tensors = {k: v.clone() for k, v in before.items()}
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:10].clone()
+    save_file(tensors, wrong_shape / "model.safetensors")
+    mark_stable(wrong_shape)
+    missing_tensor = weights_dir(tmp_path, 3)
+    missing_tensor.mkdir(parents=True)
+    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, missing_tensor / "model.safetensors")
+    mark_stable(missing_tensor)
+    cases = {
+        unstable: "no STABLE marker",
+        wrong_shape: "model.embed_tokens.weight has shape (10, 64)",
+        missing_tensor: "missing model.norm.weight",
+        weights_dir(tmp_path, 9): "no such directory",
+        tmp_path / "not-a-step": "not a weights/step_<n> directory",
+    }
+    for path, message in cases.items():
+        with pytest.raises(WeightsError, match=re.escape(message)):
+            asyncio.run(engine.update_weights(path))
+    assert engine.step == 0
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_a_tied_lm_head_may_be_missing_from_the_weights(tiny_model, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    with pytest.raises(WeightsError, match="missing lm_head.weight"):
+        check_tensors(tensors, model)
+    monkeypatch.setattr(model.config, "tie_word_embeddings", True)
+    check_tensors(tensors, model)

@@ -1,0 +1,150 @@
+"""The HTTP routes in-process: wire format, 4xx on bad input (never 500), API-key checks."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prime_rl.inference.api import build_app
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.engine import build_engine
+from prime_rl.utils.config import ModelConfig
+
+MAX_MODEL_LEN = 64
+PROMPT = [74, 71, 331, 81, 521, 71, 586]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    engine = build_engine(str(tiny_model), device="cpu")
+    yield engine
+    engine.close()
+
+
+def make_client(engine, tiny_model, **overrides) -> TestClient:
+    config = InferenceConfig(model=ModelConfig(name=str(tiny_model)), max_model_len=MAX_MODEL_LEN, **overrides)
+    return TestClient(build_app(engine, config))
+
+
+@pytest.fixture(scope="module")
+def client(engine, tiny_model):
+    return make_client(engine, tiny_model)
+
+
+def test_health_and_models(client, tiny_model):
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["step"] == 0
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [str(tiny_model)]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completion_returns_token_ids_and_matching_token_id_logprobs(client, tiny_model):
+    body = {
+        "model": str(tiny_model),
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "n": 2,
+        "seed": 3,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+    data = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    for choice in data["choices"]:
+        assert choice["prompt_token_ids"] == PROMPT
+        assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert len(logprobs["token_logprobs"]) == 6 and all(lp <= 0 for lp in logprobs["token_logprobs"])
+        rows = zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
+        for token, logprob, top in rows:
+            assert top[token] == logprob  # the sampled token is always among the listed alternatives
+            assert 2 <= len(top) <= 3
+    assert data["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
+
+
+def test_several_prompts_give_n_choices_each(client):
+    body = {"prompt": ["hello", "world wide"], "n": 2, "max_tokens": 2, "return_token_ids": True}
+    data = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+    assert data["choices"][0]["prompt_token_ids"] == data["choices"][1]["prompt_token_ids"]
+    assert data["choices"][0]["prompt_token_ids"] != data["choices"][2]["prompt_token_ids"]
+
+
+def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_unset(client, engine):
+    messages = [{"role": "user", "content": "hi there"}]
+    body = {"messages": messages, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    data = client.post("/v1/chat/completions", json=body | {"return_token_ids": True}).json()
+    template = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert data["prompt_token_ids"] == engine.tokenizer(template, add_special_tokens=False).input_ids
+    choice = data["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(len(c["top_logprobs"]) == 1 for c in choice["logprobs"]["content"])
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == len(data["prompt_token_ids"])
+    if choice["finish_reason"] == "length":
+        assert usage["total_tokens"] == MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        ("/v1/completions", b"{not json", "JSON decode error"),
+        ("/v1/completions", b"[1, 2]", "valid dictionary"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "body.n"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "body.temperature"),
+        ("/v1/completions", {"max_tokens": 3}, "body.prompt: Field required"),
+        ("/v1/completions", {"prompt": []}, "prompt is empty"),
+        ("/v1/completions", {"prompt": [5, 99999]}, "out of range"),
+        ("/v1/completions", {"prompt": [5] * 70}, "maximum context length is 64 tokens"),
+        ("/v1/completions", {"prompt": [5] * 10, "max_tokens": 60}, "70 tokens (10 in the prompt, 60 in"),
+        ("/v1/completions", {"prompt": "hi", "stream": True}, "streaming is not supported"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty=1.2 is not supported"),
+        ("/v1/chat/completions", {"messages": []}, "body.messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "body.messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+        ("/update_weights", {"weight_dir": "/nonexistent/step_1"}, "no such directory"),
+        ("/update_weights", {"path": "x"}, "body.weight_dir"),
+    ],
+)
+def test_bad_requests_get_400_with_a_message(client, route, body, message):
+    if isinstance(body, bytes):
+        response = client.post(route, content=body, headers={"content-type": "application/json"})
+    else:
+        response = client.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert message in error["message"]
+
+
+def test_unknown_fields_and_unsupported_params_at_their_neutral_value_are_accepted(client):
+    body = {"prompt": "hi", "max_tokens": 1, "user": "me", "repetition_penalty": 1.0, "min_tokens": 0}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_unknown_model_and_route_get_404(client):
+    response = client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+    assert response.status_code == 404 and "`other` does not exist" in response.json()["error"]["message"]
+    assert client.get("/v2/nothing").status_code == 404
+
+
+def test_api_key_is_required_everywhere_but_health(engine, tiny_model):
+    client = make_client(engine, tiny_model, api_key="secret")
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.post("/reload_weights").status_code == 401
+    response = client.get("/v1/models", headers={"Authorization": "Bearer secret"})
+    assert response.status_code == 200
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).json()["error"]["type"] == "authentication_error"
+    assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer secret"}).status_code == 200
+
+
+def test_reload_weights_reports_step_zero(client):
+    assert client.post("/reload_weights").json()["step"] == 0

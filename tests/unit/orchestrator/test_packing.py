@@ -1,0 +1,96 @@
+import itertools
+
+import pytest
+import torch
+
+from prime_rl.orchestrator.packing import (
+    PADDING_LENGTH,
+    SampleTooLong,
+    first_fit_decreasing,
+    make_sample,
+    pack_micro_batches,
+    split_over_ranks,
+)
+
+
+def sample(uid: int, n_prompt: int, n_completion: int, advantage: float = 0.5) -> dict:
+    """Token ids encode (sample, position) so we can trace every token after packing."""
+    ids = [uid * 1000 + i for i in range(n_prompt + n_completion)]
+    logprobs = [-(uid + i / 100) for i in range(n_completion)]
+    return make_sample(ids[:n_prompt], ids[n_prompt:], logprobs, advantage)
+
+
+def test_make_sample_masks_prompt_and_puts_advantage_and_logprobs_on_completion():
+    s = make_sample([1, 2, 3], [4, 5], [-0.1, -0.2], advantage=0.75)
+    assert s["input_ids"] == [1, 2, 3, 4, 5]
+    assert s["loss_mask"] == [False, False, False, True, True]
+    assert s["advantages"] == [0.0, 0.0, 0.0, 0.75, 0.75]
+    assert s["inference_logprobs"] == [0.0, 0.0, 0.0, -0.1, -0.2]
+
+
+def test_ffd_matches_docstring_example():
+    lengths = [5, 2, 7, 3, 4]
+    bins = first_fit_decreasing(lengths, 10)
+    assert [[lengths[i] for i in b] for b in bins] == [[7, 3], [5, 4], [2]]
+    assert bins == [[2, 3], [0, 4], [1]]
+
+
+def test_ffd_fills_rows_exactly_to_capacity():
+    bins = first_fit_decreasing([4, 6, 10, 5, 5], 10)
+    assert sorted(sorted(b) for b in bins) == [[0, 1], [2], [3, 4]]
+
+
+def test_sample_longer_than_seq_len_raises_naming_lengths():
+    with pytest.raises(SampleTooLong, match="sample 1 has 11 tokens but seq_len is 10"):
+        first_fit_decreasing([3, 11], 10)
+    with pytest.raises(SampleTooLong):
+        pack_micro_batches([sample(0, 4, 8)], seq_len=11, num_ranks=1, temperature=1.0)
+
+
+def test_every_token_lands_exactly_once_with_correct_boundaries():
+    shapes = [(3, 4), (5, 9), (2, 2), (6, 1), (4, 7), (1, 3), (8, 5)]
+    samples = [sample(uid, p, c, advantage=uid / 10) for uid, (p, c) in enumerate(shapes)]
+    per_rank = pack_micro_batches(samples, seq_len=16, num_ranks=1, temperature=0.7)
+    seen = {}
+    for mb in per_rank[0]:
+        mb.validate()
+        assert mb.num_tokens <= 16
+        assert mb.temperature == 0.7
+        cu = mb.cu_seqlens.tolist()
+        for a, b in itertools.pairwise(cu):
+            ids = mb.input_ids[0, a:b].tolist()
+            uid = ids[0] // 1000
+            assert uid not in seen, "sample packed twice"
+            seen[uid] = (a, b)
+            assert ids == samples[uid]["input_ids"]
+            assert mb.position_ids[0, a:b].tolist() == list(range(b - a))
+            assert mb.loss_mask[0, a:b].tolist() == samples[uid]["loss_mask"]
+            assert mb.advantages[0, a:b].tolist() == pytest.approx(samples[uid]["advantages"])
+            assert mb.inference_logprobs[0, a:b].tolist() == pytest.approx(samples[uid]["inference_logprobs"])
+    assert sorted(seen) == list(range(len(shapes)))
+
+
+def test_split_over_ranks_balances_counts_then_tokens():
+    assert split_over_ranks([10, 9, 8, 2, 1], 2) == [[0, 3, 4], [1, 2]]
+    assert split_over_ranks([5], 3) == [[0], [], []]
+
+
+def test_ranks_get_equal_micro_batch_counts_padded_with_all_masked_rows():
+    samples = [sample(uid, 4, 6) for uid in range(5)]  # 10 tokens each, one per 12-token row
+    per_rank = pack_micro_batches(samples, seq_len=12, num_ranks=2, temperature=1.0)
+    assert [len(mbs) for mbs in per_rank] == [3, 3]
+    real = [mb for mbs in per_rank for mb in mbs if mb.loss_mask.any()]
+    padding = [mb for mbs in per_rank for mb in mbs if not mb.loss_mask.any()]
+    assert len(real) == 5 and len(padding) == 1
+    pad = padding[0]
+    pad.validate()
+    assert pad.num_tokens == PADDING_LENGTH
+    assert torch.equal(pad.advantages, torch.zeros(1, PADDING_LENGTH))
+    assert per_rank[1][-1] is pad  # the short rank is the padded one
+
+
+def test_more_ranks_than_rows_gives_padding_only_ranks():
+    per_rank = pack_micro_batches([sample(0, 2, 2), sample(1, 2, 2)], seq_len=64, num_ranks=3, temperature=1.0)
+    assert [len(mbs) for mbs in per_rank] == [1, 1, 1]
+    assert per_rank[0][0].cu_seqlens.tolist() == [0, 4, 8]
+    assert not per_rank[1][0].loss_mask.any() and not per_rank[2][0].loss_mask.any()

@@ -1,0 +1,80 @@
+"""One trainer step in-process (one gloo rank): what it optimises, what it reports, what it refuses."""
+
+import pytest
+import torch
+
+from prime_rl.protocol import list_steps, rank_file, rollout_step_dir, weights_dir, weights_root
+from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.model import build_model, forward_logprobs
+from prime_rl.trainer.parallel import apply_fsdp
+from prime_rl.trainer.rl.config import TrainerConfig
+from prime_rl.trainer.rl.train import build_optimizer, load_micro_batches, prune_old_steps, train_step
+
+
+def _config(tiny_model, tmp_path, **kw) -> TrainerConfig:
+    return TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, **kw)
+
+
+def _on_policy_batch(model, samples: list[tuple[list[int], float]], prompt_len: int = 3) -> MicroBatch:
+    """Samples (token ids, advantage) whose μ logprobs are the model's own, so every ratio is 1."""
+    packed = []
+    for ids, advantage in samples:
+        n = len(ids)
+        alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
+                                  "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
+        with torch.no_grad():
+            mu = forward_logprobs(model, alone, torch.device("cpu")).logprobs[0].tolist()
+        mask = [False] * prompt_len + [True] * (n - prompt_len)
+        packed.append({"input_ids": ids, "loss_mask": mask, "advantages": [advantage] * n, "inference_logprobs": mu})
+    return MicroBatch.pack(packed, temperature=1.0)
+
+
+def test_train_step_moves_logprobs_along_advantages_and_reports_on_policy_metrics(tiny_model, tmp_path, one_rank):
+    config = _config(tiny_model, tmp_path, optim={"lr": 1e-3})
+    model = build_model(str(tiny_model))
+    apply_fsdp(model, one_rank, torch.float32)
+    good, bad = list(range(10, 22)), list(range(200, 208))
+    mb = _on_policy_batch(model, [(good, 1.0), (bad, -1.0)])
+    before = forward_logprobs(model, mb, torch.device("cpu")).logprobs.detach()[0]
+
+    stats = train_step(model, build_optimizer(model, config), [mb], config, one_rank)
+
+    after = forward_logprobs(model, mb, torch.device("cpu")).logprobs.detach()[0]
+    g, b = slice(3, 12), slice(12 + 3, 20)
+    assert after[g].sum() > before[g].sum()
+    assert after[b].sum() < before[b].sum()
+    assert stats.num_loss_tokens == 9 + 5 and stats.num_samples == 2 and stats.num_tokens == 20
+    # On-policy: every ratio is 1, so loss = −Σ A·log π / N, no mismatch, nothing clipped.
+    expected_loss = -(before[g].sum() - before[b].sum()).item() / 14
+    assert stats.loss == pytest.approx(expected_loss, rel=1e-5)
+    assert stats.mismatch_kl == pytest.approx(0.0, abs=1e-6)
+    assert stats.clip_frac == 0.0
+    assert stats.grad_norm > 0 and stats.entropy > 0 and stats.peak_memory_gib > 0
+
+
+def test_load_micro_batches_refuses_rollouts_split_over_more_ranks(tiny_model, tmp_path, one_rank):
+    mb = MicroBatch.padding(4, 1.0)
+    write_rank_file(tmp_path, 0, 0, [mb])
+    write_rank_file(tmp_path, 0, 1, [mb])
+    with pytest.raises(TrainerError, match="num_train_workers must equal the trainer world size"):
+        load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank)
+
+
+def test_load_micro_batches_reports_an_unreadable_rank_file(tiny_model, tmp_path, one_rank):
+    path = rank_file(tmp_path, 0, 0)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(TrainerError, match="unreadable rank file .*rank_0.pt"):
+        load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank)
+
+
+def test_pruning_keeps_newest_weights_and_every_unread_rollout_step(tiny_model, tmp_path):
+    for step in range(5):
+        rollout_step_dir(tmp_path, step).mkdir(parents=True)
+    for step in range(1, 4):
+        weights_dir(tmp_path, step).mkdir(parents=True)
+    # Trainer just finished step 1; the orchestrator already wrote steps 2..4 (not read yet).
+    prune_old_steps(_config(tiny_model, tmp_path, async_level=1, data={"keep_rollouts": 1}), step=1)
+    assert list_steps(rollout_step_dir(tmp_path, 0).parent) == [2, 3, 4]
+    assert list_steps(weights_root(tmp_path)) == [2, 3]
