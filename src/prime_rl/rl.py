@@ -36,9 +36,7 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 
 
 class SharedModelConfig(Section):
-    name: Annotated[str | None, Field(description="policy model for all three services (hub id or local path)")] = (
-        None
-    )
+    name: Annotated[str | None, Field(description="policy model for all three services (hub id or local path)")] = None
 
 
 class RLConfig(BaseConfig):

@@ -7,6 +7,7 @@ new log lines when it fails.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -20,22 +21,24 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.protocol import mark_stable, weights_dir
-from prime_rl.utils.net import free_port
 
 START_TIMEOUT = 120.0  # generous: two servers import torch at once on a small CI machine
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
+READY = re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu\)")
 TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
 
 
 class Server:
+    """One `inference` process. It binds port 0 and the test reads the real port from its ready line,
+    so parallel test runs never race for a port."""
+
     def __init__(self, model: Path, output_dir: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""
         self.output_dir = output_dir
         self.log_path = output_dir / "server.out"
         output_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model)]
-        cmd += ["--server.port", str(self.port), "--output-dir", str(output_dir), "--no-log.file", *args]
+        cmd += ["--server.port", "0", "--output-dir", str(output_dir), "--no-log.file", *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.read = 0
@@ -45,6 +48,11 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"inference server exited with {self.proc.returncode}:\n{self.output()}")
+            ready = READY.search(self.output())
+            if ready is None:
+                time.sleep(0.2)
+                continue
+            self.url = f"http://127.0.0.1:{ready.group(2)}"
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return
@@ -80,7 +88,10 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("inference")
-    started = [Server(tiny_model, root / "open"), Server(tiny_model, root / "keyed", "--api-key", "secret")]
+    started = [
+        Server(tiny_model, root / "open"),
+        Server(tiny_model, root / "keyed", "--api-key", "secret", "--server.host", "127.0.0.1"),
+    ]
     try:
         for s in started:
             s.wait_ready()

@@ -7,7 +7,8 @@ from prime_rl.utils.config import ConfigError, load_config
 
 
 def test_shared_keys_reach_every_sub_config():
-    config = load_config(RLConfig, ["--max-steps", "7", "--model.name", "m", "--output-dir", "out", "--async-level", "2"])
+    flags = ["--max-steps", "7", "--model.name", "m", "--output-dir", "out", "--async-level", "2"]
+    config = load_config(RLConfig, flags)
     for sub in (config.trainer, config.orchestrator):
         assert (sub.max_steps, sub.async_level, sub.model.name, str(sub.output_dir)) == (7, 2, "m", "out")
     assert config.inference.model.name == "m"
@@ -16,7 +17,7 @@ def test_shared_keys_reach_every_sub_config():
 
 def test_one_toml_with_tables_and_top_level_flag_override(tmp_path):
     path = tmp_path / "rl.toml"
-    path.write_text('max_steps = 5\n[trainer]\nmax_steps = 5\n[orchestrator]\nbatch_size = 8\nrollouts_per_example = 2\n')
+    path.write_text("max_steps = 5\n[trainer]\nmax_steps = 5\n[orchestrator]\nbatch_size = 8\nrollouts_per_example = 2")
     config = load_config(RLConfig, ["@", str(path), "--max-steps", "9"])
     assert config.trainer.max_steps == config.orchestrator.max_steps == 9
     assert config.orchestrator.batch_size == 8

@@ -9,7 +9,7 @@ import importlib.util
 import logging
 
 from prime_rl.inference.config import InferenceConfig, StartupError
-from prime_rl.utils.config import parse_config
+from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 
 logger = logging.getLogger("prime_rl")
@@ -18,6 +18,7 @@ logger = logging.getLogger("prime_rl")
 def main() -> None:
     config = parse_config(InferenceConfig)
     setup_logging("inference", config.output_dir, config.log.level, config.log.file)
+    write_run_config(config, "inference", config.output_dir)
     try:
         run(config)
     except StartupError as e:

@@ -34,7 +34,7 @@ from prime_rl.protocol import (
     weights_dir,
     weights_root,
 )
-from prime_rl.utils.config import parse_config
+from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.timer import timer
@@ -182,6 +182,7 @@ def run(config: OrchestratorConfig) -> None:
 def main() -> None:
     config = parse_config(OrchestratorConfig, prog="orchestrator")
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
+    write_run_config(config, "orchestrator", config.output_dir)
     try:
         run(config)
     except (WaitTimeout, WriterDead, InferenceError, EnvError, SampleTooLong) as e:

@@ -59,7 +59,8 @@ class MicroBatch:
         for name, dtype in expected.items():
             t = getattr(self, name)
             if t.dtype != dtype or tuple(t.shape) != (1, length):
-                raise ValueError(f"micro batch field {name}: expected {dtype} [1, {length}], got {t.dtype} {list(t.shape)}")
+                got = f"{t.dtype} {list(t.shape)}"
+                raise ValueError(f"micro batch field {name}: expected {dtype} [1, {length}], got {got}")
         cu = self.cu_seqlens
         if cu.dtype != torch.int32 or cu.ndim != 1 or cu[0] != 0 or cu[-1] != length:
             raise ValueError(f"micro batch cu_seqlens must be int32 from 0 to {length}, got {cu.tolist()}")
@@ -67,6 +68,7 @@ class MicroBatch:
     @classmethod
     def pack(cls, samples: list[dict], temperature: float) -> MicroBatch:
         """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row."""
+
         def cat(key: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in samples]).unsqueeze(0)
 
@@ -87,8 +89,14 @@ class MicroBatch:
     def padding(cls, length: int, temperature: float, pad_id: int = 0) -> MicroBatch:
         """An all-masked micro batch that keeps FSDP collectives in lockstep on ranks with less data."""
         return cls.pack(
-            [{"input_ids": [pad_id] * length, "loss_mask": [False] * length,
-              "advantages": [0.0] * length, "inference_logprobs": [0.0] * length}],
+            [
+                {
+                    "input_ids": [pad_id] * length,
+                    "loss_mask": [False] * length,
+                    "advantages": [0.0] * length,
+                    "inference_logprobs": [0.0] * length,
+                }
+            ],
             temperature,
         )
 

@@ -40,7 +40,7 @@ class BaseConfig(BaseSettings):
     )
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_other_sources):
         # Init kwargs carry TOML merged with CLI, so they outrank the environment.
         return (init_settings, env_settings)
 

@@ -202,7 +202,7 @@ class Engine:
                 if name in job.tensors:  # only a tied lm_head may be absent (checked when loading)
                     param.copy_(job.tensors[name])
         self.step = job.step
-        logger.info(f"serving weights of step {job.step}")
+        logger.info(f"now serving weights step {job.step}")
         return [job.step]
 
     @torch.inference_mode()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from prime_rl.protocol import WaitTimeout, WriterDead
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.utils.config import parse_config
+from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 
 logger = logging.getLogger("prime_rl")
@@ -30,6 +30,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         setup_logging("trainer", config.output_dir, config.log.level, config.log.file)
+        write_run_config(config, "trainer", config.output_dir)
     else:  # one log per service: other ranks only surface problems, on their stderr
         setup_logging(f"trainer-rank{rank}", None, "WARNING", to_file=False)
     try:
