@@ -75,3 +75,27 @@ def test_rl_stops_everything_and_names_the_failed_service(tiny_model, tmp_path, 
     assert "Traceback" not in result.stderr.split("last lines of")[0]
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert leftovers == [], "orphan processes left behind"
+
+
+def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, free_port):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.rl", "--model.name", str(tiny_model), "--output-dir", str(out),
+         "--max-steps", "1000", "--inference.server.port", str(free_port), "--orchestrator.batch-size", "4",
+         "--orchestrator.rollouts-per-example", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    trainer_log = out / "logs" / "trainer.log"
+    deadline = time.monotonic() + 180
+    while not (trainer_log.is_file() and "step 0 |" in trainer_log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, show_logs(out)
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted; stopped all services" in stderr
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "orphan processes left behind"
