@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.utils.config import BaseConfig, LogConfig, Section, parse_config, write_run_config
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, Section, parse_config, write_run_config
 from prime_rl.utils.logging import logger, setup_logging
 
 SERVICES = ("inference", "orchestrator", "trainer")
@@ -32,6 +32,7 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("model", "name"): SERVICES,
     ("max_steps",): ("orchestrator", "trainer"),
     ("async_level",): ("orchestrator", "trainer"),
+    ("ckpt",): ("orchestrator", "trainer"),
 }
 
 
@@ -49,6 +50,7 @@ class RLConfig(BaseConfig):
     model: Annotated[SharedModelConfig, Field(description="shared model")] = SharedModelConfig()
     max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
     async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None
+    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing of trainer and orchestrator")] = None
     inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
@@ -99,36 +101,47 @@ def propagate_shared(data: dict) -> None:
     """Copy shared keys into each sub-config in place; raise ValueError on inconsistent values.
 
     {"max_steps": 5, "trainer": {}} -> {"max_steps": 5, "trainer": {"max_steps": 5}, "orchestrator": {"max_steps": 5}}
+    A shared section (`ckpt`) switched on anywhere is switched on everywhere and shared leaf by leaf.
     """
     for key, services in SHARED_KEYS.items():
-        name = ".".join(key)
-        top = _get(data, key)
-        explicit = {s: v for s in services if (v := _get(data.get(s) or {}, key)) is not None}
-        if top is not None:
-            for service, value in explicit.items():
-                if str(value) != str(top):
-                    raise ValueError(f"{name} is {top!r} but {service}.{name} is {value!r}; set it once at the top")
-            value = top
-        elif len({str(v) for v in explicit.values()}) > 1:
-            found = ", ".join(f"{s}.{name}={v!r}" for s, v in explicit.items())
-            raise ValueError(f"inconsistent {name}: {found}")
-        elif explicit:
-            value = next(iter(explicit.values()))
+        subs = [data.setdefault(s, {}) for s in services]
+        if not all(isinstance(sub, dict) for sub in subs):
+            continue  # a sub-config of the wrong type: validation reports it
+        sections = [v for v in [_get(data, key), *(_get(sub, key) for sub in subs)] if isinstance(v, dict)]
+        if sections:
+            for sub in subs:
+                _put(sub, key, dict(_get(sub, key) or {}))
+            _put(data, key, dict(_get(data, key) or {}))
+            for leaf in {leaf for section in sections for leaf in section}:
+                _share(data, (*key, leaf), services)
         else:
-            continue
-        for service in services:
-            data.setdefault(service, {})
-            if not isinstance(data[service], dict):
-                continue
-            _put(data[service], key, value)
-        if len(key) == 1:
-            data[key[0]] = value
-        else:
-            _put(data, key, value)
+            _share(data, key, services)
     # The orchestrator talks to the server `rl` starts unless told otherwise.
     port = _get(data, ("inference", "server", "port"))
     if port is not None and _get(data, ("orchestrator", "client", "base_url")) is None:
         _put(data.setdefault("orchestrator", {}), ("client", "base_url"), [f"http://127.0.0.1:{port}/v1"])
+
+
+def _share(data: dict, key: tuple[str, ...], services: tuple[str, ...]) -> None:
+    """One shared leaf: the top-level value, else the one value the sub-configs agree on, goes everywhere."""
+    name = ".".join(key)
+    top = _get(data, key)
+    explicit = {s: v for s in services if (v := _get(data[s], key)) is not None}
+    if top is not None:
+        for service, value in explicit.items():
+            if str(value) != str(top):
+                raise ValueError(f"{name} is {top!r} but {service}.{name} is {value!r}; set it once at the top")
+        value = top
+    elif len({str(v) for v in explicit.values()}) > 1:
+        found = ", ".join(f"{s}.{name}={v!r}" for s, v in explicit.items())
+        raise ValueError(f"inconsistent {name}: {found}")
+    elif explicit:
+        value = next(iter(explicit.values()))
+    else:
+        return
+    for service in services:
+        _put(data[service], key, value)
+    _put(data, key, value)
 
 
 # ---------------------------------------------------------------------------------------------

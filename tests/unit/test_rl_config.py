@@ -50,3 +50,14 @@ def test_device_assignment():
         assign_devices(config, num_gpus=0)
     with pytest.raises(ValueError, match=r"GPU ids \[2, 3\] do not exist"):
         assign_devices(config, num_gpus=2)
+
+
+def test_ckpt_switched_on_anywhere_is_shared_leaf_by_leaf():
+    config = load_config(RLConfig, ["--ckpt"])
+    assert config.trainer.ckpt is not None and config.orchestrator.ckpt is not None
+    config = load_config(RLConfig, ["--trainer.ckpt.interval", "5", "--ckpt.resume-step", "10"])
+    for sub in (config.trainer, config.orchestrator):
+        assert (sub.ckpt.interval, sub.ckpt.resume_step) == (5, 10)
+    with pytest.raises(ConfigError, match="inconsistent ckpt.interval"):
+        load_config(RLConfig, ["--trainer.ckpt.interval", "5", "--orchestrator.ckpt.interval", "6"])
+    assert load_config(RLConfig, []).trainer.ckpt is None

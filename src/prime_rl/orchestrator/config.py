@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, Section
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
 
 
 class ClientConfig(Section):
@@ -68,6 +68,7 @@ class OrchestratorConfig(BaseConfig):
     heartbeat_timeout: Annotated[
         float, Field(gt=0, description="a trainer heartbeat older than this means the trainer is dead")
     ] = 120.0
+    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
 
     @model_validator(mode="after")

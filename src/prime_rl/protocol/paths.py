@@ -65,3 +65,13 @@ def list_steps(parent: Path) -> list[int]:
     if not Path(parent).is_dir():
         return []
     return sorted(s for s in (step_of(p) for p in Path(parent).iterdir()) if s is not None)
+
+
+def trainer_checkpoint_dir(output_dir: Path, step: int) -> Path:
+    """DCP shards of trainer state after `step` optimizer steps; complete when it holds STABLE."""
+    return checkpoint_dir(output_dir, step) / "trainer"
+
+
+def orchestrator_checkpoint_file(output_dir: Path, step: int) -> Path:
+    """Orchestrator progress when it is about to produce rollouts for `step`."""
+    return checkpoint_dir(output_dir, step) / "orchestrator.pt"

@@ -372,3 +372,16 @@ def write_run_config(config: BaseModel, service: str, output_dir: Path) -> Path:
     versions["python"] = sys.version.split()[0]
     atomic_write_text(run_dir(output_dir) / "versions.json", json.dumps(versions, indent=2))
     return atomic_write_text(run_dir(output_dir) / f"{service}.toml", tomli_w.dumps(to_toml_dict(config)))
+
+
+class CkptConfig(Section):
+    """Checkpointing, shared by trainer and orchestrator so both save and resume at the same steps."""
+
+    interval: Annotated[
+        int | None, Field(ge=1, description="save every n steps; unset = only at the end of the run")
+    ] = None
+    keep: Annotated[int | None, Field(ge=1, description="newest checkpoints kept on disk; unset = all")] = None
+    resume_step: Annotated[
+        int | Literal["latest"] | None,
+        Field(description="resume from checkpoints/step_N (a number or 'latest'); unset = start fresh"),
+    ] = None

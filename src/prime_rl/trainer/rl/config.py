@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, Section
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
 
 
 class OptimConfig(Section):
@@ -54,4 +54,5 @@ class TrainerConfig(BaseConfig):
     keep_weights: Annotated[
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None
+    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
