@@ -209,3 +209,45 @@ def test_sample_longer_than_seq_len_exits_nonzero_without_writing_rollouts(tmp_p
     assert result.returncode == 1
     assert "but seq_len is 16" in result.stderr and "Traceback" not in result.stderr
     assert not rank_file(tmp_path, 0, 0).exists()
+
+
+def prompts_by_step(server: FakeInferenceServer, per_step: int) -> list[list[str]]:
+    texts = [b["messages"][-1]["content"] for b in server.chat_bodies]
+    return [sorted(texts[i : i + per_step]) for i in range(0, len(texts), per_step)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_resume_continues_with_the_next_unseen_examples(tmp_path, free_port):
+    """A run stopped after 2 steps (checkpoint at its end) and resumed to step 4 uses the same examples as
+    an uninterrupted 4-step run, and none of them twice."""
+    per_step = BATCH_SIZE // ROLLOUTS_PER_EXAMPLE
+    common = ("--async-level", "2", "--max-steps", "4")
+    runs = {}
+    for name in ("straight", "resumed"):
+        out = tmp_path / name
+        stop = threading.Event()
+        trainer = threading.Thread(target=fake_trainer, args=(out, 4, stop, 0.1), daemon=True)
+        with FakeInferenceServer(free_port) as server:
+            trainer.start()
+            try:
+                if name == "straight":
+                    assert run_orchestrator(out, free_port, *common).returncode == 0
+                else:
+                    first = run_orchestrator(out, free_port, "--async-level", "2", "--max-steps", "2", "--ckpt")
+                    assert first.returncode == 0
+                    assert (out / "checkpoints" / "step_2" / "orchestrator.pt").is_file()
+                    second = run_orchestrator(out, free_port, *common, "--ckpt.resume-step", "latest")
+                    assert second.returncode == 0, second.stderr
+                    assert "resuming from" in second.stderr
+            finally:
+                stop.set()
+                trainer.join(timeout=5)
+        runs[name] = prompts_by_step(server, per_step)
+    assert len(runs["straight"]) == len(runs["resumed"]) == 4
+    assert runs["resumed"] == runs["straight"]
+    seen = [p for step in runs["resumed"] for p in step]
+    assert len(set(seen)) == len(seen)
+    metrics = read_metrics(tmp_path / "resumed", "orchestrator")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert metrics[-1]["total_samples"] == 4 * BATCH_SIZE

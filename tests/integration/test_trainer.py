@@ -1,5 +1,11 @@
-"""The real trainer entrypoints (torchrun with 1 and 2 ranks, plain `trainer`) on hand-written rank files."""
+"""The real trainer entrypoints (torchrun with 1 and 2 ranks, plain `trainer`) on hand-written rank files.
 
+Also the documented multi-node command: two `torchrun --nnodes 2 --node-rank {0,1} --rdzv-endpoint ...`
+launches rendezvousing over loopback compute the same step as one `torchrun --nproc-per-node 2` launch, and
+their 2-rank checkpoint converts (`convert-checkpoint`, no process group) into an HF dir with the same logits.
+"""
+
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +19,7 @@ from prime_rl.protocol import is_stable, weights_dir
 from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.model import build_model, forward_logprobs
 from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +58,16 @@ def _torchrun(nproc: int, args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _node(node_rank: int, rdzv: str, args: list[str]) -> subprocess.Popen:
+    """One "node" of the documented two-node command, both on this machine."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+           "--nproc-per-node", "1", "--rdzv-endpoint", rdzv, "--local-ranks-filter", "0", str(TRAIN_PY)]  # fmt: skip
+    # torchrun pins OMP_NUM_THREADS=1 only when it starts several processes per node; pin it here too so
+    # both launches sum in the same order and the weights can be compared at 1e-6.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
 def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -66,9 +83,10 @@ def runs(tiny_model, tmp_path_factory):
     """Every trainer run of this file, started together: most of their time is importing torch, which overlaps."""
     root = tmp_path_factory.mktemp("trainer")
     batches = _micro_batches(tiny_model, 4)
-    dirs = {name: root / name for name in ("split", "whole", "uneven", "missing")}
-    write_rank_file(dirs["split"], 0, 0, batches[:2])
-    write_rank_file(dirs["split"], 0, 1, batches[2:])
+    dirs = {name: root / name for name in ("split", "whole", "uneven", "missing", "multi")}
+    for name in ("split", "multi"):
+        write_rank_file(dirs[name], 0, 0, batches[:2])
+        write_rank_file(dirs[name], 0, 1, batches[2:])
     write_rank_file(dirs["whole"], 0, 0, batches)
     write_rank_file(dirs["uneven"], 0, 0, batches[:2])
     write_rank_file(dirs["uneven"], 0, 1, batches[2:3])
@@ -80,8 +98,10 @@ def runs(tiny_model, tmp_path_factory):
         "missing": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["missing"], timeout=2)],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }  # fmt: skip
-    yield {name: (procs[name], dirs[name]) for name in procs}
-    for proc in procs.values():
+    rdzv = f"127.0.0.1:{free_port()}"
+    nodes = [_node(n, rdzv, [*_args(tiny_model, dirs["multi"]), "--ckpt"]) for n in (0, 1)]
+    yield {**{name: (procs[name], dirs[name]) for name in procs}, "multi": (nodes, dirs["multi"])}
+    for proc in [*procs.values(), *nodes]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
@@ -133,3 +153,45 @@ def test_missing_rank_file_exits_nonzero_naming_what_it_waited_for(runs):
     assert "timed out after 2s waiting for rollouts for step 0" in output
     assert "rollouts/step_0/rank_0.pt" in output
     assert "Traceback" not in output
+
+
+def test_two_node_launch_computes_the_same_step_as_one_two_rank_launch(runs):
+    (split_proc, split), (nodes, multi) = runs["split"], runs["multi"]
+    rc, output = _finish(split_proc)
+    assert rc == 0, output[-6000:]
+    node_outputs = []
+    for proc in nodes:
+        rc, output = _finish(proc)
+        assert rc == 0, output[-6000:]
+        node_outputs.append(output)
+    assert "step 0 | loss" in node_outputs[0]  # node 0 shows global rank 0's log (--local-ranks-filter 0)
+    a, b = (
+        load_file(weights_dir(split, 1) / "model.safetensors"),
+        load_file(weights_dir(multi, 1) / "model.safetensors"),
+    )
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    assert is_stable(multi / "checkpoints" / "step_1" / "trainer")
+
+
+def test_converted_two_rank_checkpoint_loads_in_transformers_with_the_same_logits(runs, tmp_path):
+    nodes, multi = runs["multi"]
+    for proc in nodes:
+        rc, output = _finish(proc)
+        assert rc == 0, output[-6000:]
+    out = tmp_path / "hf"
+    # Converted in a process without any process group, into small shards to exercise the index.
+    cmd = [str(TRAINER.parent / "convert-checkpoint"), str(multi / "checkpoints" / "step_1"), str(out),
+           "--max-shard-size", "100KB"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    exported = AutoModelForCausalLM.from_pretrained(weights_dir(multi, 1))
+    ids = torch.randint(3, 1000, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, exported(ids).logits, atol=1e-5, rtol=0)
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # refuses to overwrite
+    assert again.returncode == 1 and "exists and is not empty" in again.stderr and "Traceback" not in again.stderr

@@ -1,33 +1,41 @@
-"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat, health, weight updates.
+"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat (plain or streamed), health,
+Prometheus metrics, weight updates.
 
 Requests are pydantic models; everything a client can get wrong (bad JSON, wrong types, a prompt too
-long for `max_model_len`, an unusable weight dir) is answered 4xx with an OpenAI-style error body, never
-a 500. Responses carry vLLM's extras so the orchestrator never re-tokenizes sampled text: prompt and
-completion token ids (`return_token_ids`) and logprob tokens spelled `token_id:<id>`
-(`return_tokens_as_token_ids`).
+long for `max_model_len`, an oversized body, an unusable weight dir) is answered 4xx with an OpenAI-style
+error body, never a 500. A full waiting queue is a 429, a request past `request_timeout` a 504; a client
+that disconnects cancels its generation. Responses carry vLLM's extras so the orchestrator never
+re-tokenizes sampled text: prompt and completion token ids (`return_token_ids`) and logprob tokens spelled
+`token_id:<id>` (`return_tokens_as_token_ids`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
+import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.engine import Engine, Sample, SamplingParams, WeightsError
+from prime_rl.inference.engine import Engine, SamplingParams, WeightsError
+from prime_rl.inference.engine.engine import Delta, EngineBusy, EngineClosed, Sample
 
 logger = logging.getLogger("prime_rl")
 MAX_TOP_LOGPROBS = 20
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES += ("/update_weights", "/reload_weights")
 
 
 class APIError(Exception):
@@ -38,34 +46,38 @@ class APIError(Exception):
 
 # ---- request models (unknown fields are ignored, as vLLM does; unsupported known ones are refused) --
 
-# Parameters the built-in engine does not implement yet, with the value that means "off": any other value
+# Parameters the built-in engine does not implement, with the value that means "off": any other value
 # is refused rather than silently ignored, since it would change what the caller samples.
 UNSUPPORTED = {
-    "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
-    "min_tokens": 0,
     "logit_bias": None,
     "best_of": 1,
     "echo": False,
     "tools": None,
     "response_format": None,
+    "include_stop_str_in_output": False,
 }
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1)] = 1
     max_tokens: Annotated[int | None, Field(ge=1)] = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     temperature: Annotated[float | None, Field(ge=0)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
     top_k: Annotated[int | None, Field(ge=-1)] = None
     min_p: Annotated[float | None, Field(ge=0, le=1)] = None
+    repetition_penalty: Annotated[float | None, Field(gt=0)] = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
 
@@ -73,7 +85,7 @@ class _Sampling(BaseModel):
     def _refuse_unsupported(self) -> _Sampling:
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in (None, UNSUPPORTED[name]):
-                raise ValueError(f"{name}={value!r} is not supported by the built-in engine yet")
+                raise ValueError(f"{name}={value!r} is not supported by the built-in engine")
         return self
 
 
@@ -105,19 +117,11 @@ class UpdateWeightsRequest(BaseModel):
 
 
 def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
-    app = FastAPI(title="prime-rl inference", docs_url=None, redoc_url=None)
+    app = FastAPI(title="prime-rl inference", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = config.model.name
     tokenizer = engine.tokenizer
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return _error(
-                    401, "missing or wrong API key (send `Authorization: Bearer <key>`)", "authentication_error"
-                )
-        return await call_next(request)
+    http_counts: collections.Counter[tuple[str, int]] = collections.Counter()
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, counts=http_counts)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
@@ -138,7 +142,17 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "step": engine.step, "batches": engine.batches, "requests": engine.requests}
+        return {
+            "status": "ok",
+            "step": engine.step,
+            "running": engine.running,
+            "waiting": engine.waiting,
+            "requests": engine.requests,
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prometheus_text(engine, http_counts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():
@@ -146,41 +160,43 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
         return {"object": "list", "data": [card | {"max_model_len": config.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        _check_model(request.model, model_name)
-        prompts = [_prompt_ids(p, tokenizer, engine.vocab_size) for p in _split_prompts(request.prompt)]
-        params = [_sampling_params(request, len(ids), 16, request.logprobs or 0, config) for ids in prompts]
-        results = await asyncio.gather(*(engine.generate(ids, p) for ids, p in zip(prompts, params, strict=True)))
+    async def completions(body: CompletionRequest, http: Request):
+        _check_model(body.model, model_name)
+        prompts = [_prompt_ids(p, tokenizer, engine.vocab_size) for p in _split_prompts(body.prompt)]
+        params = [_sampling_params(body, len(ids), 16, body.logprobs or 0, config, engine) for ids in prompts]
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            streams = [_open(engine.stream, ids, p) for ids, p in zip(prompts, params, strict=True)]
+            chunks = _completion_chunks(meta, body, prompts, _merge(streams), tokenizer)
+            return _sse(chunks, config.request_timeout)
+        results = await _guarded(http, _generate_all(engine, prompts, params), config.request_timeout)
         choices = []
         for i, (ids, samples) in enumerate(zip(prompts, results, strict=True)):
             for j, sample in enumerate(samples):
                 choice = {
-                    "index": i * request.n + j,
+                    "index": i * body.n + j,
                     "text": sample.text,
                     "logprobs": None,
                     "finish_reason": sample.finish_reason,
                 }
-                if request.logprobs is not None:
-                    choice["logprobs"] = _completion_logprobs(sample, tokenizer, request.return_tokens_as_token_ids)
-                if request.return_token_ids:
+                if body.logprobs is not None:
+                    choice["logprobs"] = _completion_logprobs(sample, tokenizer, body.return_tokens_as_token_ids)
+                if body.return_token_ids:
                     choice |= {"prompt_token_ids": ids, "token_ids": sample.token_ids}
                 choices.append(choice)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": _usage(prompts, results),
-        }
+        return meta | {"object": "text_completion", "choices": choices, "usage": _usage(prompts, results)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        _check_model(request.model, model_name)
-        ids = _chat_prompt_ids(request, tokenizer)
-        top = (request.top_logprobs or 0) if request.logprobs else 0
-        params = _sampling_params(request, len(ids), None, top, config)
-        samples = await engine.generate(ids, params)
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
+        _check_model(body.model, model_name)
+        ids = _chat_prompt_ids(body, tokenizer)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        params = _sampling_params(body, len(ids), None, top, config, engine)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            chunks = _chat_chunks(meta, body, ids, _open(engine.stream, ids, params), tokenizer)
+            return _sse(chunks, config.request_timeout)
+        samples = await _guarded(http, engine.generate(ids, params), config.request_timeout)
         choices = []
         for j, sample in enumerate(samples):
             choice = {
@@ -189,31 +205,24 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
                 "logprobs": None,
                 "finish_reason": sample.finish_reason,
             }
-            if request.logprobs:
-                choice["logprobs"] = {"content": _chat_logprobs(sample, tokenizer, request.return_tokens_as_token_ids)}
-            if request.return_token_ids:
+            if body.logprobs:
+                choice["logprobs"] = {"content": _chat_logprobs(sample, tokenizer, body.return_tokens_as_token_ids)}
+            if body.return_token_ids:
                 choice["token_ids"] = sample.token_ids
             choices.append(choice)
-        response = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": _usage([ids], [samples]),
-        }
-        if request.return_token_ids:
+        response = meta | {"object": "chat.completion", "choices": choices, "usage": _usage([ids], [samples])}
+        if body.return_token_ids:
             response["prompt_token_ids"] = ids
         return response
 
     @app.post("/update_weights")
-    async def update_weights(request: UpdateWeightsRequest):
+    async def update_weights(body: UpdateWeightsRequest):
         start = time.perf_counter()
         try:
-            step = await engine.update_weights(Path(request.weight_dir))
+            step = await engine.update_weights(Path(body.weight_dir))
         except WeightsError as e:
             raise APIError(400, str(e)) from None
-        return {"step": step, "weight_dir": request.weight_dir, "seconds": round(time.perf_counter() - start, 3)}
+        return {"step": step, "weight_dir": body.weight_dir, "seconds": round(time.perf_counter() - start, 3)}
 
     @app.post("/reload_weights")
     async def reload_weights():
@@ -222,6 +231,64 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
         return {"step": step, "seconds": round(time.perf_counter() - start, 3)}
 
     return app
+
+
+class Guard:
+    """ASGI middleware: API key on every route but /health, a bounded body, and per-route status counts.
+
+    The body is read here (at most `max_body_bytes`) and replayed, so an oversized upload is refused with 413
+    before any route parses it, whether or not it declared a Content-Length.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, counts: collections.Counter):
+        self.app, self.api_key, self.max_body_bytes, self.counts = app, api_key, max_body_bytes, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ROUTES else "other"
+        status = {"code": 500}
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, counted_send)
+        finally:
+            self.counts[(path, status["code"])] += 1
+
+    async def _guarded(self, scope, receive, send):
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                message = "missing or wrong API key (send `Authorization: Bearer <key>`)"
+                return await _error(401, message, "authentication_error")(scope, receive, send)
+        too_large = _error(413, f"request body larger than {self.max_body_bytes} bytes")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await too_large(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await too_large(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # later reads wait for the disconnect, which is what routes poll for
+
+        await self.app(scope, replay, send)
 
 
 # ---- request -> engine ----------------------------------------------------------------------------
@@ -258,6 +325,8 @@ def _chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any) -> list[int
         )
     except Exception as e:  # jinja raises its own errors for messages the template rejects
         raise APIError(400, f"cannot apply the chat template: {e}") from None
+    if not isinstance(text, str):
+        raise APIError(400, "the chat template did not produce text for these messages")
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -271,12 +340,17 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
 
 
 def _sampling_params(
-    request: _Sampling, prompt_len: int, default_max_tokens: int | None, top_logprobs: int, config: InferenceConfig
+    request: _Sampling,
+    prompt_len: int,
+    default_max_tokens: int | None,
+    top_logprobs: int,
+    config: InferenceConfig,
+    engine: Engine,
 ) -> SamplingParams:
-    if request.stream:
-        raise APIError(400, "streaming is not supported yet by the built-in engine")
     if prompt_len == 0:
         raise APIError(400, "prompt must contain at least one token")
+    if request.n > engine.max_batch_size:
+        raise APIError(400, f"n={request.n} is more than this server's engine.max_batch_size {engine.max_batch_size}")
     room = config.max_model_len - prompt_len
     max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens or default_max_tokens or room
     if room < 1 or max_tokens > room:
@@ -285,26 +359,177 @@ def _sampling_params(
             f"This model's maximum context length is {config.max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).",
         )
+    stop_ids = request.stop_token_ids or []
+    if any(not 0 <= i < engine.vocab_size for i in stop_ids):
+        raise APIError(400, f"stop_token_ids must be in [0, {engine.vocab_size})")
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     return SamplingParams(
         n=request.n,
         max_tokens=max_tokens,
+        min_tokens=min(request.min_tokens, max_tokens),
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=-1 if request.top_k is None else request.top_k,
         min_p=request.min_p or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
         seed=request.seed,
         stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=request.ignore_eos,
         top_logprobs=top_logprobs,
     )
+
+
+def _http_error(e: BaseException) -> BaseException:
+    """The HTTP error for an engine refusal (also inside a TaskGroup's ExceptionGroup); others pass through."""
+    while isinstance(e, ExceptionGroup):
+        e = e.exceptions[0]
+    if isinstance(e, EngineBusy):
+        return APIError(429, str(e), "rate_limit_error")
+    if isinstance(e, EngineClosed):
+        return APIError(503, str(e), "server_error")
+    return e
+
+
+def _open(fn, *args):
+    """Submit a stream now (so a full queue is a 429 before any bytes are streamed); it is read later."""
+    try:
+        return fn(*args)
+    except (EngineBusy, EngineClosed) as e:
+        raise _http_error(e) from None
+
+
+async def _generate_all(engine: Engine, prompts, params) -> list[list[Sample]]:
+    async with asyncio.TaskGroup() as group:  # one failure cancels the siblings
+        tasks = [group.create_task(engine.generate(ids, p)) for ids, p in zip(prompts, params, strict=True)]
+    return [t.result() for t in tasks]
+
+
+async def _guarded(http: Request, work: Awaitable, timeout: float):
+    """Await `work`; cancel it when the client disconnects (answering nothing) or after `timeout` (504)."""
+
+    async def disconnected() -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.2)
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        try:
+            return task.result()
+        except (EngineBusy, EngineClosed, ExceptionGroup) as e:
+            raise _http_error(e) from None
+    task.cancel()
+    if watcher in done:
+        raise APIError(499, "client disconnected")
+    raise APIError(504, f"generation did not finish within request_timeout={timeout}s", "timeout_error")
+
+
+async def _merge(streams: list[AsyncIterator[list[Delta]]]) -> AsyncIterator[tuple[int, list[Delta]]]:
+    """(prompt index, deltas) from several streams as they come."""
+    if len(streams) == 1:
+        async for deltas in streams[0]:
+            yield 0, deltas
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for deltas in stream:
+                await queue.put((i, deltas))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 # ---- engine -> response ---------------------------------------------------------------------------
 
 
+def _sse(chunks: AsyncIterator[dict[str, Any]], timeout: float) -> StreamingResponse:
+    """Server-sent events in OpenAI's format: `data: <json>` per chunk, then `data: [DONE]`."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except TimeoutError:
+            error = {"message": f"generation did not finish within request_timeout={timeout}s", "code": 504}
+            yield f"data: {json.dumps({'error': error | {'type': 'timeout_error'}})}\n\n"
+        except (EngineClosed, RuntimeError) as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 503}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_chunks(meta, body: CompletionRequest, prompts, merged, tokenizer):
+    """One chunk per choice update (as vLLM streams), then a usage chunk when asked for."""
+    generated = 0
+    async for i, deltas in merged:
+        for d in deltas:
+            choice = {"index": i * body.n + d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            if body.logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(d, tokenizer, body.return_tokens_as_token_ids)
+            if body.return_token_ids:
+                choice |= {"prompt_token_ids": prompts[i], "token_ids": d.token_ids}
+            generated += len(d.token_ids)
+            yield meta | {"object": "text_completion", "choices": [choice]}
+    if (body.stream_options or {}).get("include_usage"):
+        prompt_tokens = sum(len(p) for p in prompts) * body.n
+        yield meta | {"object": "text_completion", "choices": [], "usage": _usage_of(prompt_tokens, generated)}
+
+
+async def _chat_chunks(meta, body: ChatCompletionRequest, prompt_ids, stream, tokenizer):
+    """One chunk per choice update; a choice's first chunk carries the role (and `prompt_token_ids`)."""
+    generated, started = 0, set()
+    meta = meta | {"object": "chat.completion.chunk"}
+    async for deltas in stream:
+        for d in deltas:
+            delta: dict[str, Any] = {"content": d.text}
+            first = d.index not in started
+            if first:
+                started.add(d.index)
+                delta = {"role": "assistant"} | delta
+            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+            if body.logprobs:
+                choice["logprobs"] = {"content": _chat_logprobs(d, tokenizer, body.return_tokens_as_token_ids)}
+            if body.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            generated += len(d.token_ids)
+            chunk = meta | {"choices": [choice]}
+            if body.return_token_ids and first:
+                chunk["prompt_token_ids"] = prompt_ids
+            yield chunk
+    if (body.stream_options or {}).get("include_usage"):
+        yield meta | {"choices": [], "usage": _usage_of(len(prompt_ids), generated)}
+
+
 def _usage(prompts: list[list[int]], results: list[list[Sample]]) -> dict[str, int]:
     prompt_tokens = sum(len(ids) for ids in prompts)
     completion_tokens = sum(len(s.token_ids) for samples in results for s in samples)
+    return _usage_of(prompt_tokens, completion_tokens)
+
+
+def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -316,7 +541,7 @@ def _token_name(token_id: int, tokenizer: Any, as_id: bool) -> str:
     return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id])
 
 
-def _completion_logprobs(sample: Sample, tokenizer: Any, as_ids: bool) -> dict[str, Any]:
+def _completion_logprobs(sample: Sample | Delta, tokenizer: Any, as_ids: bool) -> dict[str, Any]:
     texts = [tokenizer.decode([t]) for t in sample.token_ids]
     offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     tops = []
@@ -334,7 +559,7 @@ def _completion_logprobs(sample: Sample, tokenizer: Any, as_ids: bool) -> dict[s
     }
 
 
-def _chat_logprobs(sample: Sample, tokenizer: Any, as_ids: bool) -> list[dict[str, Any]]:
+def _chat_logprobs(sample: Sample | Delta, tokenizer: Any, as_ids: bool) -> list[dict[str, Any]]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id])
         return {"token": _token_name(token_id, tokenizer, as_ids), "logprob": logprob, "bytes": list(text.encode())}
@@ -344,6 +569,39 @@ def _chat_logprobs(sample: Sample, tokenizer: Any, as_ids: bool) -> list[dict[st
         entry(token, logprob) | {"top_logprobs": [entry(t, lp) for t, lp in top]}
         for token, logprob, top in zip(sample.token_ids, sample.logprobs, alternatives, strict=True)
     ]
+
+
+def prometheus_text(engine: Engine, http_counts: collections.Counter) -> bytes:
+    """The engine's state in Prometheus text format (one fresh registry per scrape, so no global state)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Snapshot:
+        def collect(self):
+            http = CounterMetricFamily(
+                "prime_rl_inference_http_requests", "HTTP requests answered", labels=["route", "status"]
+            )
+            for (route, status), count in sorted(http_counts.items()):
+                http.add_metric([route, str(status)], count)
+            yield http
+            yield CounterMetricFamily(
+                "prime_rl_inference_requests", "generation requests admitted to the batch", value=engine.requests
+            )
+            yield CounterMetricFamily(
+                "prime_rl_inference_generated_tokens", "tokens generated", value=engine.generated_tokens
+            )
+            yield GaugeMetricFamily("prime_rl_inference_running", "sequences being decoded", value=engine.running)
+            yield GaugeMetricFamily("prime_rl_inference_waiting", "requests waiting for a slot", value=engine.waiting)
+            yield GaugeMetricFamily(
+                "prime_rl_inference_tokens_per_second",
+                "generated tokens per second over the last 10 s",
+                value=engine.tokens_per_second(),
+            )
+            yield GaugeMetricFamily("prime_rl_inference_weight_step", "weight step being served", value=engine.step)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot())
+    return generate_latest(registry)
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error") -> JSONResponse:
@@ -356,4 +614,4 @@ def _describe(error: RequestValidationError) -> str:
     for e in error.errors():
         where = ".".join(str(part) for part in e.get("loc", ()))
         problems.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
-    return "invalid request: " + "; ".join(problems)
+    return "invalid request: " + "; ".join(problems)[:2000]

@@ -31,10 +31,12 @@ class EngineConfig(Section):
         Literal["auto", "float32", "bfloat16", "float16"],
         Field(description="weights dtype; auto = float32 on CPU, bfloat16 on CUDA"),
     ] = "auto"
-    max_batch_size: Annotated[int, Field(ge=1, description="most sequences decoded together")] = 64
-    batch_wait_ms: Annotated[
-        float, Field(ge=0, description="how long the batcher waits for more requests before starting a batch")
-    ] = 2.0
+    max_batch_size: Annotated[
+        int, Field(ge=1, description="most sequences decoded together (continuous batching); also the largest n")
+    ] = 64
+    max_waiting: Annotated[
+        int, Field(ge=1, description="most requests waiting for a batch slot; more are answered 429")
+    ] = 1024
 
 
 class ParallelConfig(Section):
@@ -66,6 +68,27 @@ class InferenceConfig(BaseConfig):
         float, Field(gt=0, le=1, description="fraction of GPU memory the engine may use (vLLM)")
     ] = 0.9
     seed: Annotated[int, Field(description="seed for requests that give none")] = 0
+    request_timeout: Annotated[
+        float, Field(gt=0, description="seconds a generation request may take (queue + decode) before a 504")
+    ] = 600.0
+    max_body_bytes: Annotated[int, Field(ge=1024, description="largest request body accepted; larger is a 413")] = (
+        8 * 1024 * 1024
+    )
+    data_parallel_size_local: Annotated[
+        int | None, Field(ge=1, description="vLLM multi-node DP: engine replicas on this node")
+    ] = None
+    data_parallel_address: Annotated[str | None, Field(description="vLLM multi-node DP: address of the head node")] = (
+        None
+    )
+    data_parallel_rpc_port: Annotated[
+        int | None, Field(ge=1, le=65535, description="vLLM multi-node DP: RPC port on the head node")
+    ] = None
+    data_parallel_start_rank: Annotated[
+        int | None, Field(ge=0, description="vLLM multi-node DP: first DP rank on this node")
+    ] = None
+    headless: Annotated[
+        bool, Field(description="vLLM multi-node DP: run engines only, no API server (secondary nodes)")
+    ] = False
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
 
     @model_validator(mode="after")

@@ -33,13 +33,15 @@ def run(config: InferenceConfig) -> None:
 
     backend = resolve_backend(config.backend, vllm_importable(), torch.cuda.is_available())
     if backend == "vllm":
-        raise StartupError("vLLM is installed, but its adapter lands with the vLLM backend work; use --backend builtin")
+        from prime_rl.inference.vllm.server import serve_vllm
+
+        return serve_vllm(config, bind_host(config))
 
     from prime_rl.inference.api import build_app
     from prime_rl.inference.engine import build_engine
 
     e = config.engine
-    engine = build_engine(config.model.name, e.device, e.dtype, e.max_batch_size, e.batch_wait_ms, config.seed)
+    engine = build_engine(config.model.name, e.device, e.dtype, e.max_batch_size, e.max_waiting, config.seed)
     try:
         app = build_app(engine, config)
         ready = f"serving {config.model.name} on {{url}} (backend builtin, device {engine.device.type})"

@@ -1,8 +1,16 @@
-"""The orchestrator's side of the inference HTTP API (DESIGN §4): health, chat sampling, weight updates.
+"""The orchestrator's side of the inference HTTP API (DESIGN §4): a pool of servers, sampling, weight updates.
 
-Requests go round-robin over `client.base_url` (each ending in `/v1`; `/health` and `/update_weights`
-live at the server root), at most `max_concurrency` at once. Connection errors, 5xx and 429 are retried
-with exponential backoff; anything else raises `InferenceError` naming the URL and the server's answer.
+`client.base_url` lists one or more servers (each ending in `/v1`; `/health` and `/update_weights` live at
+the server root), optionally weighted by `client.weights`: weights 2,1,1 send 50/25/25% of the requests.
+Servers are picked by smooth weighted round-robin (nginx's), which hits the shares exactly rather than on
+average: with weights a=2, b=1, c=1 every four requests go a, b, a, c.
+
+Each server takes at most `max_concurrency` requests at once. Connection errors, 5xx and 429 are retried
+on the same server with exponential backoff; when its retries run out the server is taken out of the
+pool (logged) and the request goes to another live server. Only when no server is left does a request
+fail. A removed server is probed at the next step's health check and rejoins once it answers (it is then
+brought to the pool's weights before sampling). Anything else (4xx, malformed JSON) raises
+`InferenceError` naming the URL and the server's answer.
 
 Completions come back as token ids (never re-tokenized text): the response's `prompt_token_ids`, each
 choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token_id:<id>`.
@@ -11,11 +19,10 @@ choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -26,10 +33,15 @@ logger = logging.getLogger("prime_rl")
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 BACKOFF = 0.5  # seconds before the first retry; doubles each time
+PROBE_TIMEOUT = 2.0  # seconds a removed server gets to answer /health at a step start
 
 
 class InferenceError(RuntimeError):
     """An inference server was unreachable or answered something unusable; the message names the URL."""
+
+
+class ServerDown(InferenceError):
+    """One server failed transiently on every retry; the pool takes it out and tries another."""
 
 
 @dataclass
@@ -40,6 +52,18 @@ class Completion:
     text: str
     finish_reason: str
     weight_step: int  # the policy step the server held when it sampled this
+
+
+@dataclass
+class Server:
+    base: str  # .../v1
+    weight: float
+    slots: asyncio.Semaphore
+    step: int = 0  # the weight step it holds, from /health and /update_weights
+    alive: bool = True
+    current: float = 0.0  # smooth weighted round-robin state
+    requests: int = 0  # generation requests sent (for metrics and tests)
+    errors: list[str] = field(default_factory=list)
 
 
 def server_root(base_url: str) -> str:
@@ -55,6 +79,15 @@ def parse_token_id(token: str) -> int:
     return int(value)
 
 
+def _check_ids(choice: dict, logprob_ids: list[int]) -> list[int]:
+    ids = choice.get("token_ids")
+    if ids is None:
+        return logprob_ids
+    if list(ids) != logprob_ids:
+        raise ValueError(f"choice {choice['index']}: token_ids disagree with the logprob tokens")
+    return list(ids)
+
+
 def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str]]:
     """(prompt_ids, completion_ids, logprobs, text, finish_reason) per choice of a chat completion."""
     prompt_ids = data.get("prompt_token_ids")
@@ -65,26 +98,40 @@ def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[flo
         content = (choice.get("logprobs") or {}).get("content")
         if content is None:
             raise ValueError(f"choice {choice['index']} has no logprobs.content")
-        logprob_ids = [parse_token_id(t["token"]) for t in content]
-        ids = choice.get("token_ids")
-        if ids is None:
-            ids = logprob_ids
-        elif list(ids) != logprob_ids:
-            raise ValueError(f"choice {choice['index']}: token_ids disagree with the logprob tokens")
+        ids = _check_ids(choice, [parse_token_id(t["token"]) for t in content])
         text = (choice.get("message") or {}).get("content") or ""
-        out.append((list(prompt_ids), list(ids), [float(t["logprob"]) for t in content], text, choice["finish_reason"]))
+        out.append((list(prompt_ids), ids, [float(t["logprob"]) for t in content], text, choice["finish_reason"]))
+    return out
+
+
+def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str]]:
+    """The same for /v1/completions, whose logprobs are {"tokens": [...], "token_logprobs": [...]}."""
+    out = []
+    for choice in sorted(data["choices"], key=lambda c: c["index"]):
+        prompt_ids = choice.get("prompt_token_ids")
+        if not isinstance(prompt_ids, list):
+            raise ValueError("choice lacks prompt_token_ids (the server must support return_token_ids)")
+        logprobs = choice.get("logprobs") or {}
+        tokens, token_logprobs = logprobs.get("tokens"), logprobs.get("token_logprobs")
+        if tokens is None or token_logprobs is None:
+            raise ValueError(f"choice {choice['index']} has no logprobs.tokens / token_logprobs")
+        ids = _check_ids(choice, [parse_token_id(t) for t in tokens])
+        text = choice.get("text") or ""
+        out.append((list(prompt_ids), ids, [float(x) for x in token_logprobs], text, choice["finish_reason"]))
     return out
 
 
 class InferenceClient:
-    """Async client for one or more inference servers. Use as `async with InferenceClient(...) as client:`."""
+    """Async client for a pool of inference servers. Use as `async with InferenceClient(...) as client:`."""
 
     def __init__(self, config: ClientConfig, model: str, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
         self.model = model
-        self.base_urls = [url.rstrip("/") for url in config.base_url]
-        # The weight step each server holds, from /health and /update_weights; stamped on every completion.
-        self.steps: dict[str, int] = {url: 0 for url in self.base_urls}
+        weights = config.weights or [1.0] * len(config.base_url)
+        self.servers = [
+            Server(url.rstrip("/"), float(w), asyncio.Semaphore(config.max_concurrency))
+            for url, w in zip(config.base_url, weights, strict=True)
+        ]
         headers = {}
         api_key = os.environ.get(config.api_key_var, "") if config.api_key_var else ""
         if api_key:
@@ -93,10 +140,48 @@ class InferenceClient:
             timeout=config.timeout,
             headers=headers,
             transport=transport,
-            limits=httpx.Limits(max_connections=config.max_concurrency),
+            limits=httpx.Limits(max_connections=config.max_concurrency * len(self.servers)),
         )
-        self._slots = asyncio.Semaphore(config.max_concurrency)
-        self._turn = itertools.count()
+
+    # ---- pool bookkeeping -------------------------------------------------------------------------
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [s.base for s in self.servers]
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """The weight step each server holds (stamped on every completion)."""
+        return {s.base: s.step for s in self.servers}
+
+    @steps.setter
+    def steps(self, value: dict[str, int]) -> None:
+        for s in self.servers:
+            s.step = value[s.base]
+
+    def live(self) -> list[Server]:
+        return [s for s in self.servers if s.alive]
+
+    def pick(self) -> Server:
+        """Smooth weighted round-robin over the live servers (see the module docstring)."""
+        live = self.live()
+        if not live:
+            raise InferenceError(f"no live inference server left (all of {self.base_urls} were taken out)")
+        total = sum(s.weight for s in live)
+        for s in live:
+            s.current += s.weight
+        chosen = max(live, key=lambda s: s.current)
+        chosen.current -= total
+        return chosen
+
+    def take_out(self, server: Server, problem: str) -> None:
+        if server.alive:
+            server.alive = False
+            server.errors.append(problem)
+            left = [s.base for s in self.live()]
+            logger.warning(
+                f"inference server {server.base} is down, taking it out of the pool ({problem}); left: {left}"
+            )
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -107,16 +192,24 @@ class InferenceClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, url: str, body: dict | None = None) -> dict:
-        """One JSON request with retries on transient failures; InferenceError names the URL otherwise."""
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def _request(self, method: str, url: str, body: dict | None = None, server: Server | None = None) -> dict:
+        """One JSON request with retries on transient failures.
+
+        Raises ServerDown when the retries ran out on transient failures, InferenceError otherwise.
+        """
         attempts = self.config.max_retries + 1
         problem = ""
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(BACKOFF * 2 ** (attempt - 1))
             try:
-                async with self._slots:
+                if server is None:
                     response = await self._http.request(method, url, json=body)
+                else:
+                    async with server.slots:
+                        response = await self._http.request(method, url, json=body)
             except httpx.TimeoutException as e:
                 # A server that took longer than `client.timeout` is not transiently down; retrying would
                 # only multiply the wait.
@@ -125,7 +218,7 @@ class InferenceClient:
                 problem = f"connect timeout ({e})"
                 continue
             except httpx.TransportError as e:
-                problem = f"{type(e).__name__}: {e}"
+                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 continue
             if response.status_code in RETRY_STATUS:
                 problem = f"HTTP {response.status_code}: {response.text[:300]}"
@@ -136,24 +229,78 @@ class InferenceClient:
                 return response.json()
             except ValueError:
                 raise InferenceError(f"{method} {url} answered non-JSON: {response.text[:300]!r}") from None
-        raise InferenceError(f"{method} {url} failed after {attempts} attempt(s): {problem}")
+        raise ServerDown(f"{method} {url} failed after {attempts} attempt(s): {problem}")
 
-    async def _health(self, base: str) -> int:
-        data = await self._request("GET", f"{server_root(base)}/health")
-        self.steps[base] = int(data.get("step", 0))
-        return self.steps[base]
+    async def _generate(self, path: str, body: dict, parse) -> list[Completion]:
+        """POST `body` to the next live server; on ServerDown take that server out and go to another."""
+        while True:
+            server = self.pick()
+            url = f"{server.base}{path}"
+            weight_step = server.step
+            server.requests += 1
+            try:
+                data = await self._request("POST", url, body, server)
+            except ServerDown as e:
+                self.take_out(server, str(e))
+                if not self.live():
+                    raise InferenceError(f"{e}; no live inference server left") from None
+                continue
+            try:
+                choices = parse(data)
+            except (KeyError, TypeError, ValueError) as e:
+                raise InferenceError(f"POST {url} returned a malformed completion: {e}") from None
+            if len(choices) != body["n"]:
+                raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={body['n']}")
+            return [Completion(*choice, weight_step=weight_step) for choice in choices]
+
+    def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "n": n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    async def chat(
+        self, messages: list[dict[str, str]], n: int, sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Completion]:
+        """`n` samples for one chat prompt from the next server in turn."""
+        body = self._sampling_body(n, sampling, seed) | {"messages": messages, "logprobs": True}
+        return await self._generate("/chat/completions", body, parse_chat_response)
+
+    async def complete(
+        self, prompt: str | list[int], n: int, sampling: SamplingConfig, seed: int | None = None, max_tokens: int = 0
+    ) -> list[Completion]:
+        """`n` samples continuing a text or token-id prompt (/v1/completions)."""
+        body = self._sampling_body(n, sampling, seed) | {"prompt": prompt, "logprobs": 0}
+        if max_tokens:
+            body["max_tokens"] = max_tokens
+        return await self._generate("/completions", body, parse_completion_response)
+
+    # ---- health and weights -----------------------------------------------------------------------
+
+    async def _health(self, server: Server) -> int:
+        data = await self._request("GET", f"{server_root(server.base)}/health")
+        server.step = int(data.get("step", 0))
+        return server.step
 
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
         """Poll every server's /health until all answer 200; return the weight step each holds."""
         deadline = time.monotonic() + timeout
-        for base in self.base_urls:
-            url = f"{server_root(base)}/health"
+        for server in self.servers:
+            url = f"{server_root(server.base)}/health"
             delay = 0.2
             while True:
                 try:
                     response = await self._http.get(url, timeout=min(10.0, self.config.timeout))
                     if response.status_code == 200:
-                        self.steps[base] = int(response.json().get("step", 0))
+                        server.step = int(response.json().get("step", 0))
                         break
                     problem = f"HTTP {response.status_code}"
                 except (httpx.TransportError, ValueError) as e:
@@ -165,48 +312,56 @@ class InferenceClient:
                     )
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 2.0)
-            logger.info(f"inference server {base} is up (weight step {self.steps[base]})")
-        return dict(self.steps)
+            logger.info(f"inference server {server.base} is up (weight step {server.step})")
+        return self.steps
+
+    async def _probe(self, server: Server) -> None:
+        """One quick /health of a removed server; it rejoins the pool if it answers."""
+        try:
+            response = await self._http.get(f"{server_root(server.base)}/health", timeout=PROBE_TIMEOUT)
+            if response.status_code == 200:
+                server.step = int(response.json().get("step", 0))
+                server.alive = True
+                server.current = 0.0
+                logger.info(f"inference server {server.base} answers again; back in the pool (step {server.step})")
+        except (httpx.TransportError, ValueError):
+            pass
 
     async def server_step(self) -> int:
-        """The oldest weight step any server holds (every server is asked)."""
-        steps = await asyncio.gather(*(self._health(base) for base in self.base_urls))
-        return min(steps)
+        """The oldest weight step any live server holds (every server is asked; dead ones are probed)."""
 
-    async def chat(self, messages: list[dict[str, str]], n: int, sampling: SamplingConfig) -> list[Completion]:
-        """`n` samples for one prompt from the next server in turn."""
-        base = self.base_urls[next(self._turn) % len(self.base_urls)]
-        url = f"{base}/chat/completions"
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "n": n,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "logprobs": True,
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-        }
-        weight_step = self.steps[base]
-        data = await self._request("POST", url, body)
-        try:
-            choices = parse_chat_response(data)
-        except (KeyError, TypeError, ValueError) as e:
-            raise InferenceError(f"POST {url} returned a malformed chat completion: {e}") from None
-        if len(choices) != n:
-            raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={n}")
-        return [Completion(*choice, weight_step=weight_step) for choice in choices]
+        async def check(server: Server) -> None:
+            if not server.alive:
+                return await self._probe(server)
+            try:
+                await self._health(server)
+            except ServerDown as e:
+                self.take_out(server, str(e))
+
+        await asyncio.gather(*(check(s) for s in self.servers))
+        live = self.live()
+        if not live:
+            raise InferenceError(f"no live inference server left (all of {self.base_urls} failed /health)")
+        return min(s.step for s in live)
 
     async def update_weights(self, weight_dir: str) -> int:
-        """Load `weight_dir` on every server (all must succeed); return the step they now serve."""
+        """Load `weight_dir` on every live server; return the step they now serve.
 
-        async def one(base: str) -> int:
-            data = await self._request("POST", f"{server_root(base)}/update_weights", {"weight_dir": weight_dir})
-            self.steps[base] = int(data["step"])
-            return self.steps[base]
+        A server that is down is taken out (the others carry on); any other failure is an error.
+        """
 
-        steps = await asyncio.gather(*(one(base) for base in self.base_urls))
+        async def one(server: Server) -> None:
+            try:
+                url = f"{server_root(server.base)}/update_weights"
+                data = await self._request("POST", url, {"weight_dir": weight_dir})
+            except ServerDown as e:
+                return self.take_out(server, str(e))
+            server.step = int(data["step"])
+
+        await asyncio.gather(*(one(s) for s in self.live()))
+        steps = [s.step for s in self.live()]
+        if not steps:
+            raise InferenceError(f"no live inference server left to load {weight_dir}")
         if len(set(steps)) != 1:
             raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
         return steps[0]

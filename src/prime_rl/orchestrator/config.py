@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,11 +14,15 @@ class ClientConfig(Section):
     base_url: Annotated[
         list[str], Field(min_length=1, description="OpenAI-compatible base URL(s) of the inference server(s)")
     ] = ["http://localhost:8000/v1"]
+    weights: Annotated[
+        list[float] | None,
+        Field(description="relative share of requests per base_url (e.g. 2,1,1 = 50/25/25%); unset = equal"),
+    ] = None
     api_key_var: Annotated[
         str, Field(description="name of the env var holding the inference API key (unset var = no key)")
     ] = "INFERENCE_SERVER_API_KEY"
     timeout: Annotated[float, Field(gt=0, description="seconds before one HTTP request is abandoned")] = 600.0
-    max_concurrency: Annotated[int, Field(ge=1, description="most requests in flight at once")] = 64
+    max_concurrency: Annotated[int, Field(ge=1, description="most requests in flight at once per server")] = 64
     max_retries: Annotated[
         int, Field(ge=0, description="retries of a request after a connection error, 5xx or 429 (with backoff)")
     ] = 3
@@ -26,17 +30,48 @@ class ClientConfig(Section):
         float, Field(gt=0, description="seconds to wait at start for every server's /health to answer 200")
     ] = 600.0
 
+    @model_validator(mode="after")
+    def _weights_match(self) -> ClientConfig:
+        if self.weights is not None:
+            if len(self.weights) != len(self.base_url):
+                raise ValueError(f"client.weights has {len(self.weights)} entries for {len(self.base_url)} base_url(s)")
+            if any(w <= 0 for w in self.weights):
+                raise ValueError(f"client.weights must all be > 0, got {self.weights}")
+        return self
+
 
 class SamplingConfig(Section):
     temperature: Annotated[float, Field(gt=0, description="sampling temperature")] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass")] = 1.0
-    max_tokens: Annotated[int, Field(ge=1, description="most completion tokens per rollout")] = 128
+    max_tokens: Annotated[int, Field(ge=1, description="most completion tokens per model turn")] = 128
+    seed: Annotated[
+        int | None, Field(description="seed for per-request sampling seeds (reproducible sampling); unset = none")
+    ] = None
 
 
 class AdvantageConfig(Section):
     std_norm: Annotated[
         bool, Field(description="divide each group's advantages by the group's reward std (GRPO-style)")
     ] = False
+    truncated: Annotated[
+        Literal["keep", "mask", "zero_reward"],
+        Field(description="completions cut at max_tokens: keep as is, mask from the loss, or give reward 0"),
+    ] = "keep"
+    skip_zero_advantage: Annotated[
+        bool,
+        Field(description="drop groups whose advantages are all zero and sample new prompts to refill the batch"),
+    ] = False
+    max_rounds: Annotated[
+        int,
+        Field(ge=1, description="most sampling rounds per step when refilling skipped groups (then keep them)"),
+    ] = 8
+
+
+class WandbConfig(Section):
+    project: Annotated[str, Field(description="W&B project")] = "prime-rl"
+    name: Annotated[str | None, Field(description="W&B run name; unset = W&B's default")] = None
+    entity: Annotated[str | None, Field(description="W&B entity (team or user); unset = your default")] = None
+    offline: Annotated[bool, Field(description="log offline (sync later with `wandb sync`)")] = False
 
 
 class EnvConfig(Section):
@@ -60,6 +95,9 @@ class OrchestratorConfig(BaseConfig):
     seed: Annotated[int, Field(description="seed for the data order")] = 0
     sampling: Annotated[SamplingConfig, Field(description="sampling parameters")] = SamplingConfig()
     env: Annotated[EnvConfig, Field(description="the training environment")] = EnvConfig()
+    max_turns: Annotated[
+        int | None, Field(ge=1, description="most model turns of a multi-turn episode; unset = the env's max_turns")
+    ] = None
     client: Annotated[ClientConfig, Field(description="inference client")] = ClientConfig()
     advantage: Annotated[AdvantageConfig, Field(description="advantage computation")] = AdvantageConfig()
     weights_timeout: Annotated[
@@ -70,6 +108,12 @@ class OrchestratorConfig(BaseConfig):
     ] = 120.0
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+    wandb: Annotated[
+        WandbConfig | None, Field(description="also log metrics to W&B (needs `uv sync --extra wandb`)")
+    ] = None
+    progress: Annotated[
+        bool | None, Field(description="live progress line on the terminal; unset = only when stderr is a tty")
+    ] = None
 
     @model_validator(mode="after")
     def _batch_divides(self) -> OrchestratorConfig:

@@ -1,34 +1,45 @@
 """The `orchestrator` entrypoint: environment → rollouts → advantages → packed rank files (DESIGN §3, §6).
 
 For each step n:
-1. `wait_for_policy`: make sure the servers sample from weights no older than n - async_level (waiting
-   for the trainer's `weights/step_k/STABLE` and relaying it with POST /update_weights).
-2. `generate_rollouts`: batch_size / rollouts_per_example prompts, each sampled rollouts_per_example times.
-3. `score` + `compute_advantages`: rewards, then reward minus the group mean per prompt.
-4. `pack_micro_batches` + `write_rank_files`: one atomically written `rollouts/step_n/rank_r.pt` per rank.
-5. one metrics line and one INFO line.
+1. `save_checkpoint` at checkpoint steps (progress when about to produce step n, with the trainer's cadence).
+2. `wait_for_policy`: every live server must sample from weights no older than n - async_level (waiting
+   for the trainer's `weights/step_k/STABLE` and relaying it with POST /update_weights to every server
+   before any of the step's requests start). So the orchestrator runs up to async_level steps ahead of
+   the trainer; async_level 0 is on-policy. Each rollout records the weight step that sampled it.
+3. `generate_batch`: batch_size / rollouts_per_example examples, each sampled rollouts_per_example times
+   and scored; with advantage.skip_zero_advantage, groups whose rewards are all equal are replaced by
+   fresh examples (up to advantage.max_rounds rounds), so the batch is always exactly batch_size rollouts.
+4. `build_samples` + `pack_micro_batches` + `write_rank_files`: one atomic `rollouts/step_n/rank_r.pt`
+   per trainer rank.
+5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B), one INFO line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import statistics
 import time
 from collections.abc import Iterator
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from prime_rl.orchestrator.advantage import compute_advantages
-from prime_rl.orchestrator.client import Completion, InferenceClient, InferenceError
+from prime_rl.orchestrator.advantage import apply_truncation, group_advantages, is_zero
+from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint, should_save
+from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError, Environment, Example, load_environment
 from prime_rl.orchestrator.packing import SampleTooLong, make_sample, pack_micro_batches
+from prime_rl.orchestrator.rollout import Group, RolloutSource, load_tokenizer
+from prime_rl.orchestrator.sinks import ProgressLine, SinkError, build_wandb
 from prime_rl.protocol import (
     Heartbeat,
     WaitTimeout,
     WriterDead,
+    list_steps,
+    rollout_step_dir,
+    rollouts_dir,
     stable_steps,
     wait_for_weights,
     weights_dir,
@@ -42,25 +53,42 @@ from prime_rl.utils.timer import timer
 logger = logging.getLogger("prime_rl")
 
 
+class DataStream:
+    """The environment's example stream with a position, so a resumed run continues with unseen examples."""
+
+    def __init__(self, env: Environment, seed: int, skip: int = 0):
+        self._examples: Iterator[Example] = env.examples(seed)
+        self.drawn = 0
+        for _ in range(skip):
+            self.next()
+
+    def next(self) -> Example:
+        try:
+            example = next(self._examples)
+        except StopIteration:
+            raise EnvError(f"the environment's examples ran out after {self.drawn}; examples() must not end") from None
+        self.drawn += 1
+        return example
+
+    def take(self, k: int) -> list[Example]:
+        return [self.next() for _ in range(k)]
+
+
 @dataclass
-class Group:
-    """The rollouts of one prompt: the unit over which advantages are computed."""
-
-    example: Example
-    completions: list[Completion]
-
-
-@dataclass
-class Rollouts:
+class Batch:
     groups: list[Group]
+    advantages: list[list[float]]
+    skipped: int = 0  # zero-advantage groups replaced by fresh examples
+    rounds: int = 1
+    times: dict[str, float] = field(default_factory=dict)
 
     @property
-    def completions(self) -> list[Completion]:
-        return [c for g in self.groups for c in g.completions]
+    def rollouts(self):
+        return [r for g in self.groups for r in g.rollouts]
 
 
 async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int) -> int:
-    """Ensure every server holds weights step >= step - async_level; return the step they hold."""
+    """Ensure every live server holds weights step >= step - async_level; return the oldest step held."""
     need = max(0, step - config.async_level)
     current = await client.server_step()
     if current >= need:
@@ -79,30 +107,66 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     return loaded
 
 
-async def generate_rollouts(
-    client: InferenceClient, examples: Iterator[Example], config: OrchestratorConfig
-) -> Rollouts:
-    """Sample rollouts_per_example completions for each of the step's prompts, all requests in flight at once."""
-    num_prompts = config.batch_size // config.rollouts_per_example
-    batch = list(itertools.islice(examples, num_prompts))
-    if len(batch) < num_prompts:
-        raise EnvError(f"environment {config.env.id!r} ran out of examples ({len(batch)} of {num_prompts} needed)")
-    results = await asyncio.gather(
-        *(client.chat(example.prompt, config.rollouts_per_example, config.sampling) for example in batch)
-    )
-    return Rollouts([Group(example, completions) for example, completions in zip(batch, results, strict=True)])
+async def generate_batch(
+    client: InferenceClient,
+    source: RolloutSource,
+    data: DataStream,
+    config: OrchestratorConfig,
+    rng,
+    progress: ProgressLine,
+) -> Batch:
+    """Exactly batch_size / rollouts_per_example scored groups with their advantages."""
+    need = config.batch_size // config.rollouts_per_example
+    adv = config.advantage
+    kept: list[tuple[Group, list[float]]] = []
+    zero: list[tuple[Group, list[float]]] = []
+    batch = Batch([], [], rounds=0)
+    while len(kept) < need and batch.rounds < adv.max_rounds:
+        batch.rounds += 1
+        examples = data.take(need - len(kept))
+        seeds = [None if config.sampling.seed is None else rng.randrange(2**31) for _ in examples]
+
+        async def sample_and_score(example: Example, seed: int | None) -> Group:
+            # Each group is scored as soon as it arrives, while the server is still busy with the others.
+            group = await source.group(client, example, config.rollouts_per_example, seed)
+            with timer(batch.times, "score"):
+                source.score([group])
+            return group
+
+        with timer(batch.times, "generate"):
+            groups = await progress.track([sample_and_score(ex, s) for ex, s in zip(examples, seeds, strict=True)])
+        with timer(batch.times, "advantage"):
+            for group in groups:
+                rewards = apply_truncation(
+                    [r.reward for r in group.rollouts], [r.truncated for r in group.rollouts], adv.truncated
+                )
+                advantages = group_advantages(rewards, adv.std_norm)
+                if adv.skip_zero_advantage and is_zero(advantages):
+                    zero.append((group, advantages))
+                else:
+                    kept.append((group, advantages))
+        if not adv.skip_zero_advantage:
+            break
+    fill = zero[: max(0, need - len(kept))]
+    if fill:
+        logger.warning(
+            f"only {len(kept)} of {need} groups had a learning signal after {batch.rounds} round(s); "
+            f"filling the batch with {len(fill)} zero-advantage group(s)"
+        )
+    kept += fill
+    batch.skipped = len(zero) - len(fill)
+    batch.groups = [g for g, _ in kept]
+    batch.advantages = [a for _, a in kept]
+    return batch
 
 
-def score(env: Environment, rollouts: Rollouts) -> list[list[float]]:
-    return [[float(env.score(c.text, g.example)) for c in g.completions] for g in rollouts.groups]
-
-
-def build_samples(rollouts: Rollouts, advantages: list[list[float]]) -> list[dict]:
-    return [
-        make_sample(c.prompt_ids, c.completion_ids, c.logprobs, a)
-        for g, group_advantages in zip(rollouts.groups, advantages, strict=True)
-        for c, a in zip(g.completions, group_advantages, strict=True)
-    ]
+def build_samples(batch: Batch, truncated: str) -> list[dict]:
+    samples = []
+    for group, advantages in zip(batch.groups, batch.advantages, strict=True):
+        for r, a in zip(group.rollouts, advantages, strict=True):
+            mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
+            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask))
+    return samples
 
 
 def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list) -> None:
@@ -112,48 +176,95 @@ def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list) -> N
         write_rank_file(config.output_dir, step, rank, micro_batches)
 
 
-def step_metrics(rollouts: Rollouts, rewards: list[list[float]], times: dict[str, float], step: int) -> dict:
-    completions = rollouts.completions
-    flat = [r for group in rewards for r in group]
-    seq_lens = [len(c.prompt_ids) + len(c.completion_ids) for c in completions]
-    weight_step = min(c.weight_step for c in completions)
+def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, Any]:
+    rollouts = batch.rollouts
+    rewards = [r.reward for r in rollouts]
+    group_rewards = [[r.reward for r in g.rollouts] for g in batch.groups]
+    best = max(rewards)
+    seq_lens = [r.num_tokens for r in rollouts]
+    model_tokens = [sum(r.completion_mask) for r in rollouts]
+    weight_steps = [r.weight_step for r in rollouts]
+    gaps = [step - w for w in weight_steps]
     tokens = sum(seq_lens)
-    return {
-        "reward_mean": statistics.fmean(flat),
-        "reward_std": statistics.pstdev(flat),
+    # Scoring overlaps generation (see generate_batch), so time_score is not part of this sum.
+    generation = times.get("generate", 0.0) + times.get("wait_weights", 0.0)
+    metrics: dict[str, Any] = {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        # Share of groups that solved the task in every rollout / in none (reward at the max 1.0, or 0).
+        "solve_all": statistics.fmean(all(x >= max(1.0, best) for x in g) for g in group_rewards),
+        "solve_none": statistics.fmean(all(x <= 0.0 for x in g) for g in group_rewards),
         "seq_len_mean": statistics.fmean(seq_lens),
-        "completion_len_mean": statistics.fmean(len(c.completion_ids) for c in completions),
-        "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "weight_step": weight_step,
-        "off_policy_gap": step - weight_step,
+        "seq_len_max": max(seq_lens),
+        "completion_len_mean": statistics.fmean(model_tokens),
+        "completion_len_max": max(model_tokens),
+        "turns_mean": statistics.fmean(r.turns for r in rollouts),
+        "truncated_fraction": statistics.fmean(r.truncated for r in rollouts),
+        "weight_step": min(weight_steps),
+        "weight_step_max": max(weight_steps),
+        "off_policy_gap": max(gaps),
+        "off_policy_gap_mean": statistics.fmean(gaps),
+        "skipped_groups": batch.skipped,
+        "sample_rounds": batch.rounds,
+        "samples": len(rollouts),
         "tokens": tokens,
         "tokens_per_s": tokens / max(times["step"], 1e-9),
+        "overhead_fraction": max(0.0, times["step"] - generation) / max(times["step"], 1e-9),
         **{f"time_{key}": value for key, value in times.items()},
     }
+    for name in sorted({k for r in rollouts for k in r.metrics}):
+        values = [r.metrics[name] for r in rollouts if name in r.metrics]
+        metrics[f"reward/{name}"] = statistics.fmean(values)
+    return metrics
+
+
+def checkpoint(
+    config: OrchestratorConfig, state: Progress, step: int, data: DataStream, rng, resumed: Progress | None
+) -> None:
+    """Record the progress before producing `step`; saved at checkpoint steps (not the one resumed from)."""
+    state.step, state.examples_drawn, state.rng_state = step, data.drawn, rng.getstate()
+    if should_save(config.ckpt, step, config.max_steps) and (resumed is None or step != resumed.step):
+        save_checkpoint(config.output_dir, state, config.ckpt.keep)
+
+
+def drop_stale_rollouts(config: OrchestratorConfig, start: int) -> None:
+    """On resume, rollouts of steps >= start from the interrupted run must not reach the trainer."""
+    for step in list_steps(rollouts_dir(config.output_dir)):
+        if step >= start:
+            import shutil
+
+            shutil.rmtree(rollout_step_dir(config.output_dir, step), ignore_errors=True)
 
 
 async def orchestrate(config: OrchestratorConfig) -> None:
     env = load_environment(config.env.id, **config.env.args)
-    examples = env.examples(config.seed)
+    resumed = load_checkpoint(config.output_dir, config.ckpt.resume_step if config.ckpt else None)
+    state = resumed or Progress()
+    if resumed is not None:
+        drop_stale_rollouts(config, state.step)
+    data = DataStream(env, config.seed, skip=state.examples_drawn)
+    rng = new_rng(config.seed, resumed)
+    source = RolloutSource(env, config.env.id, config.sampling, config.seq_len, load_tokenizer(env, config.model.name),
+                           config.max_turns)  # fmt: skip
+    wandb = build_wandb(config)
+    progress = ProgressLine(config.progress, config.max_steps)
     async with InferenceClient(config.client, config.model.name) as client:
-        with closing(MetricsWriter(config.output_dir, "orchestrator")) as metrics:
+        with closing(MetricsWriter(config.output_dir, "orchestrator")) as metrics, closing(wandb), closing(progress):
             with Heartbeat(config.output_dir, "orchestrator") as heartbeat:
                 await client.wait_for_servers(config.client.health_timeout)
-                for step in range(config.max_steps):
-                    heartbeat.step = step
+                for step in range(state.step, config.max_steps):
+                    heartbeat.step = progress.step = step
+                    checkpoint(config, state, step, data, rng, resumed)
                     times: dict[str, float] = {}
                     start = time.perf_counter()
 
                     with timer(times, "wait_weights"):
                         await wait_for_policy(client, config, step)
-                    with timer(times, "generate"):
-                        rollouts = await generate_rollouts(client, examples, config)
-                    with timer(times, "score"):
-                        rewards = score(env, rollouts)
-                    advantages = compute_advantages(rewards, config.advantage.std_norm)
+                    batch = await generate_batch(client, source, data, config, rng, progress)
+                    times |= batch.times
                     with timer(times, "pack"):
                         per_rank = pack_micro_batches(
-                            build_samples(rollouts, advantages),
+                            build_samples(batch, config.advantage.truncated),
                             config.seq_len,
                             config.num_train_workers,
                             config.sampling.temperature,
@@ -162,13 +273,20 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                         write_rank_files(config, step, per_rank)
 
                     times["step"] = time.perf_counter() - start
-                    m = step_metrics(rollouts, rewards, times, step)
+                    m = step_metrics(batch, times, step)
+                    state.total_samples += m["samples"]
+                    state.total_tokens += m["tokens"]
+                    m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}
                     metrics.log(step, m)
+                    wandb.log(step, m)
+                    progress.clear()
                     logger.info(
                         f"step {step} | reward {m['reward_mean']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
-                        f"weight_step {m['weight_step']} | {times['step']:.2f}s"
+                        f"weight_step {m['weight_step']} (gap {m['off_policy_gap']}) | "
+                        f"gen {times['generate']:.2f}s wait {times['wait_weights']:.2f}s | {times['step']:.2f}s"
                     )
                     logger.debug(f"step {step} metrics: {m}")
+                checkpoint(config, state, config.max_steps, data, rng, resumed)
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
 
 
@@ -185,7 +303,7 @@ def main() -> None:
     write_run_config(config, "orchestrator", config.output_dir)
     try:
         run(config)
-    except (WaitTimeout, WriterDead, InferenceError, EnvError, SampleTooLong) as e:
+    except (WaitTimeout, WriterDead, InferenceError, EnvError, SampleTooLong, SinkError, CheckpointError) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

@@ -1,7 +1,7 @@
 """From scored rollouts to the micro batches each trainer rank receives (DESIGN §2, rank file).
 
-1. `make_sample`: one rollout becomes one sample: prompt + completion tokens, the loss mask (completion
-   only), the rollout's advantage on every completion token and the sampler's logprobs (μ) there.
+1. `make_sample`: one rollout becomes one sample: prompt + completion tokens, the loss mask (sampled
+   completion tokens only), the rollout's advantage on those tokens and the sampler's logprobs (μ) there.
 2. `first_fit_decreasing`: samples are packed into rows of at most `seq_len` tokens. Longest first, each
    sample goes into the first row with room, else opens a new row. Lengths [5, 2, 7, 3, 4], seq_len 10:
 
@@ -33,16 +33,29 @@ class SampleTooLong(ValueError):
     """A rollout does not fit in one micro batch row."""
 
 
-def make_sample(prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], advantage: float) -> dict:
-    """One rollout as the per-token lists that `MicroBatch.pack` lays end to end."""
+def make_sample(
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    logprobs: list[float],
+    advantage: float,
+    completion_mask: list[bool] | None = None,
+) -> dict:
+    """One rollout as the per-token lists that `MicroBatch.pack` lays end to end.
+
+    `completion_mask` marks the completion tokens the model sampled (default: all of them); env replies
+    of multi-turn rollouts are part of the completion but masked, and carry no advantage.
+    """
     if len(logprobs) != len(completion_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(completion_ids)} completion tokens")
-    n_prompt, n_completion = len(prompt_ids), len(completion_ids)
+    mask = [True] * len(completion_ids) if completion_mask is None else [bool(m) for m in completion_mask]
+    if len(mask) != len(completion_ids):
+        raise ValueError(f"{len(mask)} mask entries for {len(completion_ids)} completion tokens")
+    n_prompt = len(prompt_ids)
     return {
         "input_ids": list(prompt_ids) + list(completion_ids),
-        "loss_mask": [False] * n_prompt + [True] * n_completion,
-        "advantages": [0.0] * n_prompt + [float(advantage)] * n_completion,
-        "inference_logprobs": [0.0] * n_prompt + [float(lp) for lp in logprobs],
+        "loss_mask": [False] * n_prompt + mask,
+        "advantages": [0.0] * n_prompt + [float(advantage) if m else 0.0 for m in mask],
+        "inference_logprobs": [0.0] * n_prompt + [float(x) if m else 0.0 for x, m in zip(logprobs, mask, strict=True)],
     }
 
 

@@ -75,3 +75,18 @@ def trainer_checkpoint_dir(output_dir: Path, step: int) -> Path:
 def orchestrator_checkpoint_file(output_dir: Path, step: int) -> Path:
     """Orchestrator progress when it is about to produce rollouts for `step`."""
     return checkpoint_dir(output_dir, step) / "orchestrator.pt"
+
+
+def step_dir(parent: Path, step: int) -> Path:
+    """`parent/step_n`, for a weights folder given by the user (e.g. `eval --weights-dir`)."""
+    return Path(parent) / f"step_{step}"
+
+
+def eval_samples_file(output_dir: Path, step: int, env_name: str) -> Path:
+    """Per-sample results of `eval` for one environment at one weight step."""
+    return Path(output_dir) / "eval" / f"step_{step}" / f"{env_name}.jsonl"
+
+
+def eval_summary_file(output_dir: Path) -> Path:
+    """One JSON line per (step, environment) evaluated."""
+    return Path(output_dir) / "eval" / "summary.jsonl"

@@ -1,7 +1,6 @@
 """The policy model: loading an HF causal LM and running it on packed micro batches.
 
-A packed row holds several samples end to end. Each sample must only attend to itself, so the forward
-pass gets an explicit block-diagonal causal mask built from `cu_seqlens` (and position ids that restart
+A packed row holds several samples end to end. Each sample must only attend to itself (positions restart
 at 0 per sample). For `cu_seqlens = [0, 2, 3]` (samples a0 a1 | b0), True = may attend:
 
         a0 a1 b0
@@ -9,8 +8,13 @@ at 0 per sample). For `cu_seqlens = [0, 2, 3]` (samples a0 a1 | b0), True = may 
     a1 [ T  T  . ]
     b0 [ .  .  T ]
 
-transformers passes a user-supplied 4-D mask through unchanged to the attention kernel; with `sdpa` a
-boolean mask means "True = attend", which is why the model is loaded with `attn_implementation="sdpa"`.
+Rather than materialising that L×L block-diagonal mask, the model is loaded with one of two attention
+kernels that read the sample boundaries (`cu_seq_lens_q/k`, `max_length_q/k`, passed through the HF
+forward as keyword arguments):
+- `flash_attention_2` (CUDA with flash-attn installed): transformers' varlen flash-attention path;
+- `packed_sdpa` (everywhere else, registered below): causal SDPA run per sample, so attention costs
+  Σ len² instead of L² and never sees another sample. `packed_attention_mask` is the same rule as an
+  explicit mask, kept as the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.rl.loss import token_entropy, token_logprobs
 
 
-def build_model(name: str, activation_checkpointing: bool = False) -> torch.nn.Module:
+def build_model(name: str, activation_checkpointing: bool = False, device_type: str = "cpu") -> torch.nn.Module:
     """Load `name` (hub id or local dir) in float32 on CPU: fp32 master weights; FSDP moves and shards them."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch.float32, attn_implementation=attention_implementation(device_type)
+        )
     except (OSError, ValueError) as e:
         raise TrainerError(f"cannot load model {name!r}: {e}") from None
     model.config.use_cache = False
@@ -44,6 +50,41 @@ def apply_ac(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def attention_implementation(device_type: str) -> str:
+    """`flash_attention_2` on CUDA when flash-attn is importable, else our per-sample `packed_sdpa`."""
+    import importlib.util
+
+    if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    register_packed_sdpa()
+    return "packed_sdpa"
+
+
+def register_packed_sdpa() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("packed_sdpa", packed_sdpa_attention)
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+    """Causal SDPA over each packed sample separately; query/key/value are [1, heads, L, dim], out [1, L, heads, dim].
+
+    Without `cu_seq_lens_q` (a plain HF forward, e.g. generation) it is ordinary SDPA with the given mask.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for unused in ("cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
+        kwargs.pop(unused, None)
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    bounds = cu_seq_lens_q.tolist()
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+        outs.append(sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0])
+    return torch.cat(outs, dim=1), None
+
+
 def packed_attention_mask(cu_seqlens: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
     """Boolean [1, 1, L, L] mask: causal within each sample of the packed row, nothing across samples."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
@@ -56,19 +97,32 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, length: int, device: torch.d
 @dataclass
 class PolicyOutput:
     logprobs: torch.Tensor  # [1, L], differentiable; position t = log π(input_ids[t] | sample prefix)
-    entropy: torch.Tensor  # [1, L], detached
+    entropy: torch.Tensor  # [1, L], detached unless asked for with entropy_grad
 
 
-def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> PolicyOutput:
-    """Token logprobs and entropies of the policy on one packed micro batch."""
-    input_ids = mb.input_ids.to(device)
-    mask = packed_attention_mask(mb.cu_seqlens, mb.num_tokens, device)
-    logits = model(
-        input_ids=input_ids, position_ids=mb.position_ids.to(device), attention_mask=mask, use_cache=False
+def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    """Logits [1, L, V] of one packed row, every sample attending only to itself."""
+    cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
+    longest = int(mb.cu_seqlens.diff().max())
+    return model(
+        input_ids=mb.input_ids.to(device),
+        position_ids=mb.position_ids.to(device),
+        use_cache=False,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
     ).logits
+
+
+def forward_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, device: torch.device, entropy_grad: bool = False
+) -> PolicyOutput:
+    """Token logprobs and entropies of the policy on one packed micro batch."""
+    logits = forward_logits(model, mb, device)
     return PolicyOutput(
-        logprobs=token_logprobs(logits, input_ids, mb.temperature),
-        entropy=token_entropy(logits, mb.temperature),
+        logprobs=token_logprobs(logits, mb.input_ids.to(device), mb.temperature),
+        entropy=token_entropy(logits, mb.temperature, grad=entropy_grad),
     )
 
 

@@ -51,20 +51,22 @@ def init_distributed(device_type: str) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
     """Shard every decoder layer, then the root (embeddings, final norm, head), over all ranks.
 
     Master weights and optimizer state stay float32; with `param_dtype=bfloat16` the all-gathered
-    weights used in forward/backward are bf16 while gradients are reduced in fp32.
+    weights used in forward/backward are bf16 while gradients are reduced in fp32. With `cpu_offload`
+    (CUDA only) the sharded parameters, gradients and optimizer state live in host memory.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(d.device.type, (d.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cpu_offload and d.device.type == "cuda" else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

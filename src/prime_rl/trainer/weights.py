@@ -43,10 +43,13 @@ def build_model_files(name: str) -> ModelFiles:
         generation_config = GenerationConfig.from_pretrained(name)
     except OSError:  # not every model ships one; derive it from the model config like transformers does
         generation_config = GenerationConfig.from_model_config(config)
+    return ModelFiles(config, generation_config, AutoTokenizer.from_pretrained(name), saved_dtype(config))
+
+
+def saved_dtype(config) -> torch.dtype:
+    """The dtype a model's weights are stored in (its config's `dtype`), float32 when unset."""
     dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return ModelFiles(config, generation_config, AutoTokenizer.from_pretrained(name), dtype)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -76,7 +79,13 @@ def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: P
     return path
 
 
-def write_safetensors(state_dict: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, tied: bool) -> None:
+def write_safetensors(
+    state_dict: dict[str, torch.Tensor],
+    path: Path,
+    dtype: torch.dtype,
+    tied: bool,
+    max_shard_size: str = MAX_SHARD_SIZE,
+) -> None:
     """Shards named like `save_pretrained`'s (`model.safetensors` or `model-0000i-of-0000n.safetensors` + index)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save
@@ -85,7 +94,7 @@ def write_safetensors(state_dict: dict[str, torch.Tensor], path: Path, dtype: to
         # With tied embeddings the head is the embedding matrix; HF checkpoints store it once.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=MAX_SHARD_SIZE)
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         shard = {name: tensors[name] for name in names}
         atomic_write(path / filename, lambda f, shard=shard: f.write(save(shard, metadata={"format": "pt"})))
@@ -95,8 +104,8 @@ def write_safetensors(state_dict: dict[str, torch.Tensor], path: Path, dtype: to
         atomic_write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
 
 
-def prune_weights(output_dir: Path, keep: int) -> list[int]:
-    return prune_steps(weights_root(output_dir), keep=keep)
+def prune_weights(output_dir: Path, keep: int, protect: list[int] = ()) -> list[int]:
+    return prune_steps(weights_root(output_dir), keep=keep, protect=protect)
 
 
 def _fsync(path: Path) -> None:

@@ -324,7 +324,10 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | No
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or Path(sys.argv[0]).name
     if "-h" in argv or "--help" in argv:
-        print(help_text(cls, prog))
+        try:
+            print(help_text(cls, prog), flush=True)
+        except BrokenPipeError:  # `--help | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     try:
         return load_config(cls, argv)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -22,7 +24,7 @@ def engine(tiny_model):
 
 
 def make_client(engine, tiny_model, **overrides) -> TestClient:
-    config = InferenceConfig(model=ModelConfig(name=str(tiny_model)), max_model_len=MAX_MODEL_LEN, **overrides)
+    config = InferenceConfig(**{"model": ModelConfig(name=str(tiny_model)), "max_model_len": MAX_MODEL_LEN} | overrides)
     return TestClient(build_app(engine, config))
 
 
@@ -102,8 +104,11 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
         ("/v1/completions", {"prompt": [5, 99999]}, "out of range"),
         ("/v1/completions", {"prompt": [5] * 70}, "maximum context length is 64 tokens"),
         ("/v1/completions", {"prompt": [5] * 10, "max_tokens": 60}, "70 tokens (10 in the prompt, 60 in"),
-        ("/v1/completions", {"prompt": "hi", "stream": True}, "streaming is not supported"),
-        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty=1.2 is not supported"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.2}, "presence_penalty=1.2 is not supported"),
+        ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "body.temperature"),
+        ("/v1/completions", {"prompt": "hi", "n": 65}, "n=65 is more than this server's engine.max_batch_size 64"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids must be in [0, 1024)"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "body.repetition_penalty"),
         ("/v1/chat/completions", {"messages": []}, "body.messages"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "body.messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
@@ -123,7 +128,7 @@ def test_bad_requests_get_400_with_a_message(client, route, body, message):
 
 
 def test_unknown_fields_and_unsupported_params_at_their_neutral_value_are_accepted(client):
-    body = {"prompt": "hi", "max_tokens": 1, "user": "me", "repetition_penalty": 1.0, "min_tokens": 0}
+    body = {"prompt": "hi", "max_tokens": 1, "user": "me", "presence_penalty": 0.0, "best_of": 1}
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
@@ -148,3 +153,63 @@ def test_api_key_is_required_everywhere_but_health(engine, tiny_model):
 
 def test_reload_weights_reports_step_zero(client):
     assert client.post("/reload_weights").json()["step"] == 0
+
+
+def test_oversized_bodies_get_413_whether_declared_or_not(engine, tiny_model):
+    client = make_client(engine, tiny_model, max_body_bytes=2048)
+    big = {"prompt": "x" * 4000, "max_tokens": 1}
+    response = client.post("/v1/completions", json=big)
+    assert response.status_code == 413 and "larger than 2048 bytes" in response.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 400
+        yield b'"}'
+
+    response = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_streamed_completion_ends_with_done_and_adds_up_to_the_plain_one(client):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True, "logprobs": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    choices = [c["choices"][0] for c in chunks]
+    assert "".join(c["text"] for c in choices) == plain["text"]
+    assert sum((c["token_ids"] for c in choices), []) == plain["token_ids"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in choices), []) == pytest.approx(
+        plain["logprobs"]["token_logprobs"], abs=1e-5
+    )
+    assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert all(c["finish_reason"] is None for c in choices[:-1])
+
+
+def test_metrics_are_prometheus_text(client):
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    text = client.get("/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["prime_rl_inference_generated_tokens_total"] >= 2
+    assert values["prime_rl_inference_requests_total"] >= 1
+    assert values["prime_rl_inference_weight_step"] == 0
+    assert "prime_rl_inference_running" in values and "prime_rl_inference_waiting" in values
+    assert "prime_rl_inference_tokens_per_second" in values
+    assert values['prime_rl_inference_http_requests_total{route="/v1/completions",status="200"}'] >= 1
+
+
+def test_a_request_past_its_timeout_gets_504_and_stops_decoding(engine, tiny_model):
+    client = make_client(engine, tiny_model, request_timeout=0.3, max_model_len=4096)
+    body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 504 and "request_timeout=0.3" in response.json()["error"]["message"]
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
+        lines = [line for line in streamed.iter_lines() if line]
+    assert '"code": 504' in lines[-2] and lines[-1] == "data: [DONE]"

@@ -66,7 +66,7 @@ def test_chat_sends_wire_format_and_parses_token_ids_and_logprobs(monkeypatch):
         return httpx.Response(200, json=chat_response(json.loads(request.content)["n"]))
 
     client = make_client(handler, api_key_var="MY_KEY")
-    client.steps[BASE] = 4
+    client.servers[0].step = 4
     messages = [{"role": "user", "content": "abc"}]
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, max_tokens=7)
     completions = asyncio.run(use(client, lambda c: c.chat(messages, 2, sampling)))
@@ -150,7 +150,7 @@ def test_malformed_completion_is_a_clear_error():
         return httpx.Response(200, json=data)
 
     client = make_client(handler)
-    with pytest.raises(InferenceError, match="malformed chat completion.*prompt_token_ids"):
+    with pytest.raises(InferenceError, match="malformed completion.*prompt_token_ids"):
         asyncio.run(use(client, lambda c: c.chat([], 1, SamplingConfig())))
 
 

@@ -1,24 +1,35 @@
-"""The built-in inference engine: one worker thread that batches concurrent requests and swaps weights.
+"""The built-in inference engine: one worker thread that decodes with continuous (iteration-level) batching.
 
-Requests arrive from the asyncio server through `generate()`, which puts a job on a queue and awaits a
-future. One background thread owns the model: it takes every waiting request (up to `max_batch_size`
-sequences, after waiting `batch_wait_ms` for more), expands each request's `n` samples into rows,
-left-pads the prompts, runs one prefill and then a decode loop over the whole batch with a KV cache,
-and resolves each request's future when its rows are done. Rows that finish are dropped from the batch.
+Requests arrive from the asyncio server through `generate()` / `stream()`, which put a request on a bounded
+waiting queue. One background thread owns the model and repeats one *iteration*:
 
-Weight updates are jobs on the same queue, so they run between batches on the same thread: no batch
-ever mixes two policies, and a route that awaits the job knows that every later request sees the new
-weights. A CPU copy of the base weights taken at startup makes `/reload_weights` exact.
+  1. drop the rows of cancelled requests (client gone, timed out);
+  2. admit waiting requests while their `n` rows fit in `max_batch_size`: prefill their prompts together
+     (left-padded, each request once, then its KV cache repeated for its `n` rows), sample each row's first
+     token, and merge their KV cache into the running batch (left-padding the shorter cache);
+  3. decode one token for every running row with one forward pass over the shared KV cache;
+  4. retire finished rows (EOS, stop token/string, `max_tokens`) and answer requests whose rows are all done.
+
+So a request joins at the next iteration while others keep decoding, and rows leave as soon as they finish.
+Each row has its own parameters and generator, so a seeded request draws the same tokens whatever else
+shares its batch (sampling.py).
+
+Weight updates are read and checked off the worker (weights.py), then handed over as a pending swap. While a
+swap is pending no request is admitted; once the running rows have finished, the worker copies the tensors
+in between two iterations. No response is ever computed with a mix of two policies, and the route that
+awaits the swap knows every later request sees the new weights. A CPU copy of the base weights taken at
+startup makes `/reload_weights` exact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import queue
 import random
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,54 +37,127 @@ from typing import Any
 import torch
 
 from prime_rl.inference.config import StartupError
-from prime_rl.inference.engine.sampling import SamplingParams, sample_token, top_logprobs
+from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
 from prime_rl.inference.engine.weights import load_weight_dir
 
 logger = logging.getLogger("prime_rl")
 
 
+class EngineBusy(RuntimeError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down (HTTP 503)."""
+
+
 @dataclass
 class Sample:
-    """One generated completion. `token_ids` include the EOS token when one ended it."""
+    """One generated completion. `token_ids` include the EOS / stop token when one ended it."""
 
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]  # per token; empty lists unless asked for
     text: str
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    weight_step: int = 0  # the policy every token of this sample was computed with
 
 
 @dataclass
-class _Job:
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+class Delta:
+    """What one sample of a streamed request gained since the last delta; `finish_reason` on its last one."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str | None = None
 
 
-@dataclass
-class _GenerateJob(_Job):
+@dataclass(eq=False)
+class _Request:
     prompt_ids: list[int]
     params: SamplingParams
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    events: asyncio.Queue | None  # set for streamed requests: lists of Delta, or an exception
+    samples: list[Sample | None] = field(default_factory=list)
+    cancelled: bool = False  # set from the asyncio side; the worker drops the request's rows
 
 
-@dataclass
-class _WeightsJob(_Job):
-    tensors: dict[str, torch.Tensor]
-    step: int
-
-
-@dataclass
+@dataclass(eq=False)
 class _Row:
     """One sample of one request while it is being decoded."""
 
-    job: int  # index of its request in the batch
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: _Request
+    index: int
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    streamed: int = 0  # tokens already sent as deltas
+    streamed_chars: int = 0
+
+
+@dataclass
+class _Swap:
+    tensors: dict[str, torch.Tensor]
+    step: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class _Batch:
+    """The running rows and their shared KV cache: `mask` [B, L] marks real cache columns (left padding is 0),
+    `next_pos` [B] is each row's next position id. Invariant: the cache holds exactly L columns."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rows: list[_Row] = []
+        self.cache: Any = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)
+
+    def add(self, rows: list[_Row], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        """Append rows whose prefilled cache is `cache`; the shorter of the two caches is left-padded."""
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.next_pos = list(rows), cache, mask, next_pos
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_pad_left(old.keys, width, -2), _pad_left(new.keys, width, -2)])
+            old.values = torch.cat([_pad_left(old.values, width, -2), _pad_left(new.values, width, -2)])
+        self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(mask, width, -1)])
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.rows += rows
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows at `keep`, then drop cache columns that are padding in every remaining row."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[b] for b in keep]
+        if not self.rows:
+            self.cache, self.mask, self.next_pos = None, self.mask[:0, :0], self.next_pos[:0]
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+        first = int(self.mask.any(dim=0).int().argmax())
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
+        self.mask = self.mask[:, first:]
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class Engine:
@@ -83,24 +167,30 @@ class Engine:
         tokenizer: Any,
         device: torch.device,
         max_batch_size: int = 64,
-        batch_wait_ms: float = 2.0,
+        max_waiting: int = 1024,
         seed: int = 0,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
-        self.batch_wait = batch_wait_ms / 1000
+        self.max_waiting = max_waiting
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.step = 0  # weight step being served; 0 = base model
-        self.batches = 0  # batches run so far (several requests share one when they arrive together)
-        self.requests = 0
+        # Counters for /health and /metrics (written by the worker, read by the server).
+        self.requests = 0  # requests admitted into the batch
+        self.prefills = 0  # admission rounds (several requests that wait together share one prefill)
+        self.iterations = 0
+        self.generated_tokens = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
         self._base = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
         self._seeds = random.Random(seed)  # seeds for requests that bring none
-        self._queue: queue.Queue[_Job] = queue.Queue()
-        self._held: _Job | None = None  # a job taken from the queue that did not fit the last batch
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._swap: _Swap | None = None
+        self._wake = threading.Condition()
+        self._batch = _Batch(self.device)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
         self._weights_lock: asyncio.Lock | None = None
@@ -113,151 +203,174 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def running(self) -> int:
+        return len(self._batch.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last `window` seconds."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window]
+        return sum(n for _, n in recent) / window if recent else 0.0
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        """The request's `params.n` samples, generated in whatever batch the worker puts them in."""
+        """The request's `params.n` samples. Cancelling the await (timeout, client gone) stops its decoding."""
+        request = self._submit(prompt_ids, params, stream=False)
+        try:
+            return await request.future
+        finally:
+            request.cancelled = True  # no-op when it finished; otherwise the worker drops its rows
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[list[Delta]]:
+        """The request's deltas as they are decoded, one list per iteration; ends when every sample finished.
+
+        The request is queued right away (so a full queue raises EngineBusy here), and read as iterated.
+        """
+        return self._deltas(self._submit(prompt_ids, params, stream=True))
+
+    async def _deltas(self, request: _Request) -> AsyncIterator[list[Delta]]:
+        params = request.params
+        try:
+            finished = 0
+            while finished < params.n:
+                item = await request.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished += sum(d.finish_reason is not None for d in item)
+                yield item
+        finally:
+            request.cancelled = True
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> _Request:
+        if self._stop.is_set():
+            raise EngineClosed("the engine is shutting down")
+        if params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} exceeds the engine's max_batch_size {self.max_batch_size}")
         loop = asyncio.get_running_loop()
-        job = _GenerateJob(loop, loop.create_future(), list(prompt_ids), params)
-        self._queue.put(job)
-        return await job.future
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
+        events = asyncio.Queue() if stream else None
+        request = _Request(list(prompt_ids), params, seed, loop, loop.create_future(), events, [None] * params.n)
+        with self._wake:
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineBusy(f"{len(self._waiting)} requests are already waiting; retry later")
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
 
     async def update_weights(self, weight_dir: Path) -> int:
         """Serve the weights in a complete `weights/step_n` dir; returns n once new requests see them."""
         async with self._lock():
             loaded = await asyncio.to_thread(load_weight_dir, weight_dir, self.model)
-            return await self._swap(loaded.tensors, loaded.step)
+            return await self._swap_in(loaded.tensors, loaded.step)
 
     async def reload_weights(self) -> int:
         """Serve the base weights again, bit for bit."""
         async with self._lock():
-            return await self._swap(self._base, 0)
+            return await self._swap_in(self._base, 0)
 
     def _lock(self) -> asyncio.Lock:
         if self._weights_lock is None:
             self._weights_lock = asyncio.Lock()
         return self._weights_lock
 
-    async def _swap(self, tensors: dict[str, torch.Tensor], step: int) -> int:
+    async def _swap_in(self, tensors: dict[str, torch.Tensor], step: int) -> int:
         loop = asyncio.get_running_loop()
-        job = _WeightsJob(loop, loop.create_future(), tensors, step)
-        self._queue.put(job)
-        return await job.future
+        swap = _Swap(tensors, step, loop, loop.create_future())
+        with self._wake:
+            self._swap = swap
+            self._wake.notify()
+        return await swap.future
 
     # ---- worker thread ------------------------------------------------------------------------
 
     def _work(self) -> None:
         while not self._stop.is_set():
-            job = self._take(timeout=0.1)
-            if job is None:
-                continue
-            if isinstance(job, _WeightsJob):
-                self._run(self._load, [job])
-            else:
-                self._run(self._generate, self._gather(job))
+            try:
+                self._iteration()
+            except Exception as e:  # a failed forward fails the requests in it, not the server
+                logger.exception("engine iteration failed")
+                self._fail([row.request for row in self._batch.rows], e)
+                self._batch = _Batch(self.device)
+        self._fail([row.request for row in self._batch.rows] + list(self._waiting), EngineClosed("engine stopped"))
 
-    def _take(self, timeout: float) -> _Job | None:
-        if self._held is not None:
-            job, self._held = self._held, None
-            return job
-        try:
-            return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return None
+    def _iteration(self) -> None:
+        self._drop_cancelled()
+        if self._swap is not None and not self._batch.rows:
+            self._apply_swap()
+            return
+        admitted = self._admit() if self._swap is None else []
+        if not admitted and not self._batch.rows:
+            with self._wake:
+                if not self._waiting and self._swap is None and not self._stop.is_set():
+                    self._wake.wait(timeout=0.1)
+            return
+        with torch.inference_mode():
+            if admitted:
+                self._prefill(admitted)
+            if self._batch.rows:
+                self._decode()
+        self.iterations += 1
 
-    def _gather(self, first: _GenerateJob) -> list[_GenerateJob]:
-        """`first` plus the requests that arrive within `batch_wait` and fit in `max_batch_size` rows.
+    def _drop_cancelled(self) -> None:
+        with self._wake:
+            if any(r.cancelled for r in self._waiting):
+                self._waiting = collections.deque(r for r in self._waiting if not r.cancelled)
+        rows = self._batch.rows
+        if any(row.request.cancelled for row in rows):
+            self._batch.keep([b for b, row in enumerate(rows) if not row.request.cancelled])
 
-        A weight job or a request that does not fit is held for the next round, so it keeps its place.
-        """
-        jobs, rows = [first], first.params.n
-        deadline = time.monotonic() + self.batch_wait
-        while rows < self.max_batch_size:
-            job = self._take(timeout=deadline - time.monotonic())
-            if job is None:
-                break
-            if isinstance(job, _WeightsJob) or rows + job.params.n > self.max_batch_size:
-                self._held = job
-                break
-            jobs.append(job)
-            rows += job.params.n
-        return jobs
+    def _admit(self) -> list[_Request]:
+        admitted, room = [], self.max_batch_size - len(self._batch.rows)
+        with self._wake:
+            while self._waiting and self._waiting[0].params.n <= room:
+                request = self._waiting.popleft()
+                if not request.cancelled:
+                    admitted.append(request)
+                    room -= request.params.n
+        return admitted
 
-    def _run(self, fn, jobs: list[_Job]) -> None:
-        """Run `fn(jobs)` -> one result per job and hand each result (or the error) to its awaiting route."""
-        try:
-            results = fn(jobs)
-        except Exception as e:
-            logger.exception("engine job failed")
-            results = [e] * len(jobs)
-        for job, result in zip(jobs, results, strict=True):
-            job.loop.call_soon_threadsafe(_resolve, job.future, result)
-
-    def _load(self, jobs: list[_WeightsJob]) -> list[int]:
-        (job,) = jobs
-        params = self.model.state_dict()
-        with torch.no_grad():
-            for name, param in params.items():
-                if name in job.tensors:  # only a tied lm_head may be absent (checked when loading)
-                    param.copy_(job.tensors[name])
-        self.step = job.step
-        logger.info(f"now serving weights step {job.step}")
-        return [job.step]
-
-    @torch.inference_mode()
-    def _generate(self, jobs: list[_GenerateJob]) -> list[list[Sample]]:
-        rows = [row for i, job in enumerate(jobs) for row in self._rows(i, job)]
-        self.batches += 1
-        self.requests += len(jobs)
-        logger.debug(f"batch {self.batches}: {len(jobs)} requests, {len(rows)} rows")
-        self._decode(rows)
-        samples: list[list[Sample]] = [[] for _ in jobs]
-        for row in rows:
-            samples[row.job].append(
-                Sample(row.token_ids, row.logprobs, row.top_logprobs, row.text or "", row.finish_reason or "length")
-            )
-        return samples
-
-    def _rows(self, index: int, job: _GenerateJob) -> list[_Row]:
-        # Sample i of a seeded request always gets the same generator, so its tokens do not depend on the
-        # batch; the odd multiplier keeps (seed=1, sample 0) and (seed=0, sample 1) apart.
-        seed = job.params.seed if job.params.seed is not None else self._seeds.getrandbits(62)
-        return [
-            _Row(index, job.prompt_ids, job.params, torch.Generator(device=self.device).manual_seed(_mix(seed, i)))
-            for i in range(job.params.n)
-        ]
-
-    def _decode(self, rows: list[_Row]) -> None:
-        """Prefill all rows left-padded, then decode one token per active row until every row is done."""
+    def _prefill(self, requests: list[_Request]) -> None:
+        """Run the prompts of newly admitted requests, sample each row's first token, join the batch."""
         from transformers import DynamicCache
 
-        width = max(len(r.prompt_ids) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            input_ids[b, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
-            mask[b, width - len(row.prompt_ids) :] = 1
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for b, request in enumerate(requests):
+            input_ids[b, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            mask[b, width - len(request.prompt_ids) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = left_padded_positions(mask)
         cache = DynamicCache()
-        logits = self._forward(input_ids, mask, positions, cache)
-        active = list(range(len(rows)))  # rows[active[b]] is batch row b
-        while True:
-            tokens = [self._append(rows[r], logits[b]) for b, r in enumerate(active)]
-            keep = [b for b, r in enumerate(active) if rows[r].finish_reason is None]
-            if not keep:
-                return
-            if len(keep) < len(active):  # drop finished rows so they cost nothing more
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, positions = mask[index], positions[index]
-                active = [active[b] for b in keep]
-                tokens = [tokens[b] for b in keep]
-            next_ids = torch.tensor(tokens, device=self.device)[:, None]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = self._forward(next_ids, mask, positions, cache)
+        logits = self._forward(input_ids, mask, left_padded_positions(mask), cache)
+        # Each request was run once; its n rows share that prefix, so repeat its cache and logits n times.
+        index = torch.tensor([b for b, r in enumerate(requests) for _ in range(r.params.n)], device=self.device)
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        rows = [_Row(r, i, torch.Generator().manual_seed(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
+        start = len(self._batch.rows)
+        self._batch.add(rows, cache, mask[index], mask.sum(-1)[index])
+        self._sample(logits[index], rows)
+        self.requests += len(requests)
+        self.prefills += 1
+        self._retire(range(start, start + len(rows)))
+
+    def _decode(self) -> None:
+        batch = self._batch
+        next_ids = torch.tensor([row.token_ids[-1] for row in batch.rows], device=self.device)[:, None]
+        batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+        logits = self._forward(next_ids, batch.mask, batch.next_pos[:, None], batch.cache)
+        batch.next_pos = batch.next_pos + 1
+        self._sample(logits, batch.rows)
+        self._retire(range(len(batch.rows)))
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
         out = self.model(
@@ -270,23 +383,129 @@ class Engine:
         )
         return out.logits[:, -1]
 
-    def _append(self, row: _Row, logits: torch.Tensor) -> int:
-        """Sample the row's next token and decide whether the row is finished."""
-        token, logprob, logprobs = sample_token(logits, row.params, row.generator)
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> None:
+        params = [row.request.params for row in rows]
+        seen = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            for b, row in enumerate(rows):
+                if row.request.params.repetition_penalty != 1.0:
+                    seen[b, row.request.prompt_ids + row.token_ids] = True
+        blocked = [self._blocked(row) for row in rows]
+        draws = sample_batch(logits, params, [row.generator for row in rows], seen, blocked)
+        for b, row in enumerate(rows):
+            self._append(row, draws.tokens[b], draws.logprobs[b], draws.top[b])
+        self.generated_tokens += len(rows)
+        self._recent.append((time.monotonic(), len(rows)))
+        while self._recent and time.monotonic() - self._recent[0][0] > 60:
+            self._recent.popleft()
+        self._post_deltas(rows)
+
+    def _blocked(self, row: _Row) -> list[int]:
+        """Token ids that may not be drawn yet: whatever would end the sample before `min_tokens`."""
+        params = row.request.params
+        if len(row.token_ids) >= params.min_tokens:
+            return []
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
+
+    def _append(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
+        """Record the row's next token and decide whether the row is finished."""
+        params = row.request.params
         row.token_ids.append(token)
         row.logprobs.append(logprob)
-        if row.params.top_logprobs > 0:
-            row.top_logprobs.append(top_logprobs(logprobs, row.params.top_logprobs))
-        if token in self.eos_ids:
+        if params.top_logprobs > 0:
+            row.top_logprobs.append(top)
+        if token in params.stop_token_ids and token not in self.eos_ids:
+            # Like vLLM: a stop token ends the sample and stays in token_ids, but not in the text.
+            row.text, row.finish_reason = self._text(row.token_ids[:-1]), "stop"
+        elif (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             row.finish_reason = "stop"
-        elif row.params.stop and (cut := _stop_at(self._text(row.token_ids), row.params.stop)) is not None:
+        elif (
+            params.stop
+            and len(row.token_ids) >= params.min_tokens
+            and (cut := _stop_at(text := self._text(row.token_ids), params.stop)) is not None
+        ):
             # Like vLLM: the text ends before the stop string; the token that completed it stays.
-            row.text, row.finish_reason = self._text(row.token_ids)[:cut], "stop"
-        elif len(row.token_ids) >= row.params.max_tokens:
+            row.text, row.finish_reason = text[:cut], "stop"
+        elif len(row.token_ids) >= params.max_tokens:
             row.finish_reason = "length"
         if row.finish_reason is not None and row.text is None:
             row.text = self._text(row.token_ids)
-        return token
+
+    def _retire(self, candidates: range) -> None:
+        """Answer requests whose rows are all finished and drop finished rows from the batch."""
+        rows = self._batch.rows
+        done = [b for b in candidates if rows[b].finish_reason is not None]
+        if not done:
+            return
+        for b in done:
+            row = rows[b]
+            request = row.request
+            request.samples[row.index] = Sample(
+                row.token_ids, row.logprobs, row.top_logprobs, row.text or "", row.finish_reason, self.step
+            )
+            if all(s is not None for s in request.samples):
+                _post(request.loop, _resolve, request.future, request.samples)
+        finished = set(done)
+        self._batch.keep([b for b in range(len(rows)) if b not in finished])
+
+    def _post_deltas(self, rows: list[_Row]) -> None:
+        """Send each streamed request what its rows gained this iteration (one event per request)."""
+        by_request: dict[int, tuple[_Request, list[Delta]]] = {}
+        for row in rows:
+            request = row.request
+            if request.events is None or request.cancelled:
+                continue
+            text = self._stream_text(row)
+            delta = Delta(
+                row.index,
+                row.token_ids[row.streamed :],
+                row.logprobs[row.streamed :],
+                row.top_logprobs[row.streamed :],
+                text,
+                row.finish_reason,
+            )
+            row.streamed = len(row.token_ids)
+            by_request.setdefault(id(request), (request, []))[1].append(delta)
+        for request, deltas in by_request.values():
+            _post(request.loop, request.events.put_nowait, deltas)
+
+    def _stream_text(self, row: _Row) -> str:
+        """New text that is safe to send: held back while it could still become (part of) a stop string or
+        ends in an incomplete UTF-8 character; everything left on the last delta."""
+        if row.finish_reason is not None:
+            end, text = len(row.text or ""), row.text or ""
+        else:
+            text = self._text(row.token_ids)
+            end = len(text.rstrip("\ufffd"))
+            if row.request.params.stop:
+                end -= max(len(s) for s in row.request.params.stop) - 1
+        if end <= row.streamed_chars:
+            return ""
+        new, row.streamed_chars = text[row.streamed_chars : end], end
+        return new
+
+    def _apply_swap(self) -> None:
+        swap, params = self._swap, self.model.state_dict()
+        try:
+            with torch.no_grad():
+                for name, param in params.items():
+                    if name in swap.tensors:  # only a tied lm_head may be absent (checked when loading)
+                        param.copy_(swap.tensors[name])
+            self.step = swap.step
+            logger.info(f"now serving weights step {swap.step}")
+            result: Any = swap.step
+        except Exception as e:  # shapes were checked, so this is an internal error; report it to the route
+            logger.exception("weight swap failed")
+            result = e
+        self._swap = None
+        _post(swap.loop, _resolve, swap.future, result)
+
+    def _fail(self, requests: list[_Request], error: BaseException) -> None:
+        for request in {id(r): r for r in requests}.values():
+            _post(request.loop, _resolve, request.future, error)
+            if request.events is not None:
+                _post(request.loop, request.events.put_nowait, error)
 
     def _text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -301,6 +520,8 @@ def left_padded_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _mix(seed: int, sample: int) -> int:
+    # Sample i of a seeded request always gets the same generator, so its tokens do not depend on the
+    # batch; the odd multiplier keeps (seed=1, sample 0) and (seed=0, sample 1) apart.
     return (seed + sample * 0x9E3779B97F4A7C15) % 2**63
 
 
@@ -317,6 +538,14 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run `fn(*args)` on the awaiting side's loop; a loop that is gone has no one left to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed
+        pass
+
+
 def _resolve(future: asyncio.Future, result: Any) -> None:
     if future.done():  # the client went away and the route was cancelled
         return
@@ -331,7 +560,7 @@ def build_engine(
     device: str = "auto",
     dtype: str = "auto",
     max_batch_size: int = 64,
-    batch_wait_ms: float = 2.0,
+    max_waiting: int = 1024,
     seed: int = 0,
 ) -> Engine:
     """Load the model and tokenizer on `device` (auto = CUDA when present) and start the worker."""
@@ -348,5 +577,5 @@ def build_engine(
         model = AutoModelForCausalLM.from_pretrained(model_name, dtype=getattr(torch, dtype)).to(device)
     except (OSError, ValueError) as e:  # missing path / not a model dir / hub id unreachable
         raise StartupError(f"cannot load model {model_name!r}: {e}") from None
-    engine = Engine(model, tokenizer, torch.device(device), max_batch_size, batch_wait_ms, seed)
+    engine = Engine(model, tokenizer, torch.device(device), max_batch_size, max_waiting, seed)
     return engine.start()

@@ -2,27 +2,39 @@
 
 An environment is any object with two methods:
 
-    examples(seed) -> Iterator[Example]     # endless (or epoch-cycled), deterministic given the seed
-    score(text, example) -> float           # reward of one completion, usually in [0, 1]
+    examples(seed) -> Iterator[Example]         # endless (or epoch-cycled), deterministic given the seed
+    score(completion, example) -> float | dict  # reward of one rollout; a dict holds "reward" plus any
+                                                # other per-rollout metrics, logged as reward/<name>
 
-`load_environment(id, **args)` builds one from a built-in name (`reverse-text`) or an import path
-`package.module:function`, so users can train on their own environments without touching this package.
+`completion` is the model's text for single-turn environments. An environment is multi-turn when it also
+has `respond(messages, example) -> str | None`: after each model turn it gets the whole conversation
+(prompt + model and env messages so far) and answers with the next user message, or None when the episode
+is over (at the latest after `max_turns` model turns, an attribute, default 4). A multi-turn environment's
+`score` receives the conversation after the prompt (a list of chat messages) instead of text. Env messages
+are tokens of the trained sequence but are masked from the loss.
+
+`load_environment(id, **args)` builds one from a built-in name (`reverse-text`, `arithmetic`,
+`guess-number`, `dataset`), an import path `package.module:function`, or `verifiers:<env id>` when the
+optional `verifiers` package is installed.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+DEFAULT_MAX_TURNS = 4
+
 
 @dataclass
 class Example:
-    """One prompt: chat messages for the model, the reference answer, and anything else the scorer needs."""
+    """One prompt (plain text, or chat messages), the reference answer, and anything else the scorer needs."""
 
-    prompt: list[dict[str, str]]
-    answer: str
+    prompt: str | list[dict[str, str]]
+    answer: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -30,7 +42,7 @@ class Example:
 class Environment(Protocol):
     def examples(self, seed: int) -> Iterator[Example]: ...
 
-    def score(self, text: str, example: Example) -> float: ...
+    def score(self, completion: Any, example: Example) -> float | dict[str, float]: ...
 
 
 class EnvError(ValueError):
@@ -40,7 +52,39 @@ class EnvError(ValueError):
 # Built-ins as import paths so that loading one environment never imports the others.
 BUILTIN: dict[str, str] = {
     "reverse-text": "prime_rl.orchestrator.envs.reverse_text:load_environment",
+    "arithmetic": "prime_rl.orchestrator.envs.arithmetic:load_environment",
+    "guess-number": "prime_rl.orchestrator.envs.guess_number:load_environment",
+    "dataset": "prime_rl.orchestrator.envs.dataset:load_environment",
 }
+
+
+def is_multi_turn(env: Environment) -> bool:
+    return callable(getattr(env, "respond", None))
+
+
+def max_turns(env: Environment) -> int:
+    return int(getattr(env, "max_turns", DEFAULT_MAX_TURNS))
+
+
+def split_score(value: Any, env_id: str = "environment") -> tuple[float, dict[str, float]]:
+    """(reward, other metrics) from what `score` returned: a number, or a dict with a "reward" key.
+
+    >>> split_score({"reward": 1, "format": 0.5})
+    (1.0, {'format': 0.5})
+    """
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise EnvError(f"{env_id}: score() returned a dict without a 'reward' key: {sorted(value)}")
+        metrics = {str(k): float(v) for k, v in value.items() if k != "reward"}
+        reward = float(value["reward"])
+    else:
+        try:
+            reward, metrics = float(value), {}
+        except (TypeError, ValueError):
+            raise EnvError(f"{env_id}: score() returned {value!r}, expected a number or a dict") from None
+    if not math.isfinite(reward):
+        raise EnvError(f"{env_id}: score() returned a non-finite reward {reward}")
+    return reward, metrics
 
 
 def _resolve(path: str) -> Callable[..., Any]:
@@ -58,8 +102,12 @@ def _resolve(path: str) -> Callable[..., Any]:
 
 
 def load_environment(env_id: str, **args: Any) -> Environment:
-    """Build the environment `env_id` (a built-in name or 'module:function') with keyword `args`."""
-    if env_id in BUILTIN:
+    """Build the environment `env_id` (built-in name, 'module:function' or 'verifiers:<id>') with `args`."""
+    if env_id.startswith("verifiers:"):
+        from prime_rl.orchestrator.envs.verifiers_env import load_verifiers_environment
+
+        factory: Callable[..., Any] = lambda **kw: load_verifiers_environment(env_id.removeprefix("verifiers:"), **kw)  # noqa: E731
+    elif env_id in BUILTIN:
         factory = _resolve(BUILTIN[env_id])
     elif ":" in env_id:
         factory = _resolve(env_id)
@@ -71,9 +119,12 @@ def load_environment(env_id: str, **args: Any) -> Environment:
     try:
         env = factory(**args)
     except (TypeError, ValueError) as e:
+        if isinstance(e, EnvError):
+            raise
         raise EnvError(f"environment {env_id!r} rejected its arguments {args}: {e}") from None
     if not isinstance(env, Environment):
         raise EnvError(
-            f"environment {env_id!r} built a {type(env).__name__}, which lacks examples(seed) and score(text, example)"
+            f"environment {env_id!r} built a {type(env).__name__}, which lacks examples(seed) and "
+            f"score(completion, example)"
         )
     return env

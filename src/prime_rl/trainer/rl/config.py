@@ -7,20 +7,33 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from prime_rl.trainer.config import OptimConfig
 from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
 
 
-class OptimConfig(Section):
-    lr: Annotated[float, Field(gt=0, description="AdamW learning rate")] = 1e-6
-    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay")] = 0.0
-    betas: Annotated[tuple[float, float], Field(description="AdamW betas")] = (0.9, 0.999)
-    max_norm: Annotated[float, Field(gt=0, description="gradient-norm clipping threshold")] = 1.0
-
-
 class LossConfig(Section):
+    type: Annotated[
+        Literal["aipo", "ppo", "gspo"],
+        Field(
+            description="aipo = token ratio pi/mu truncated at max_ratio (default); ppo = GRPO/PPO two-sided clip "
+            "of the token ratio; gspo = two-sided clip of the sequence-level ratio"
+        ),
+    ] = "aipo"
     max_ratio: Annotated[
-        float, Field(gt=0, description="importance ratio pi/mu is truncated at this value (token level)")
+        float, Field(gt=0, description="aipo: importance ratio pi/mu is truncated at this value (token level)")
     ] = 8.0
+    clip_low: Annotated[
+        float, Field(ge=0, lt=1, description="ppo/gspo: ratio clipped below at 1 - clip_low (GSPO paper: 3e-4)")
+    ] = 0.2
+    clip_high: Annotated[
+        float, Field(ge=0, description="ppo/gspo: ratio clipped above at 1 + clip_high (GSPO paper: 4e-4)")
+    ] = 0.2
+    norm: Annotated[
+        Literal["token", "sequence"],
+        Field(description="token = every loss token of the step weighs the same; sequence = every sample does"),
+    ] = "token"
+    kl_coef: Annotated[float, Field(ge=0, description="weight of a k3 KL(pi||mu) penalty per token; 0 = off")] = 0.0
+    entropy_coef: Annotated[float, Field(ge=0, description="weight of an entropy bonus per token; 0 = off")] = 0.0
 
 
 class DataConfig(Section):
@@ -29,6 +42,13 @@ class DataConfig(Section):
         float, Field(gt=0, description="an orchestrator heartbeat older than this means it is dead")
     ] = 120.0
     keep_rollouts: Annotated[int, Field(ge=1, description="newest rollout steps kept on disk")] = 2
+    fake: Annotated[
+        bool, Field(description="train on generated packed rows instead of rollouts (benchmarks, smoke tests)")
+    ] = False
+    fake_seq_len: Annotated[int, Field(ge=1, description="fake data: tokens per packed row")] = 2048
+    fake_micro_batches: Annotated[int, Field(ge=1, description="fake data: packed rows per rank and step")] = 2
+    fake_min_len: Annotated[int, Field(ge=2, description="fake data: shortest sample")] = 16
+    fake_max_len: Annotated[int, Field(ge=2, description="fake data: longest sample")] = 512
 
 
 class TrainerConfig(BaseConfig):
@@ -48,6 +68,9 @@ class TrainerConfig(BaseConfig):
     activation_checkpointing: Annotated[
         bool, Field(description="recompute each decoder layer's activations in backward (less memory, ~30% slower)")
     ] = False
+    cpu_offload: Annotated[
+        bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
+    ] = False
     optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig()
     loss: Annotated[LossConfig, Field(description="RL loss")] = LossConfig()
     data: Annotated[DataConfig, Field(description="reading rollouts")] = DataConfig()
@@ -55,4 +78,10 @@ class TrainerConfig(BaseConfig):
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
+    bench: Annotated[
+        bool, Field(description="benchmark: no weights or checkpoints written; print step time, tokens/s, MFU")
+    ] = False
+    bench_peak_tflops: Annotated[
+        float | None, Field(gt=0, description="device peak TFLOP/s for MFU; unset = known GPUs only")
+    ] = None
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()

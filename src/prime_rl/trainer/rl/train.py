@@ -44,9 +44,11 @@ def run(config: TrainerConfig) -> None:
     import torch
 
     from prime_rl.protocol import Heartbeat
+    from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.model import build_model
+    from prime_rl.trainer.optim import build_optimizer, build_scheduler
     from prime_rl.trainer.parallel import apply_fsdp, close_distributed, init_distributed, resolve_device
-    from prime_rl.trainer.weights import build_model_files, save_weights
+    from prime_rl.trainer.weights import build_model_files
     from prime_rl.utils.metrics import MetricsWriter
     from prime_rl.utils.timer import timer
 
@@ -54,14 +56,17 @@ def run(config: TrainerConfig) -> None:
     d = init_distributed(resolve_device(config.device))
     try:
         with Heartbeat(config.output_dir, f"trainer-rank{d.rank}") as heartbeat:
-            model = build_model(config.model.name, config.activation_checkpointing)
-            apply_fsdp(model, d, compute_dtype(config.dtype, d.device))
-            optimizer = build_optimizer(model, config)
+            model = build_model(config.model.name, config.activation_checkpointing, d.device.type)
+            apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
+            optimizer = build_optimizer(model, config.optim)
+            scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
             files = build_model_files(config.model.name) if d.is_main else None
+            progress = resume(config, model, optimizer, scheduler, files, d) or Progress()
             metrics = MetricsWriter(config.output_dir, "trainer") if d.is_main else None
             logger.info(f"training {config.model.name} on {d.world_size} rank(s), device {d.device.type}")
 
-            for step in range(config.max_steps):
+            history = []
+            for step in range(progress.step, config.max_steps):
                 heartbeat.step = step
                 times: dict[str, float] = {}
                 start = time.perf_counter()
@@ -69,19 +74,63 @@ def run(config: TrainerConfig) -> None:
                     micro_batches = load_micro_batches(config, step, d)
                 with timer(times, "train"):
                     stats = train_step(model, optimizer, micro_batches, config, d)
-                with timer(times, "save_weights"):
-                    save_weights(model, files, config.output_dir, step + 1)
+                    lr = scheduler.get_last_lr()[0]
+                    scheduler.step()
+                progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
+                if not config.bench:
+                    publish(config, model, optimizer, scheduler, progress, files, d, times)
                 times["step"] = time.perf_counter() - start
+                record = step_metrics(stats, times, lr, progress)
+                history.append(record)
                 if d.is_main:
-                    prune_old_steps(config, step)
-                    record = step_metrics(stats, times, optimizer.param_groups[0]["lr"])
                     metrics.log(step, record)
                     log_step(step, record)
             if metrics is not None:
                 metrics.close()
+            if config.bench and d.is_main:
+                print_bench_table(history, model, config, d)
             logger.info(f"done: {config.max_steps} steps, weights in {config.output_dir / 'weights'}")
     finally:
         close_distributed()
+
+
+def resume(config: TrainerConfig, model, optimizer, scheduler, files, d):
+    """Restore `--ckpt.resume-step` (None = fresh start); make sure `weights/step_N` exists for the orchestrator."""
+    from prime_rl.protocol import is_stable, resolve_resume_step, weights_dir
+    from prime_rl.trainer.ckpt import load_checkpoint
+    from prime_rl.trainer.weights import save_weights
+
+    try:
+        step = resolve_resume_step(config.output_dir, config.ckpt and config.ckpt.resume_step, "trainer")
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+    if step is None:
+        return None
+    progress = load_checkpoint(config.output_dir, step, model, optimizer, scheduler, d.rank)
+    if progress.step != step:
+        raise TrainerError(f"checkpoint step_{step} holds trainer progress of step {progress.step}")
+    # An orchestrator resuming at step N waits for weights/step_N (pruning keeps it, but it may be gone).
+    if step > 0 and not is_stable(weights_dir(config.output_dir, step)):
+        save_weights(model, files, config.output_dir, step)
+    logger.info(f"resumed from checkpoints/step_{step} ({progress.tokens} tokens, {progress.samples} samples so far)")
+    return progress
+
+
+def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files, d, times: dict) -> None:
+    """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more."""
+    from prime_rl.trainer.ckpt import prune_checkpoints, save_checkpoint, should_save
+    from prime_rl.trainer.weights import save_weights
+    from prime_rl.utils.timer import timer
+
+    with timer(times, "save_weights"):
+        save_weights(model, files, config.output_dir, progress.step)
+    if config.ckpt is not None and should_save(progress.step, config.max_steps, config.ckpt.interval):
+        with timer(times, "save_ckpt"):
+            save_checkpoint(config.output_dir, progress.step, model, optimizer, scheduler, progress, files, d.rank)
+        if d.is_main:
+            prune_checkpoints(config.output_dir, config.ckpt.keep)
+    if d.is_main:
+        prune_old_steps(config, progress.step - 1)
 
 
 def compute_dtype(choice: str, device):
@@ -93,19 +142,14 @@ def compute_dtype(choice: str, device):
     return getattr(torch, choice)
 
 
-def build_optimizer(model, config: TrainerConfig):
-    import torch
-
-    o = config.optim
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-
-
 def load_micro_batches(config: TrainerConfig, step: int, d) -> list:
     """This rank's micro batches of `step`; every rank must hold the same number (checked, not hung on)."""
     from prime_rl.protocol import rank_file, wait_for_rank_file
     from prime_rl.protocol.records import read_rank_file
     from prime_rl.trainer.parallel import all_reduce
 
+    if config.data.fake:
+        return generated_micro_batches(config, step, d)
     path = wait_for_rank_file(config.output_dir, step, d.rank, config.data.timeout, config.data.heartbeat_timeout)
     try:
         micro_batches = read_rank_file(path, step, d.rank)
@@ -127,6 +171,18 @@ def load_micro_batches(config: TrainerConfig, step: int, d) -> list:
     return micro_batches
 
 
+def generated_micro_batches(config: TrainerConfig, step: int, d) -> list:
+    from transformers import AutoConfig
+
+    from prime_rl.trainer.fake_data import fake_micro_batches
+
+    f = config.data
+    vocab = AutoConfig.from_pretrained(config.model.name).vocab_size
+    return fake_micro_batches(
+        step, d.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, config.seed
+    )
+
+
 @dataclass
 class StepStats:
     loss: float
@@ -146,7 +202,7 @@ def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) 
 
     from prime_rl.trainer.model import forward_logprobs, sample_starts
     from prime_rl.trainer.parallel import all_reduce
-    from prime_rl.trainer.rl.loss import aipo_loss
+    from prime_rl.trainer.rl.loss import policy_loss, sample_index
 
     # The first token of each sample has no prefix, so it never carries a logprob to train on.
     masks = [(mb.loss_mask & ~sample_starts(mb)).to(d.device) for mb in micro_batches]
@@ -156,24 +212,27 @@ def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) 
         sum(_samples_with_loss(mb.cu_seqlens, m) for mb, m in zip(micro_batches, masks, strict=True)),
     ]
     num_tokens, num_loss_tokens, num_samples = all_reduce(local_counts, d.device)
-    # Every loss token of the step weighs 1/N; × world_size undoes FSDP's gradient averaging over ranks.
-    scale = d.world_size / max(num_loss_tokens, 1)
+    # Every loss token (or sample) of the step weighs 1/N; × world_size undoes FSDP's gradient averaging.
+    denominator = max(num_loss_tokens if config.loss.norm == "token" else num_samples, 1)
+    scale = d.world_size / denominator
 
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
     sums = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss, entropy, mismatch kl, clipped
     for mb, mask in zip(micro_batches, masks, strict=True):
-        out = forward_logprobs(model, mb, d.device)
-        terms = aipo_loss(
+        out = forward_logprobs(model, mb, d.device, entropy_grad=config.loss.entropy_coef > 0)
+        terms = policy_loss(
             out.logprobs,
             mb.inference_logprobs.to(d.device),
             mb.advantages.to(d.device),
             mask,
-            config.loss.max_ratio,
+            sample_index(mb.cu_seqlens.to(d.device), mb.num_tokens),
+            config.loss,
             scale,
+            entropy=out.entropy,
         )
         terms.loss.backward()
-        entropy_sum = torch.where(mask, out.entropy, 0.0).sum()
+        entropy_sum = torch.where(mask, out.entropy.detach(), 0.0).sum()
         sums += torch.stack([terms.loss_sum, entropy_sum, terms.mismatch_kl_sum, terms.clipped.float()]).double()
 
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_norm)
@@ -188,7 +247,7 @@ def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) 
     (peak,) = all_reduce([_peak_memory_gib(d.device)], d.device, op="max")
     n = max(num_loss_tokens, 1)
     return StepStats(
-        loss=loss_sum / n,
+        loss=loss_sum / denominator,
         entropy=entropy_sum / n,
         mismatch_kl=kl_sum / n,
         clip_frac=clipped / n,
@@ -217,16 +276,18 @@ def _peak_memory_gib(device) -> float:
 
 def prune_old_steps(config: TrainerConfig, step: int) -> None:
     """Drop weights no reader can still need, and rollouts every rank has read (all are past step `step`)."""
-    from prime_rl.protocol import list_steps, prune_steps, rollouts_dir
+    from prime_rl.protocol import checkpoint_steps, list_steps, prune_steps, rollouts_dir
     from prime_rl.trainer.weights import prune_weights
 
-    prune_weights(config.output_dir, keep=config.keep_weights or config.async_level + 1)
+    # Weights of checkpoint steps stay: an orchestrator resuming at step N needs weights/step_N.
+    keep = config.keep_weights or config.async_level + 1
+    prune_weights(config.output_dir, keep=keep, protect=checkpoint_steps(config.output_dir, ("trainer",)))
     # The orchestrator may already have written later steps; those are unread and must survive.
     unread = [s for s in list_steps(rollouts_dir(config.output_dir)) if s > step]
     prune_steps(rollouts_dir(config.output_dir), keep=config.data.keep_rollouts, protect=unread)
 
 
-def step_metrics(stats: StepStats, times: dict[str, float], lr: float) -> dict:
+def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress) -> dict:
     return {
         "loss": stats.loss,
         "entropy": stats.entropy,
@@ -239,8 +300,60 @@ def step_metrics(stats: StepStats, times: dict[str, float], lr: float) -> dict:
         "num_samples": stats.num_samples,
         "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),
         "peak_memory_gib": stats.peak_memory_gib,
+        "progress/tokens": progress.tokens,
+        "progress/samples": progress.samples,
         **{f"time/{k}": v for k, v in times.items()},
     }
+
+
+# Dense bf16 peak of common training GPUs, for MFU when --bench-peak-tflops is not given.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def flops_per_token(model, num_layers: int, hidden: int, mean_context: float) -> float:
+    """Training FLOPs per token: 6 · parameters (matmuls, forward + backward) + 6 · layers · hidden · context.
+
+    The attention term is 12 · layers · hidden · (average causal context = half the sample length).
+    Example: 1M parameters, 2 layers, hidden 64, samples of 256 tokens → 6e6 + 6·2·64·128 = 6.1e6.
+    """
+    params = sum(p.numel() for p in model.parameters())
+    return 6 * params + 6 * num_layers * hidden * mean_context
+
+
+def print_bench_table(history: list[dict], model, config: TrainerConfig, d) -> None:
+    """Median step time, tokens/s and MFU over the steps after the first (warm-up) one, as a rich table."""
+    import statistics
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    measured = history[1:] or history
+    step_time = statistics.median(m["time/train"] for m in measured)
+    tokens = statistics.median(m["num_tokens"] for m in measured)
+    cfg = model.config
+    mean_context = (config.data.fake_min_len + config.data.fake_max_len) / 4 if config.data.fake else 256
+    flops = flops_per_token(model, cfg.num_hidden_layers, cfg.hidden_size, mean_context) * tokens / step_time
+    peak = config.bench_peak_tflops
+    if peak is None and d.device.type == "cuda":
+        name = torch.cuda.get_device_name(d.device)
+        peak = next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+    mfu = f"{100 * flops / (peak * 1e12 * d.world_size):.1f}%" if peak else "n/a"
+    table = Table(title=f"trainer benchmark: {config.model.name}, {d.world_size} rank(s), {d.device.type}")
+    for column in ("steps", "step time (s)", "tokens/step", "tokens/s", "TFLOP/s", "MFU", "peak mem (GiB)"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(len(measured)),
+        f"{step_time:.3f}",
+        f"{tokens:.0f}",
+        f"{tokens / step_time:,.0f}",
+        f"{flops / 1e12:.3f}",
+        mfu,
+        f"{max(m['peak_memory_gib'] for m in measured):.2f}",
+    )
+    Console(width=120).print(table)
+    if not peak:
+        logger.info("MFU needs the device's peak: pass --bench-peak-tflops")
 
 
 def log_step(step: int, m: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, build_engine
-from prime_rl.inference.engine.engine import left_padded_positions
+from prime_rl.inference.engine.engine import EngineBusy, left_padded_positions
 from prime_rl.inference.engine.weights import check_tensors
 from prime_rl.protocol import mark_stable, weights_dir
 
@@ -23,8 +24,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    # A long batch window so that requests submitted together surely share a batch.
-    engine = build_engine(str(tiny_model), device="cpu", batch_wait_ms=200)
+    engine = build_engine(str(tiny_model), device="cpu")
     yield engine
     engine.close()
 
@@ -83,16 +83,77 @@ def test_seeded_samples_do_not_depend_on_what_else_is_in_the_batch(engine):
     assert len({tuple(s.token_ids) for s in alone}) == 3  # the n samples differ from each other
 
 
-def test_concurrent_requests_share_one_batch_up_to_max_batch_size(tiny_model):
-    engine = build_engine(str(tiny_model), device="cpu", max_batch_size=4, batch_wait_ms=200)
+def test_a_request_joins_while_another_decodes_and_finishes_first(engine):
+    """Continuous batching: the short request neither waits for the long one nor changes its tokens."""
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, temperature=0.0)
+    ((long_alone,),) = generate_together(engine, (PROMPT, long))
+    ((short_alone,),) = generate_together(engine, (OTHERS[1], short))
+
+    async def go():
+        order = []
+
+        async def run(ids, params, name):
+            result = await engine.generate(ids, params)
+            order.append(name)
+            return result
+
+        admitted = engine.requests
+        first = asyncio.create_task(run(PROMPT, long, "long"))
+        while engine.requests == admitted:  # wait until the long request is decoding
+            await asyncio.sleep(0.001)
+        second = await run(OTHERS[1], short, "short")
+        return order, await first, second
+
+    prefills = engine.prefills
+    order, (long_joined,), (short_joined,) = asyncio.run(go())
+    assert order == ["short", "long"]
+    assert engine.prefills == prefills + 2  # two admissions: the second joined the running batch
+    assert short_joined.token_ids == short_alone.token_ids
+    assert long_joined.token_ids == long_alone.token_ids
+    assert long_joined.logprobs == pytest.approx(long_alone.logprobs, abs=1e-4)
+
+
+def test_rows_beyond_max_batch_size_wait_for_a_free_slot(tiny_model):
+    engine = build_engine(str(tiny_model), device="cpu", max_batch_size=4)
     try:
-        results = generate_together(engine, *[(PROMPT, SamplingParams(max_tokens=3)) for _ in range(4)])
-        assert engine.batches == 1 and engine.requests == 4
-        assert [len(r) for r in results] == [1, 1, 1, 1]
-        generate_together(engine, *[(PROMPT, SamplingParams(n=2, max_tokens=3)) for _ in range(3)])
-        assert engine.batches == 3  # 2 + 2 rows fill one batch, the third request waits for the next
+        results = generate_together(engine, *[(PROMPT, SamplingParams(n=2, max_tokens=3)) for _ in range(3)])
+        assert [len(r) for r in results] == [2, 2, 2]
+        assert engine.prefills >= 2  # 2 + 2 rows fill the batch, the third request had to wait
+        with pytest.raises(ValueError, match="exceeds the engine's max_batch_size 4"):
+            generate_together(engine, (PROMPT, SamplingParams(n=5)))
     finally:
         engine.close()
+
+
+def test_a_full_waiting_queue_refuses_new_requests(tiny_model):
+    engine = build_engine(str(tiny_model), device="cpu", max_batch_size=1, max_waiting=2)
+    try:
+        slow = SamplingParams(max_tokens=200, ignore_eos=True)
+        with pytest.raises(EngineBusy, match="already waiting"):
+            generate_together(engine, *[(PROMPT, slow) for _ in range(4)])
+    finally:
+        engine.close()
+
+
+def test_min_tokens_stop_token_ids_and_repetition_penalty(engine):
+    ((free,),) = generate_together(engine, (PROMPT, SamplingParams(max_tokens=12, temperature=0.0)))
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    ((stopped,),) = generate_together(
+        engine, (PROMPT, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_id,)))
+    )
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == engine.tokenizer.decode(free.token_ids[:first])  # the stop token is not in the text
+    params = SamplingParams(max_tokens=12, min_tokens=first + 2, temperature=0.0, stop_token_ids=(stop_id,))
+    ((late,),) = generate_together(engine, (PROMPT, params))
+    assert len(late.token_ids) >= first + 2 and stop_id not in late.token_ids[: first + 2]
+    penalised = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=100.0)
+    ((varied,),) = generate_together(engine, (PROMPT, penalised))
+    assert not set(varied.token_ids[1:]) & set(PROMPT)  # seen tokens were pushed out of reach
+    assert len(set(varied.token_ids)) == len(varied.token_ids)
+    # The reported logprob is that of the unpenalised distribution (what the trainer recomputes).
+    assert varied.token_ids[0] == free.token_ids[0] or varied.logprobs[0] < free.logprobs[0]
 
 
 def test_max_tokens_ends_a_sample_with_length(engine):
@@ -163,7 +224,16 @@ def test_unusable_weight_dirs_are_refused_and_the_old_weights_keep_serving(engin
     missing_tensor.mkdir(parents=True)
     save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, missing_tensor / "model.safetensors")
     mark_stable(missing_tensor)
+    wrong_dtype = weights_dir(tmp_path, 4)
+    wrong_dtype.mkdir(parents=True)
+    save_file(tensors | {"model.norm.weight": torch.ones(64, dtype=torch.int32)}, wrong_dtype / "model.safetensors")
+    mark_stable(wrong_dtype)
+    other_arch = write_weights(tiny_model, tmp_path, step=5)
+    config = json.loads((other_arch / "config.json").read_text())
+    (other_arch / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 7}))
     cases = {
+        wrong_dtype: "model.norm.weight has dtype torch.int32, the model needs torch.float32",
+        other_arch: "num_hidden_layers is 7, the served model has 2",
         unstable: "no STABLE marker",
         wrong_shape: "model.embed_tokens.weight has shape (10, 64)",
         missing_tensor: "missing model.norm.weight",

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from prime_rl.trainer.rl.loss import aipo_loss, token_entropy, token_logprobs
+from prime_rl.trainer.rl.config import LossConfig
+from prime_rl.trainer.rl.loss import policy_loss, sample_index, token_entropy, token_logprobs, token_weights
 
 
 def test_token_logprobs_position_t_holds_logprob_of_token_t():
@@ -36,33 +37,104 @@ def test_token_entropy_example():
     torch.testing.assert_close(token_entropy(logits, 1.0), torch.tensor([expected]))
 
 
+def _cfg(**kw) -> LossConfig:
+    return LossConfig(**kw)
+
+
+def _one_sample(n: int) -> torch.Tensor:
+    return torch.zeros(1, n, dtype=torch.long)
+
+
 def test_aipo_loss_worked_example_values_and_gradient():
-    logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
-    mu = torch.tensor([-1.0, -2.0 - math.log(2)])  # ratios [1, 2]
-    advantages = torch.tensor([1.0, -1.0])
-    mask = torch.tensor([True, True])
-    terms = aipo_loss(logprobs, mu, advantages, mask, max_ratio=1.5, scale=0.5)
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    mu = torch.tensor([[-1.0, -2.0 - math.log(2)]])  # ratios [1, 2]
+    advantages = torch.tensor([[1.0, -1.0]])
+    mask = torch.tensor([[True, True]])
+    terms = policy_loss(logprobs, mu, advantages, mask, _one_sample(2), _cfg(max_ratio=1.5), scale=0.5)
     terms.loss.backward()
     assert terms.loss.item() == pytest.approx(-1.0)
     assert terms.loss_sum.item() == pytest.approx(-2.0)  # unscaled
-    torch.testing.assert_close(logprobs.grad, torch.tensor([-0.5, 0.75]))
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, 0.75]]))
     assert terms.mismatch_kl_sum.item() == pytest.approx(1 - math.log(2))
     assert terms.clipped.item() == 1
 
 
-def test_aipo_loss_ignores_masked_positions_even_with_overflowing_ratios():
-    logprobs = torch.tensor([-0.5, -1.0], requires_grad=True)
-    mu = torch.tensor([-1000.0, -1.0])  # a placeholder μ on a prompt token: exp(999.5) = inf
-    terms = aipo_loss(logprobs, mu, torch.tensor([3.0, 2.0]), torch.tensor([False, True]), 8.0, 1.0)
+def test_ppo_clip_worked_example_zeroes_the_gradient_of_clipped_tokens():
+    # r = [1.5, 0.5, 1.1], A = [1, -1, 1], eps 0.2 → per token [-1.2, 0.8, -1.1]; tokens 0 and 1 clipped.
+    mu = torch.tensor([[0.0, 0.0, 0.0]])
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()
+    advantages = torch.tensor([[1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    terms = policy_loss(logprobs, mu, advantages, mask, _one_sample(3), _cfg(type="ppo"), scale=1.0)
     terms.loss.backward()
-    assert terms.loss.item() == pytest.approx(2.0)  # only token 1: −1·2·(−1)
-    assert terms.mismatch_kl_sum.item() == 0.0
-    assert terms.clipped.item() == 0
-    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, -2.0]))
+    assert terms.loss_sum.item() == pytest.approx(-1.2 + 0.8 - 1.1)
+    assert terms.clipped.item() == 2
+    # ∂(−r·A)/∂log π = −r·A on the unclipped token, 0 where the clipped branch is taken.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, -1.1]]))
 
 
-def test_aipo_loss_ratio_is_not_differentiated():
-    # With r = π/μ differentiated, the gradient would pick up an extra A·log π·r term; it must be −w·A only.
-    logprobs = torch.tensor([-0.2], requires_grad=True)
-    aipo_loss(logprobs, torch.tensor([-0.7]), torch.tensor([1.0]), torch.tensor([True]), 8.0, 1.0).loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([-math.exp(0.5)]))
+def test_ppo_asymmetric_clip_uses_clip_high_above_and_clip_low_below():
+    mu = torch.zeros(1, 2)
+    logprobs = torch.log(torch.tensor([[1.25, 0.75]]))
+    advantages = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    cfg = _cfg(type="ppo", clip_low=0.1, clip_high=0.3)
+    terms = policy_loss(logprobs, mu, advantages, mask, _one_sample(2), cfg, scale=1.0)
+    # 1.25 < 1.3 → unclipped −1.25; 0.75 < 0.9 → clipped at 0.9: −min(−0.75, −0.9) = 0.9
+    assert terms.loss_sum.item() == pytest.approx(-1.25 + 0.9)
+    assert terms.clipped.item() == 1
+
+
+def test_gspo_uses_one_sequence_ratio_per_sample():
+    # Sample 0 (tokens 0, 1): log ratios [ln 2, 0] → s = √2 on both; sample 1 (token 2): ratio 1.
+    mu = torch.tensor([[-1.0 - math.log(2), -1.0, -3.0]])
+    logprobs = torch.tensor([[-1.0, -1.0, -3.0]], requires_grad=True)
+    advantages = torch.tensor([[1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    samples = torch.tensor([[0, 0, 1]])
+    cfg = _cfg(type="gspo", clip_low=0.5, clip_high=0.5)
+    terms = policy_loss(logprobs, mu, advantages, mask, samples, cfg, scale=1.0)
+    terms.loss.backward()
+    s = math.sqrt(2)
+    assert terms.loss_sum.item() == pytest.approx(-s - s + 1.0)
+    # Gradient of −s_i,t·A_t w.r.t. log π_t is −s_i·A_t (the sequence ratio, not the token's own ratio 2).
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-s, -s, 1.0]]))
+    # With a tight clip (1 ± 0.2) sample 0's ratio √2 is clipped on both tokens.
+    tight = policy_loss(logprobs, mu, advantages, mask, samples, _cfg(type="gspo"), scale=1.0)
+    assert tight.clipped.item() == 2
+    assert tight.loss_sum.item() == pytest.approx(-1.2 - 1.2 + 1.0)
+
+
+def test_sequence_normalisation_weighs_every_sample_equally():
+    # Sample 0 has 3 loss tokens, sample 1 has 1: each token of sample 0 weighs 1/3.
+    mask = torch.tensor([[False, True, True, True, True]])
+    samples = torch.tensor([[0, 0, 0, 0, 1]])
+    torch.testing.assert_close(token_weights(mask, samples, "sequence"), torch.tensor([[0, 1 / 3, 1 / 3, 1 / 3, 1.0]]))
+    torch.testing.assert_close(token_weights(mask, samples, "token"), mask.float())
+    logprobs = torch.full((1, 5), -1.0, requires_grad=True)
+    advantages = torch.tensor([[0.0, 3.0, 3.0, 3.0, 1.0]])
+    terms = policy_loss(logprobs, logprobs.detach(), advantages, mask, samples, _cfg(norm="sequence"), scale=0.5)
+    terms.loss.backward()
+    # per token −A·log π = A; sample means: 3 and 1 → sum 4, × scale 0.5 (= 1 / 2 samples)
+    assert terms.loss.item() == pytest.approx(2.0)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5, -0.5, -0.5, -0.5]]))
+
+
+def test_kl_and_entropy_terms_are_off_by_default_and_add_when_set():
+    logprobs = torch.tensor([[-1.0]], requires_grad=True)
+    mu = torch.tensor([[-1.0 - math.log(2)]])  # log r = ln 2
+    advantages, mask, samples = torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), _one_sample(1)
+    entropy = torch.tensor([[0.5]])
+    base = policy_loss(logprobs, mu, advantages, mask, samples, _cfg(), 1.0, entropy=entropy)
+    assert base.loss_sum.item() == 0.0
+    with_terms = policy_loss(logprobs, mu, advantages, mask, samples, _cfg(kl_coef=0.1, entropy_coef=0.2), 1.0,
+                             entropy=entropy)  # fmt: skip
+    # k3(π‖μ) = exp(−ln 2) + ln 2 − 1 = 0.1931; entropy bonus −0.2·0.5
+    assert with_terms.loss_sum.item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1) - 0.1)
+    with_terms.loss.backward()
+    # ∂k3/∂log π = 1 − exp(−log r) = 0.5
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.05]]))
+
+
+def test_sample_index_from_cu_seqlens():
+    assert sample_index(torch.tensor([0, 2, 3], dtype=torch.int32), 3).tolist() == [[0, 0, 1]]

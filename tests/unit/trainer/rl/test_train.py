@@ -7,9 +7,10 @@ from prime_rl.protocol import list_steps, rank_file, rollout_step_dir, weights_d
 from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.model import build_model, forward_logprobs
+from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.trainer.rl.train import build_optimizer, load_micro_batches, prune_old_steps, train_step
+from prime_rl.trainer.rl.train import load_micro_batches, prune_old_steps, train_step
 
 
 def _config(tiny_model, tmp_path, **kw) -> TrainerConfig:
@@ -38,7 +39,7 @@ def test_train_step_moves_logprobs_along_advantages_and_reports_on_policy_metric
     mb = _on_policy_batch(model, [(good, 1.0), (bad, -1.0)])
     before = forward_logprobs(model, mb, torch.device("cpu")).logprobs.detach()[0]
 
-    stats = train_step(model, build_optimizer(model, config), [mb], config, one_rank)
+    stats = train_step(model, build_optimizer(model, config.optim), [mb], config, one_rank)
 
     after = forward_logprobs(model, mb, torch.device("cpu")).logprobs.detach()[0]
     g, b = slice(3, 12), slice(12 + 3, 20)

@@ -1,0 +1,170 @@
+"""Inference throughput and latency: our server over HTTP vs in-process `transformers` `generate`.
+
+    uv run python benchmarks/inference.py                    # defaults: ~2-3 min on a 2-core CPU
+    uv run python benchmarks/inference.py --models tiny --runs 5 --max-tokens 32
+
+For each model (`tiny` = `create_tiny_model` defaults, hidden 64 / 2 layers; `small` = hidden 256 /
+4 layers) and each concurrency c in `--concurrency`:
+- server: the real `inference` process (built-in engine, CPU) answers `--requests-per-slot` × c completion
+  requests, c in flight at a time (each client slot sends its next request when the previous returns);
+  throughput = generated tokens / wall time, latency = per request.
+- generate: `model.generate` in this process over the same prompts and lengths, in batches of c
+  (left-padded, KV cache, sampling at temperature 1); a batch's latency is the time until it returns.
+Every completion has exactly `--max-tokens` tokens (`ignore_eos` / `min_new_tokens`), so both sides do the
+same work. The server and `generate` never run at the same time. Each figure is the median of `--runs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+READY = re.compile(r"serving .* on (http://\S+) ")
+SIZES = {"tiny": {}, "small": {"hidden_size": 256, "num_layers": 4}}
+
+
+def prompts_for(tokenizer, count: int) -> list[list[int]]:
+    words = "reverse this text please and then say it again slowly with feeling".split()
+    return [tokenizer(" ".join(words[i % 5 : i % 5 + 6]) + f" {i}").input_ids for i in range(count)]
+
+
+def start_server(model: Path, out: Path, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", "0"]
+    cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size)]
+    log = out / "server.out"
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited:\n{log.read_text()}")
+        if ready := READY.search(log.read_text()):
+            return proc, ready.group(1)
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server not ready after 180 s:\n{log.read_text()}")
+
+
+async def http_run(url: str, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int):
+    """(generated tokens / s, per-request latencies) with `concurrency` requests in flight."""
+    latencies: list[float] = []
+    tokens = 0
+    todo = list(range(requests))
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def slot() -> None:
+            nonlocal tokens
+            while todo:
+                i = todo.pop()
+                body = {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "ignore_eos": True}
+                start = time.perf_counter()
+                response = await http.post("/v1/completions", json=body | {"temperature": 1.0, "seed": i})
+                response.raise_for_status()
+                latencies.append(time.perf_counter() - start)
+                tokens += response.json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(slot() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return tokens / wall, latencies
+
+
+def generate_run(model, prompts: list[list[int]], batch: int, requests: int, max_tokens: int, pad_id: int):
+    import torch
+
+    latencies: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    for first in range(0, requests, batch):
+        group = [prompts[i % len(prompts)] for i in range(first, min(first + batch, requests))]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=pad_id,
+            )
+        latencies += [time.perf_counter() - t] * len(group)
+        tokens += (out.shape[1] - width) * len(group)
+    return tokens / (time.perf_counter() - start), latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,small", help="comma list of: " + ", ".join(SIZES))
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests-per-slot", type=int, default=2, help="requests = this × concurrency (≥ 8)")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_rl.utils.tiny_model import create_tiny_model
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            path = create_tiny_model(Path(tmp) / name, "qwen3", **SIZES[name])
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+            prompts = prompts_for(tokenizer, 64)
+            proc, url = start_server(path, Path(tmp), max(levels))
+            try:
+                for c in levels:
+                    requests = max(8, args.requests_per_slot * c)
+                    asyncio.run(http_run(url, prompts, c, min(requests, c), args.max_tokens))  # warm-up
+                    generate_run(model, prompts, c, c, args.max_tokens, tokenizer.pad_token_id)
+                    server, hf = [], []
+                    for _ in range(args.runs):
+                        server.append(asyncio.run(http_run(url, prompts, c, requests, args.max_tokens)))
+                        hf.append(generate_run(model, prompts, c, requests, args.max_tokens, tokenizer.pad_token_id))
+                    for label, runs in (("server (HTTP)", server), ("generate", hf)):
+                        rows.append(
+                            (
+                                name,
+                                c,
+                                label,
+                                statistics.median(r[0] for r in runs),
+                                statistics.median(pct(r[1], 0.5) for r in runs),
+                                statistics.median(pct(r[1], 0.99) for r in runs),
+                            )
+                        )
+                    print(f"[{name} c={c}] done", file=sys.stderr, flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    print(f"\nmax_tokens={args.max_tokens}, median of {args.runs} runs, torch threads {torch.get_num_threads()}\n")
+    print("| model | concurrency | engine | tokens/s | p50 latency (s) | p99 latency (s) |")
+    print("|---|---|---|---|---|---|")
+    for name, c, label, tps, p50, p99 in rows:
+        print(f"| {name} | {c} | {label} | {tps:,.0f} | {p50:.3f} | {p99:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Trainer throughput: our packed FSDP2 step vs a plain padded `transformers` loop, on the same samples.
+
+    uv run python benchmarks/trainer.py                      # defaults: ~2 min on a 2-core CPU
+    uv run python benchmarks/trainer.py --samples 64 --reps 5 --hidden 512
+
+Both variants train one optimizer step per repetition on the same `--samples` sequences with lengths drawn
+uniformly from [min_len, max_len] (loss on the last 3/4 of each, like a completion):
+- ours: `prime_rl.trainer` as the RL trainer runs it: samples packed first-fit-decreasing into rows of
+  `--seq-len` tokens, per-sample causal attention (`packed_sdpa`), FSDP2 (one rank), AdamW;
+- padded: `AutoModelForCausalLM` + AdamW, micro batches of `--batch` samples padded to their longest
+  sample with an attention mask, `labels` = -100 on prompt and padding (the usual HF fine-tuning loop).
+Each variant runs in its own process (so peak memory is its own), one warm-up step, then `--reps` timed
+steps; the table shows medians. Useful tokens = the samples' real tokens (no padding), the same for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=2048, help="ours: tokens per packed row")
+    p.add_argument("--batch", type=int, default=8, help="padded: samples per micro batch")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of the generated model")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the generated model")
+    p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
+    p.add_argument("--variant", choices=["ours", "padded"], help=argparse.SUPPRESS)
+    p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return
+    from prime_rl.utils.tiny_model import create_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = create_tiny_model(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers)
+        results = {v: child(v, model, sys.argv[1:]) for v in ("padded", "ours")}
+    print_table(results, args)
+
+
+def child(variant: str, model: Path, argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, *argv, "--variant", variant, "--model", str(model)]
+    env_note = f"{variant}: running"
+    print(env_note, file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"{variant} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    import torch
+
+    from prime_rl.trainer.fake_data import random_samples
+
+    torch.manual_seed(0)
+    samples = random_samples(args.samples, args.min_len, args.max_len, 1000, seed=0)
+    step = build_ours(args, samples) if args.variant == "ours" else build_padded(args, samples)
+    before = _rss_gib()
+    step()  # warm-up
+    times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        processed = step()
+        times.append(time.perf_counter() - start)
+    useful = sum(len(s) for s in samples)
+    return {"times": times, "useful": useful, "processed": processed, "peak": _rss_gib(), "before": before}
+
+
+def build_ours(args, samples):
+    from prime_rl.trainer.fake_data import pack_samples
+    from prime_rl.trainer.model import build_model
+    from prime_rl.trainer.optim import build_optimizer
+    from prime_rl.trainer.parallel import apply_fsdp, init_distributed
+    from prime_rl.trainer.rl.config import TrainerConfig
+    from prime_rl.trainer.rl.train import train_step
+
+    config = TrainerConfig(model={"name": str(args.model)}, device="cpu", optim={"lr": 1e-5})
+    d = init_distributed("cpu")
+    model = build_model(str(args.model), device_type="cpu")
+    import torch
+
+    apply_fsdp(model, d, torch.float32)
+    optimizer = build_optimizer(model, config.optim)
+    rows = pack_samples(samples, args.seq_len, seed=0)
+
+    def step() -> int:
+        return train_step(model, optimizer, rows, config, d).num_tokens
+
+    return step
+
+
+def build_padded(args, samples):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batches = []
+    for i in range(0, len(samples), args.batch):
+        chunk = samples[i : i + args.batch]
+        longest = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), longest, dtype=torch.long)
+        mask = torch.zeros(len(chunk), longest, dtype=torch.long)
+        labels = torch.full((len(chunk), longest), -100, dtype=torch.long)
+        for j, s in enumerate(chunk):
+            ids[j, : len(s)] = torch.tensor(s)
+            mask[j, : len(s)] = 1
+            prompt = max(1, len(s) // 4)
+            labels[j, prompt : len(s)] = torch.tensor(s[prompt:])
+        batches.append((ids, mask, labels))
+
+    def step() -> int:
+        for ids, mask, labels in batches:
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(batches)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return sum(ids.numel() for ids, _, _ in batches)
+
+    return step
+
+
+def print_table(results: dict, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"trainer step, {args.samples} samples of {args.min_len}-{args.max_len} tokens, "
+        f"qwen3 hidden {args.hidden} x {args.layers} layers, CPU, median of {args.reps}"
+    )
+    for col in ("variant", "step (s)", "useful tok/s", "processed tok/step", "peak RSS (GiB)", "RSS growth (GiB)"):
+        table.add_column(col, justify="right")
+    rates = {}
+    for name, label in (("padded", "padded transformers loop"), ("ours", "prime-rl trainer (packed)")):
+        r = results[name]
+        t = statistics.median(r["times"])
+        rates[name] = r["useful"] / t
+        table.add_row(
+            label,
+            f"{t:.2f}",
+            f"{rates[name]:,.0f}",
+            f"{r['processed']:,}",
+            f"{r['peak']:.2f}",
+            f"{r['peak'] - r['before']:.2f}",
+        )
+    Console(width=140).print(table)
+    print(f"speed-up (useful tokens/s): {rates['ours'] / rates['padded']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

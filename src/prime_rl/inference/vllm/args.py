@@ -1,0 +1,41 @@
+"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.20). Pure: imports neither vLLM nor torch.
+
+Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
+`Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8000 --tensor-parallel-size 2 --data-parallel-size 1
+ --gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64 --seed 0
+ --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension --api-server-count 1 ...`
+"""
+
+from __future__ import annotations
+
+from prime_rl.inference.config import InferenceConfig
+
+WORKER_EXTENSION = "prime_rl.inference.vllm.worker.WeightUpdateExtension"
+
+
+def vllm_serve_args(config: InferenceConfig, host: str) -> list[str]:
+    """The argv (after `vllm serve`) that runs our config; the API key is enforced by our own middleware."""
+    args = [config.model.name, "--host", host, "--port", str(config.server.port)]
+    args += ["--served-model-name", config.model.name]
+    args += ["--tensor-parallel-size", str(config.parallel.tp), "--data-parallel-size", str(config.parallel.dp)]
+    args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    args += ["--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.engine.max_batch_size)]
+    args += ["--seed", str(config.seed), "--worker-extension-cls", WORKER_EXTENSION]
+    if config.engine.dtype != "auto":
+        args += ["--dtype", config.engine.dtype]
+    multi_node = {
+        "--data-parallel-size-local": config.data_parallel_size_local,
+        "--data-parallel-address": config.data_parallel_address,
+        "--data-parallel-rpc-port": config.data_parallel_rpc_port,
+        "--data-parallel-start-rank": config.data_parallel_start_rank,
+    }
+    for flag, value in multi_node.items():
+        if value is not None:
+            args += [flag, str(value)]
+    if config.headless:
+        args.append("--headless")  # engines only: no API server, so no routes to add
+    else:
+        # One API server in this process: our routes are added to its app (more would be separate processes).
+        args += ["--api-server-count", "1"]
+    args += ["--disable-uvicorn-access-log", "--disable-fastapi-docs"]
+    return args

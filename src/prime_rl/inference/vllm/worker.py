@@ -1,0 +1,34 @@
+"""vLLM worker extension (`--worker-extension-cls`): load a trainer's safetensors dir into the model runner.
+
+vLLM mixes this class into every GPU worker; the server calls its methods on all workers at once with
+`engine_client.collective_rpc(name, args=...)`. Runs only inside vLLM (GPU); imports torch lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def safetensors_weights(weight_dir: str) -> Iterator[tuple[str, object]]:
+    """(name, CPU tensor) for every tensor of every `*.safetensors` file in `weight_dir`, in file order."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(weight_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+class WeightUpdateExtension:
+    """Methods vLLM adds to its `Worker` (so `self.model_runner` is the worker's GPU model runner)."""
+
+    model_runner: object
+
+    def update_weights_from_path(self, weight_dir: str) -> None:
+        """Load checkpoint-format (HF) tensors; vLLM's loader shards and fuses them (qkv, gate_up)."""
+        self.model_runner.reload_weights(weights_iterator=safetensors_weights(weight_dir))
+
+    def reload_base_weights(self) -> None:
+        """Load the served model's own weights again (vLLM reads `model_config.model`, unchanged by updates)."""
+        self.model_runner.reload_weights()

@@ -1,0 +1,104 @@
+"""Orchestrator checkpoints: `checkpoints/step_n/orchestrator.pt`, in step with the trainer's (DESIGN §2).
+
+The file holds the progress when the orchestrator is about to produce rollouts for step n: the step,
+running totals, the data position (how many examples it has drawn from the environment's stream) and the
+state of its RNG. Resuming rebuilds the stream from the same seed and skips the examples already drawn,
+so step n continues with exactly the examples an uninterrupted run would have used.
+Saved at steps where n % ckpt.interval == 0 (n > 0) and at the end (n = max_steps), like the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prime_rl.protocol import (
+    atomic_write,
+    checkpoint_dir,
+    checkpoint_steps,
+    checkpoints_root,
+    orchestrator_checkpoint_file,
+    resolve_resume_step,
+)
+from prime_rl.utils.config import CkptConfig
+
+logger = logging.getLogger("prime_rl")
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """The checkpoint to resume from is missing or unreadable; the message names it."""
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    examples_drawn: int = 0  # data position in the environment's example stream
+    total_samples: int = 0
+    total_tokens: int = 0
+    rng_state: tuple | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def should_save(ckpt: CkptConfig | None, step: int, max_steps: int) -> bool:
+    if ckpt is None or step == 0:
+        return False
+    return step == max_steps or (ckpt.interval is not None and step % ckpt.interval == 0)
+
+
+def save_checkpoint(output_dir: Path, progress: Progress, keep: int | None) -> Path:
+    import torch
+
+    record = {"version": VERSION, **asdict(progress)}
+    path = atomic_write(orchestrator_checkpoint_file(output_dir, progress.step), lambda f: torch.save(record, f))
+    if keep is not None:
+        prune_checkpoints(output_dir, keep)
+    logger.info(f"saved orchestrator checkpoint {path}")
+    return path
+
+
+def prune_checkpoints(output_dir: Path, keep: int) -> list[int]:
+    """Delete all but the `keep` newest orchestrator.pt files; a step dir goes only once it is empty."""
+    steps = checkpoint_steps(output_dir, ("orchestrator",))
+    removed = steps[:-keep] if keep > 0 else steps
+    for step in removed:
+        orchestrator_checkpoint_file(output_dir, step).unlink(missing_ok=True)
+        try:
+            checkpoint_dir(output_dir, step).rmdir()  # only if the trainer's part is gone too
+        except OSError:
+            pass
+    return removed
+
+
+def load_checkpoint(output_dir: Path, resume_step: int | str | None) -> Progress | None:
+    """The progress saved at the resume step, or None to start fresh; ValueError if it is missing."""
+    import torch
+
+    try:
+        step = resolve_resume_step(output_dir, resume_step, "orchestrator")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if step is None:
+        return None
+    path = orchestrator_checkpoint_file(output_dir, step)
+    try:
+        record = torch.load(path, weights_only=True)
+    except Exception as e:  # a truncated or foreign file: say which one
+        raise CheckpointError(f"cannot read orchestrator checkpoint {path}: {e}") from None
+    if record.pop("version", None) != VERSION:
+        raise CheckpointError(f"{path}: unknown orchestrator checkpoint version")
+    progress = Progress(**record)
+    logger.info(
+        f"resuming from {path}: step {progress.step}, {progress.examples_drawn} examples drawn "
+        f"(under {checkpoints_root(output_dir)})"
+    )
+    return progress
+
+
+def new_rng(seed: int, progress: Progress | None) -> random.Random:
+    rng = random.Random(seed)
+    if progress is not None and progress.rng_state is not None:
+        rng.setstate(progress.rng_state)
+    return rng

@@ -1,0 +1,149 @@
+"""Trainer checkpoints: `checkpoints/step_n/trainer/` as torch.distributed.checkpoint (DCP) shards.
+
+A checkpoint at step n is the trainer's state after n optimizer steps, shared by the RL trainer and SFT:
+
+    .metadata, __<rank>_0.distcp   DCP: model + optimizer (sharded as trained), scheduler, progress
+    rng_rank<r>.pt                  torch RNG state of rank r (restored when the world size matches)
+    hf/                             config, generation config and tokenizer, so `convert-checkpoint`
+                                    can write a standalone HF model from this directory alone
+    STABLE                          written last by rank 0 after every rank finished: only then it counts
+
+DCP reshards on load, so a checkpoint resumes on any world size. `load_hf_state_dict` reads the model
+weights back without a process group (for conversion on any machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from prime_rl.protocol import (
+    atomic_write,
+    checkpoint_dir,
+    checkpoint_steps,
+    is_stable,
+    mark_stable,
+    trainer_checkpoint_dir,
+)
+from prime_rl.protocol.paths import STABLE
+
+logger = logging.getLogger("prime_rl")
+
+HF_FILES_DIR = "hf"
+
+
+@dataclass
+class Progress:
+    """Counters carried across resumes."""
+
+    step: int = 0  # optimizer steps taken
+    tokens: int = 0  # tokens trained on (all ranks, padding included)
+    samples: int = 0  # samples trained on
+    epoch: int = 0  # SFT: passes over the dataset completed
+    position: int = 0  # SFT: samples of the current epoch already used
+
+
+def _app_state(model, optimizer, scheduler, progress: Progress) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "progress": asdict(progress)}
+
+
+def save_checkpoint(
+    output_dir: Path, step: int, model, optimizer, scheduler, progress: Progress, files, rank: int
+) -> Path:
+    """Collective: every rank writes its shards; rank 0 (which holds `files`) adds hf/ and then STABLE."""
+    import torch.distributed.checkpoint as dcp
+
+    path = trainer_checkpoint_dir(output_dir, step)
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)  # an incomplete leftover (or an older run's): DCP must not mix its files in
+    dist.barrier()
+    dcp.save(_app_state(model, optimizer, scheduler, progress), checkpoint_id=path)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    atomic_write(path / f"rng_rank{rank}.pt", lambda f: torch.save(rng, f))
+    if rank == 0:
+        hf = path / HF_FILES_DIR
+        files.config.save_pretrained(hf)
+        files.generation_config.save_pretrained(hf)
+        files.tokenizer.save_pretrained(hf)
+    dist.barrier()
+    if rank == 0:
+        mark_stable(path)
+    return path
+
+
+def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, rank: int) -> Progress:
+    """Collective: restore model, optimizer, scheduler, progress (and this rank's RNG) from step `step`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = trainer_checkpoint_dir(output_dir, step)
+    base_lrs = list(scheduler.base_lrs)
+    state = _app_state(model, optimizer, scheduler, Progress())
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    # The schedule follows this run's config (lr, warmup, max_steps may have changed, e.g. a longer run):
+    # keep the step count from the checkpoint but recompute the current learning rate from it.
+    scheduler.base_lrs = base_lrs
+    for group, factor, base in zip(optimizer.param_groups, scheduler.lr_lambdas, base_lrs, strict=True):
+        group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        logger.warning(f"{rng_file} missing (resuming on a different world size?): RNG state not restored")
+    return Progress(**state["progress"])
+
+
+def should_save(step: int, max_steps: int, interval: int | None) -> bool:
+    """Save after `step` optimizer steps? At every `interval` steps and at the end of the run."""
+    return step == max_steps or (interval is not None and step % interval == 0)
+
+
+def prune_checkpoints(output_dir: Path, keep: int | None) -> list[int]:
+    """Delete the trainer part of all but the `keep` newest complete trainer checkpoints.
+
+    Only `trainer/` is ours: the orchestrator's `orchestrator.pt` beside it is left alone, and the step
+    directory goes only once it is empty.
+    """
+    if keep is None:
+        return []
+    steps = checkpoint_steps(output_dir, ("trainer",))
+    removed = []
+    for step in steps[:-keep] if keep > 0 else steps:
+        target = trainer_checkpoint_dir(output_dir, step)
+        (target / STABLE).unlink(missing_ok=True)  # never let a reader take a half-deleted dir as complete
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            checkpoint_dir(output_dir, step).rmdir()
+        except OSError:
+            pass  # the orchestrator's checkpoint is still there
+        removed.append(step)
+    return removed
+
+
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The full model weights of a trainer checkpoint dir, read without a process group (any world size)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    if not is_stable(path):
+        raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STABLE} marker)")
+    with warnings.catch_warnings():  # "no process group: loading in a single process" is exactly the intent
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=str(path))
+    return state["model"]

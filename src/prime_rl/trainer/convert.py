@@ -1,0 +1,65 @@
+"""`convert-checkpoint`: a trainer or SFT DCP checkpoint → a standalone HF safetensors model dir.
+
+    uv run convert-checkpoint outputs/checkpoints/step_20/trainer outputs/step_20-hf [--max-shard-size 5GB]
+
+Works on any machine and for any world size the checkpoint was written with: the shards are read
+without a process group. The output loads with `transformers` and vLLM like a hub model (config,
+generation config, tokenizer, `model.safetensors` or shards + `model.safetensors.index.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("prime_rl")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="convert-checkpoint", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="checkpoints/step_n/trainer (or checkpoints/step_n)")
+    parser.add_argument("output", type=Path, help="HF model dir to write (must not exist or be empty)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from prime_rl.utils.logging import setup_logging
+
+    args = parse_args(argv)
+    setup_logging("convert", None, "INFO", to_file=False)
+    try:
+        out = convert(args.checkpoint, args.output, args.max_shard_size)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"convert-checkpoint: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    logger.info(f"wrote {out}")
+
+
+def convert(checkpoint: Path, output: Path, max_shard_size: str = "5GB") -> Path:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from prime_rl.trainer.ckpt import HF_FILES_DIR, load_hf_state_dict
+    from prime_rl.trainer.weights import saved_dtype, write_safetensors
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / HF_FILES_DIR).is_dir() and (checkpoint / "trainer").is_dir():
+        checkpoint = checkpoint / "trainer"
+    if output.exists() and any(output.iterdir()):
+        raise FileExistsError(f"{output} exists and is not empty")
+    state_dict = load_hf_state_dict(checkpoint)
+    hf = checkpoint / HF_FILES_DIR
+    config = AutoConfig.from_pretrained(hf)
+    output.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(output)
+    GenerationConfig.from_pretrained(hf).save_pretrained(output)
+    AutoTokenizer.from_pretrained(hf).save_pretrained(output)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    write_safetensors(state_dict, output, saved_dtype(config), tied, max_shard_size)
+    return output
+
+
+if __name__ == "__main__":
+    main()

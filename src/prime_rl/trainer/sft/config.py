@@ -1,0 +1,69 @@
+"""Config of `sft` (supervised fine-tuning). Imports no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.trainer.config import OptimConfig
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
+
+
+class SFTDataConfig(Section):
+    path: Annotated[Path | None, Field(description="local .jsonl or .parquet file of training rows")] = None
+    name: Annotated[str | None, Field(description="Hugging Face datasets name (used when path is unset)")] = None
+    split: Annotated[str, Field(description="datasets split (with name)")] = "train"
+    prompt_column: Annotated[str, Field(description="column with the prompt: a string or a list of messages")] = (
+        "prompt"
+    )
+    completion_column: Annotated[
+        str, Field(description="column with the completion: a string or a list of assistant messages")
+    ] = "completion"
+    messages_column: Annotated[
+        str,
+        Field(
+            description="column with a whole conversation, used when a row has no prompt column; loss on every "
+            "assistant turn"
+        ),  # fmt: skip
+    ] = "messages"
+    shuffle: Annotated[bool, Field(description="reshuffle the rows every epoch (seeded)")] = True
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.name is None):
+            raise ValueError("set exactly one of data.path (local file) and data.name (HF datasets name)")
+        return self
+
+
+class SFTConfig(BaseConfig):
+    """FSDP2 supervised fine-tuning on prompt-completion data; loss only on completion tokens."""
+
+    model: Annotated[ModelConfig, Field(description="the model to fine-tune")] = ModelConfig()
+    output_dir: Annotated[Path, Field(description="weights/, checkpoints/, logs/sft.log, metrics/sft.jsonl")] = Path(
+        "outputs/sft"
+    )
+    data: Annotated[SFTDataConfig, Field(description="training data")] = SFTDataConfig(path=Path("data.jsonl"))
+    seq_len: Annotated[int, Field(ge=8, description="tokens per packed row; longer samples are truncated")] = 2048
+    batch_size: Annotated[int, Field(ge=1, description="samples per optimizer step, over all ranks")] = 32
+    max_steps: Annotated[int | None, Field(ge=1, description="optimizer steps; unset = epochs over the data")] = None
+    epochs: Annotated[int, Field(ge=1, description="passes over the data when max_steps is unset")] = 1
+    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto = CUDA when present")] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16"], Field(description="parameter dtype; auto = fp32 on CPU, bf16 on CUDA")
+    ] = "auto"
+    seed: Annotated[int, Field(description="torch seed and data order")] = 0
+    activation_checkpointing: Annotated[
+        bool, Field(description="recompute each decoder layer's activations in backward (less memory)")
+    ] = False
+    cpu_offload: Annotated[
+        bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
+    ] = False
+    optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig(lr=1e-5)
+    weights_interval: Annotated[
+        int | None, Field(ge=1, description="write weights/step_n every n steps; unset = only at the end")
+    ] = None
+    keep_weights: Annotated[int | None, Field(ge=1, description="newest weight steps kept on disk; unset = all")] = None
+    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
+    log: Annotated[LogConfig, Field(description="logging")] = LogConfig()

@@ -1,0 +1,184 @@
+"""SFT data: rows → token ids + completion mask → packed micro batches, in a resumable seeded order.
+
+Row formats (per row, first match wins):
+- `prompt` + `completion` strings: rendered as a user turn + an assistant turn with the chat template;
+- `prompt` / `completion` as lists of messages (`{"role", "content"}`), e.g. a system + user prompt;
+- `messages`: a whole conversation; every assistant turn is trained on.
+
+The loss mask covers exactly the tokens the template adds for assistant turns: for each assistant turn i
+it is `render(messages[:i+1])` minus `render(messages[:i], add_generation_prompt=True)`. Without a chat
+template the text is `prompt + completion + eos`. Example with ChatML, prompt "ab", completion "ba":
+
+    <|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n | ba<|im_end|>\n
+    ──────────────────── mask False ───────────────────────   ── True ──
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.packing import first_fit_decreasing
+from prime_rl.trainer.sft.config import SFTDataConfig
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
+    """The rows and, for each, where it came from ("data.jsonl:12") for error messages."""
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not path.is_file():
+            raise TrainerError(f"data.path {path}: no such file")
+        if path.suffix == ".jsonl":
+            return _read_jsonl(path)
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+            return rows, [f"{path} row {i}" for i in range(len(rows))]
+        raise TrainerError(f"data.path {path}: expected a .jsonl or .parquet file")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.name, split=cfg.split)
+    except Exception as e:  # datasets raises many types (network, missing split, bad name)
+        raise TrainerError(f"cannot load dataset {cfg.name!r} split {cfg.split!r}: {e}") from None
+    return list(ds), [f"{cfg.name}[{cfg.split}] row {i}" for i in range(len(ds))]
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
+    rows, where = [], []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TrainerError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise TrainerError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        where.append(f"{path}:{lineno}")
+    if not rows:
+        raise TrainerError(f"{path}: no rows")
+    return rows, where
+
+
+def tokenize_row(row: dict, where: str, tokenizer, cfg: SFTDataConfig) -> Sample:
+    """Token ids and the completion mask of one row; TrainerError naming `where` if the row is malformed."""
+    if cfg.prompt_column in row or cfg.completion_column in row:
+        prompt, completion = row.get(cfg.prompt_column), row.get(cfg.completion_column)
+        if prompt is None or completion is None:
+            raise TrainerError(f"{where}: needs both {cfg.prompt_column!r} and {cfg.completion_column!r}")
+        messages = _as_messages(prompt, "user", where) + _as_messages(completion, "assistant", where)
+        if tokenizer.chat_template is None:
+            return _plain(prompt, completion, tokenizer, where)
+    elif cfg.messages_column in row:
+        messages = _as_messages(row[cfg.messages_column], "user", where)
+    else:
+        raise TrainerError(
+            f"{where}: no {cfg.prompt_column!r}/{cfg.completion_column!r} or {cfg.messages_column!r} column "
+            f"(has {sorted(row)})"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise TrainerError(f"{where}: no assistant turn to train on")
+    return _chat(messages, tokenizer, where)
+
+
+def _as_messages(value, role: str, where: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise TrainerError(f"{where}: expected a string or a list of {{'role', 'content'}} messages, got {value!r:.80}")
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _chat(messages: list[dict], tokenizer, where: str) -> Sample:
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation_prompt=True) if i else []
+        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if upto[: len(ids)] != ids or upto[: len(before)] != before:
+            raise TrainerError(f"{where}: the chat template does not render turns as prefixes; cannot mask them")
+        mask += [False] * (len(before) - len(ids)) + [True] * (len(upto) - len(before))
+        ids = upto
+    full = _render(tokenizer, messages, generation_prompt=False)
+    mask += [False] * (len(full) - len(ids))
+    return Sample(full, mask)
+
+
+def _plain(prompt: str, completion: str, tokenizer, where: str) -> Sample:
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise TrainerError(f"{where}: messages need a tokenizer with a chat template")
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return Sample(p + c, [False] * len(p) + [True] * len(c))
+
+
+def build_samples(cfg: SFTDataConfig, tokenizer, seq_len: int) -> tuple[list[Sample], int]:
+    """Every row tokenized (malformed rows fail here, before training) and the number truncated to seq_len."""
+    rows, where = load_rows(cfg)
+    samples, truncated = [], 0
+    for row, w in zip(rows, where, strict=True):
+        s = tokenize_row(row, w, tokenizer, cfg)
+        if len(s.input_ids) > seq_len:
+            s, truncated = Sample(s.input_ids[:seq_len], s.loss_mask[:seq_len]), truncated + 1
+        samples.append(s)
+    return samples, truncated
+
+
+def epoch_order(num: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(num))
+    return torch.randperm(num, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def next_batch(num: int, batch_size: int, epoch: int, position: int, seed: int, shuffle: bool):
+    """Indices of the next `batch_size` samples from (epoch, position), and the (epoch, position) after them.
+
+    Example (4 samples, no shuffle): batch 3 from (0, 2) → [2, 3, 0], then (1, 1).
+    """
+    indices = []
+    while len(indices) < batch_size:
+        order = epoch_order(num, epoch, seed, shuffle)
+        take = order[position : position + batch_size - len(indices)]
+        indices += take
+        position += len(take)
+        if position >= num:
+            epoch, position = epoch + 1, 0
+    return indices, epoch, position
+
+
+def pack_batch(samples: list[Sample], seq_len: int) -> list[MicroBatch]:
+    """One rank's samples, packed first-fit-decreasing into rows (advantages and μ unused by SFT: zeros)."""
+    batches = []
+    for row in first_fit_decreasing([len(s.input_ids) for s in samples], seq_len):
+        packed = [
+            {
+                "input_ids": samples[i].input_ids,
+                "loss_mask": samples[i].loss_mask,
+                "advantages": [0.0] * len(samples[i].input_ids),
+                "inference_logprobs": [0.0] * len(samples[i].input_ids),
+            }
+            for i in row
+        ]
+        batches.append(MicroBatch.pack(packed, temperature=1.0))
+    return batches

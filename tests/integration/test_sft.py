@@ -1,0 +1,87 @@
+"""The real `sft` entrypoint on the shipped debug config and dataset (tiny model from assets/).
+
+4 straight steps == 2 steps with --ckpt + --ckpt.resume-step 2 for 2 more (same weights within 1e-6; the
+data order, position in the epoch and lr schedule resume too). A malformed row fails with file:line.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prime_rl.protocol import checkpoint_steps, is_stable, weights_dir
+from prime_rl.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[2]
+SFT = Path(sys.executable).parent / "sft"
+
+
+def _sft(out: Path, *extra: str) -> subprocess.Popen:
+    # batch 12 of 48 rows, 4 steps = one epoch; shuffled order and the cosine schedule must both resume.
+    cmd = [str(SFT), "@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(out), "--batch-size", "12",
+           "--optim.scheduler", "cosine", "--max-steps", "4", "--data.path", str(ROOT / "configs/sft/debug/data.jsonl"),
+           "--model.name", str(ROOT / "assets/tiny-qwen3"), *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"sft did not finish within {timeout}s:\n{output[-6000:]}")
+    return proc.returncode, output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    bad = root / "bad.jsonl"
+    bad.write_text('{"prompt": "ab", "completion": "ba"}\n{"prompt": "ab"}\n')
+    procs = {
+        "straight": _sft(root / "straight"),
+        "first_half": _sft(root / "resumed", "--ckpt.interval", "2", "--weights-interval", "2"),
+        "bad": _sft(root / "bad", "--data.path", str(bad)),
+    }
+    yield procs, root
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_sft_resume_matches_an_uninterrupted_run(runs):
+    procs, root = runs
+    for name in ("straight", "first_half"):
+        rc, output = _finish(procs[name])
+        assert rc == 0, output[-6000:]
+    resumed = root / "resumed"
+    assert checkpoint_steps(resumed, ("trainer",)) == [2, 4]
+    # Restart from step 2 as if the run had stopped there (the step-4 checkpoint is ignored).
+    rc, output = _finish(_sft(resumed, "--ckpt.resume-step", "2"))
+    assert rc == 0, output[-6000:]
+    a = load_file(weights_dir(root / "straight", 4) / "model.safetensors")
+    b = load_file(weights_dir(resumed, 4) / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    assert is_stable(weights_dir(resumed, 2))  # weights_interval 2
+    straight, again = read_metrics(root / "straight", "sft"), read_metrics(resumed, "sft")
+    assert [m["step"] for m in again] == [0, 1, 2, 3, 2, 3]
+    for x, y in zip(straight[2:], again[4:], strict=True):
+        for key in ("loss", "lr", "num_tokens", "progress/samples"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5), key
+    assert straight[-1]["loss"] < straight[0]["loss"]  # it learns
+    assert (resumed / "logs" / "sft.log").is_file()
+
+
+def test_malformed_row_names_file_and_line(runs):
+    procs, root = runs
+    rc, output = _finish(procs["bad"])
+    assert rc == 1
+    assert "bad.jsonl:2: needs both 'prompt' and 'completion'" in output and "Traceback" not in output

@@ -1,0 +1,190 @@
+"""The vLLM adapter without vLLM: config → `vllm serve` arguments, and our routes on a vLLM-like app.
+
+vLLM cannot be installed here (CUDA-only), so its engine client is replaced by a recorder with the same
+async methods (`pause_generation`, `collective_rpc`, `resume_generation`, `model_config.hf_config`); the
+real thing runs in the `gpu` test at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.vllm.args import WORKER_EXTENSION, vllm_serve_args
+from prime_rl.inference.vllm.server import add_routes
+from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.utils.config import ModelConfig
+
+
+def flags(args: list[str]) -> dict[str, str | None]:
+    """`--a 1 --b` → {"--a": "1", "--b": None} (the positional model is skipped)."""
+    out, i = {}, 1
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[args[i]], i = args[i + 1], i + 2
+        else:
+            out[args[i]], i = None, i + 1
+    return out
+
+
+def test_config_maps_to_vllm_serve_arguments():
+    config = InferenceConfig.model_validate(
+        {
+            "model": {"name": "Qwen/Qwen3-0.6B"},
+            "parallel": {"dp": 4, "tp": 2},
+            "gpu_memory_utilization": 0.8,
+            "max_model_len": 8192,
+            "engine": {"max_batch_size": 256, "dtype": "bfloat16"},
+            "server": {"port": 8123},
+            "seed": 7,
+        }
+    )
+    args = vllm_serve_args(config, "127.0.0.1")
+    assert args[0] == "Qwen/Qwen3-0.6B"
+    got = flags(args)
+    assert got["--host"] == "127.0.0.1" and got["--port"] == "8123"
+    assert got["--tensor-parallel-size"] == "2" and got["--data-parallel-size"] == "4"
+    assert got["--gpu-memory-utilization"] == "0.8" and got["--max-model-len"] == "8192"
+    assert got["--max-num-seqs"] == "256" and got["--dtype"] == "bfloat16" and got["--seed"] == "7"
+    assert got["--worker-extension-cls"] == WORKER_EXTENSION
+    assert got["--api-server-count"] == "1"  # our routes live in this process's one API server
+    assert "--headless" not in got and "--data-parallel-address" not in got
+
+
+def test_multi_node_data_parallel_flags_pass_through():
+    config = InferenceConfig.model_validate(
+        {
+            "parallel": {"dp": 16},
+            "data_parallel_size_local": 8,
+            "data_parallel_address": "10.0.0.1",
+            "data_parallel_rpc_port": 13345,
+            "data_parallel_start_rank": 8,
+            "headless": True,
+        }
+    )
+    got = flags(vllm_serve_args(config, "0.0.0.0"))
+    assert got["--data-parallel-size-local"] == "8" and got["--data-parallel-address"] == "10.0.0.1"
+    assert got["--data-parallel-rpc-port"] == "13345" and got["--data-parallel-start-rank"] == "8"
+    assert "--headless" in got and "--api-server-count" not in got  # headless nodes serve no API
+
+
+class RecordingEngineClient:
+    """Stands in for vLLM's AsyncLLM (not installable here); records the calls our routes make."""
+
+    def __init__(self, hf_config):
+        self.calls = []
+        self.model_config = types.SimpleNamespace(hf_config=hf_config)
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method, args))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+
+@pytest.fixture
+def vllm_like(tiny_model):
+    app = FastAPI()
+
+    @app.get("/health")
+    async def vllm_health():  # vLLM's own empty health route, which ours replaces
+        return {}
+
+    client = RecordingEngineClient(AutoConfig.from_pretrained(tiny_model))
+    app.state.engine_client = client
+    config = InferenceConfig(model=ModelConfig(name=str(tiny_model)), api_key="k")
+    add_routes(app, config)
+    return TestClient(app), client
+
+
+def test_update_weights_pauses_loads_on_every_worker_and_resumes(vllm_like, tiny_model, tmp_path):
+    http, engine = vllm_like
+    auth = {"Authorization": "Bearer k"}
+    assert http.get("/health").json() == {"status": "ok", "step": 0, "backend": "vllm"}
+    assert http.post("/update_weights", json={"weight_dir": "x"}).status_code == 401
+    step_dir = weights_dir(tmp_path, 3)
+    step_dir.mkdir(parents=True)
+    save_file({"w": __import__("torch").zeros(2)}, step_dir / "model.safetensors")
+    (step_dir / "config.json").write_text((tiny_model / "config.json").read_text())
+    mark_stable(step_dir)
+    response = http.post("/update_weights", json={"weight_dir": str(step_dir)}, headers=auth).json()
+    assert response["step"] == 3 and response["seconds"] >= 0
+    assert engine.calls == [
+        ("pause", "wait", True),  # running requests finish on the old weights: no response mixes policies
+        ("rpc", "update_weights_from_path", (str(step_dir),)),
+        ("resume",),
+    ]
+    assert http.get("/health").json()["step"] == 3
+    assert http.post("/reload_weights", headers=auth).json()["step"] == 0
+    assert engine.calls[-2] == ("rpc", "reload_base_weights", ())
+
+
+def test_bad_weight_dirs_are_refused_before_touching_the_engine(vllm_like, tiny_model, tmp_path):
+    http, engine = vllm_like
+    auth = {"Authorization": "Bearer k"}
+    corrupt = weights_dir(tmp_path, 1)
+    corrupt.mkdir(parents=True)
+    (corrupt / "model.safetensors").write_bytes(b"garbage")
+    mark_stable(corrupt)
+    other = weights_dir(tmp_path, 2)
+    other.mkdir(parents=True)
+    save_file({"w": __import__("torch").zeros(2)}, other / "model.safetensors")
+    config = json.loads((tiny_model / "config.json").read_text()) | {"hidden_size": 128}
+    (other / "config.json").write_text(json.dumps(config))
+    mark_stable(other)
+    for path, message in [(corrupt, "cannot read"), (other, "hidden_size is 128"), (tmp_path / "nope", "not a")]:
+        response = http.post("/update_weights", json={"weight_dir": str(path)}, headers=auth)
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
+    assert engine.calls == []
+    assert http.get("/health").json()["step"] == 0
+
+
+@pytest.mark.gpu
+def test_vllm_backend_serves_and_updates_weights(tiny_model, tmp_path):
+    """On a GPU node with the `vllm` extra: the real server answers chat and takes a weight update."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from prime_rl.utils.net import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(tiny_model), "--backend", "vllm"]
+    cmd += ["--server.port", str(port), "--output-dir", str(tmp_path), "--gpu-memory-utilization", "0.3"]
+    cmd += ["--max-model-len", "512"]
+    proc = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("backend") == "vllm":
+                    break
+            except (httpx.TransportError, ValueError):
+                time.sleep(2)
+        url = f"http://127.0.0.1:{port}"
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
+        data = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert data["choices"][0]["logprobs"]["content"]
+        from transformers import AutoModelForCausalLM
+
+        step_dir = weights_dir(tmp_path, 1)
+        AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(step_dir)
+        mark_stable(step_dir)
+        response = httpx.post(f"{url}/update_weights", json={"weight_dir": str(step_dir)}, timeout=120)
+        assert response.json()["step"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -1,0 +1,146 @@
+"""The server pool against three real HTTP servers on loopback.
+
+The servers are small fake OpenAI servers in this process (threads), not the real inference server:
+these tests are about how the client spreads, retries and re-routes requests, which needs servers that
+answer instantly and can be killed on cue. The real server is covered by tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from prime_rl.orchestrator.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
+
+
+def chat_answer(n: int) -> dict:
+    token = {"token": "token_id:7", "logprob": -0.1, "bytes": [], "top_logprobs": []}
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop", "token_ids": [7],
+         "logprobs": {"content": [token]}}
+        for i in range(n)
+    ]  # fmt: skip
+    return {"id": "c", "object": "chat.completion", "prompt_token_ids": [1, 2], "choices": choices}
+
+
+class FakeServer:
+    def __init__(self, delay: float = 0.0):
+        self.requests = 0
+        self.updates: list[str] = []
+        self.delay = delay
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, data: dict) -> None:
+                payload = json.dumps(data).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self.reply({"status": "ok", "step": 0})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/update_weights":
+                    fake.updates.append(body["weight_dir"])
+                    return self.reply({"step": 3, "weight_dir": body["weight_dir"], "seconds": 0.0})
+                fake.requests += 1
+                time.sleep(fake.delay)
+                self.reply(chat_answer(body["n"]))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def kill(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def servers():
+    started = [FakeServer(), FakeServer(), FakeServer()]
+    yield started
+    for s in started:
+        try:
+            s.kill()
+        except OSError:
+            pass
+
+
+def test_weights_2_1_1_split_1000_requests_50_25_25_within_5_percent(servers):
+    config = ClientConfig(base_url=[s.url for s in servers], weights=[2, 1, 1], max_concurrency=16)
+
+    async def go():
+        async with InferenceClient(config, "m") as client:
+            await asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(1000)))
+
+    asyncio.run(go())
+    shares = [s.requests / 1000 for s in servers]
+    assert sum(s.requests for s in servers) == 1000
+    for share, expected in zip(shares, [0.5, 0.25, 0.25], strict=True):
+        assert abs(share - expected) <= 0.05, shares
+
+
+def test_a_server_killed_mid_step_is_taken_out_and_its_requests_go_elsewhere(servers, monkeypatch, caplog):
+    monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
+    for s in servers:
+        s.delay = 0.01
+    config = ClientConfig(base_url=[s.url for s in servers], max_concurrency=4, max_retries=1)
+    victim = servers[2]
+
+    async def step():
+        async with InferenceClient(config, "m") as client:
+
+            async def killer():
+                while victim.requests < 10:
+                    await asyncio.sleep(0.005)
+                victim.kill()
+
+            results, _ = await asyncio.gather(
+                asyncio.gather(*(client.chat([], 2, SamplingConfig()) for _ in range(150))), killer()
+            )
+            steps = await client.update_weights("/w/step_3")
+            return results, client, steps
+
+    with caplog.at_level(logging.WARNING, logger="prime_rl"):
+        results, client, steps = asyncio.run(step())
+    assert len(results) == 150 and all(len(r) == 2 for r in results)  # the step completed in full
+    assert [s.alive for s in client.servers] == [True, True, False]
+    assert f"inference server {victim.url} is down, taking it out of the pool" in caplog.text
+    assert servers[0].requests + servers[1].requests + victim.requests >= 150
+    # The next weight update reaches the live servers only.
+    assert steps == 3 and servers[0].updates == servers[1].updates == ["/w/step_3"] and victim.updates == []
+
+
+def test_every_server_dead_fails_with_a_clear_error(servers, monkeypatch):
+    monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
+    config = ClientConfig(base_url=[s.url for s in servers], max_retries=0)
+    for s in servers:
+        s.kill()
+
+    async def go():
+        async with InferenceClient(config, "m") as client:
+            await client.chat([], 1, SamplingConfig())
+
+    with pytest.raises(InferenceError, match="no live inference server left"):
+        asyncio.run(go())
+
+
+def test_weights_must_match_base_urls():
+    with pytest.raises(ValueError, match="client.weights has 2 entries for 1 base_url"):
+        ClientConfig(base_url=["http://a/v1"], weights=[1, 2])
