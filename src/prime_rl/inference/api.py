@@ -148,6 +148,8 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
             "running": engine.running,
             "waiting": engine.waiting,
             "requests": engine.requests,
+            "iterations": engine.iterations,
+            "generated_tokens": engine.generated_tokens,
         }
 
     @app.get("/metrics")
@@ -184,7 +186,8 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
                 if body.return_token_ids:
                     choice |= {"prompt_token_ids": ids, "token_ids": sample.token_ids}
                 choices.append(choice)
-        return meta | {"object": "text_completion", "choices": choices, "usage": _usage(prompts, results)}
+        # A JSONResponse skips FastAPI's recursive jsonable_encoder, which is slow on long token-id lists.
+        return JSONResponse(meta | {"object": "text_completion", "choices": choices, "usage": _usage(prompts, results)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -213,7 +216,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
         response = meta | {"object": "chat.completion", "choices": choices, "usage": _usage([ids], [samples])}
         if body.return_token_ids:
             response["prompt_token_ids"] = ids
-        return response
+        return JSONResponse(response)
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest):

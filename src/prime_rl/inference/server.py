@@ -87,6 +87,10 @@ def serve(app, host: str, port: int, ready_message: str) -> None:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # asyncio enables TCP_NODELAY only on sockets created with proto=IPPROTO_TCP, which create_server's are
+    # not; without it a keep-alive client (httpx, openai) waits ~40 ms per response on delayed ACKs.
+    # Accepted connections inherit the option from the listening socket.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{sock.getsockname()[1]}"  # the real port, also when port 0 asked for any
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))

@@ -93,7 +93,7 @@ class _Row:
 
     request: _Request
     index: int
-    generator: torch.Generator
+    generator: random.Random
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -355,7 +355,7 @@ class Engine:
         index = torch.tensor([b for b, r in enumerate(requests) for _ in range(r.params.n)], device=self.device)
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[index], layer.values[index]
-        rows = [_Row(r, i, torch.Generator().manual_seed(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
+        rows = [_Row(r, i, random.Random(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
         start = len(self._batch.rows)
         self._batch.add(rows, cache, mask[index], mask.sum(-1)[index])
         self._sample(logits[index], rows)
@@ -396,10 +396,12 @@ class Engine:
         for b, row in enumerate(rows):
             self._append(row, draws.tokens[b], draws.logprobs[b], draws.top[b])
         self.generated_tokens += len(rows)
-        self._recent.append((time.monotonic(), len(rows)))
-        while self._recent and time.monotonic() - self._recent[0][0] > 60:
+        now = time.monotonic()
+        self._recent.append((now, len(rows)))
+        while now - self._recent[0][0] > 60:
             self._recent.popleft()
-        self._post_deltas(rows)
+        if any(row.request.events is not None for row in rows):
+            self._post_deltas(rows)
 
     def _blocked(self, row: _Row) -> list[int]:
         """Token ids that may not be drawn yet: whatever would end the sample before `min_tokens`."""

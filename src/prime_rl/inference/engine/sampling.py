@@ -1,9 +1,9 @@
 """Token sampling for the built-in engine, one decode step for a whole batch at once.
 
 Every row carries its own parameters (temperature, top-k/top-p/min-p, repetition penalty, min_tokens)
-and its own `torch.Generator`. A row's random draw is one uniform number from its generator per token,
-turned into a token by inverse-CDF over its filtered distribution, so a seeded request draws the same
-tokens whatever else shares its batch.
+and its own seeded `random.Random`. A row's random draw is one uniform number from its generator per
+token, turned into a token by inverse-CDF over its filtered distribution, so a seeded request draws the
+same tokens whatever else shares its batch (a Python generator costs ~50 ns a draw, a torch one ~2 µs).
 
 The logprob we report is that of the sampled token under `log_softmax(logits / temperature)` of the
 model's raw logits, taken *before* repetition penalty and filtering: it is exactly what the trainer
@@ -21,6 +21,7 @@ Worked example, logits [2, 1, 0, -1] (probabilities ≈ [.644, .237, .087, .032]
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,7 +110,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[random.Random | None],
     seen: torch.Tensor | None = None,
     blocked: Sequence[Sequence[int]] = (),
 ) -> Draws:
@@ -117,6 +118,7 @@ def sample_batch(
 
     `seen` ([B, V] bool) marks tokens the repetition penalty applies to; `blocked[b]` lists token ids row b
     may not draw now (EOS and stop ids before `min_tokens`). Rows without a generator use the global RNG.
+    Greedy rows draw nothing, so their generators do not advance.
     """
     logits = logits.float()
     device = logits.device
@@ -134,15 +136,19 @@ def sample_batch(
     drawn_from = reported if shaped is logits else logprobs_of(shaped, temperature)
     greedy = temperature <= 0
     tokens = drawn_from.argmax(dim=-1)
-    if not bool(greedy.all()):
-        allowed = filter_logprobs(
-            drawn_from,
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device),
-        )
+    if any(p.temperature > 0 for p in params):
+        allowed = drawn_from
+        vocab = logits.shape[-1]
+        if any(p.top_p < 1 or 0 < p.top_k < vocab or p.min_p > 0 for p in params):
+            allowed = filter_logprobs(
+                drawn_from,
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([p.top_k for p in params], device=device),
+                torch.tensor([p.min_p for p in params], device=device),
+            )
         cdf = torch.cumsum(allowed.exp(), dim=-1)
-        u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)
+        draws = [(g or random).random() if p.temperature > 0 else 0.0 for g, p in zip(generators, params, strict=True)]
+        u = torch.tensor(draws, device=device)
         # The first token whose cumulative mass exceeds u × total: tokens of zero mass are never chosen.
         sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
         tokens = torch.where(greedy, tokens, sampled)
@@ -157,7 +163,7 @@ def sample_batch(
 
 
 def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: random.Random | None
 ) -> tuple[int, float, torch.Tensor]:
     """One row: (token id, its logprob, the row's reported logprobs)."""
     draws = sample_batch(logits[None], [params], [generator])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_temperature_zero_is_greedy_with_plain_log_softmax_logprob():
 
 def test_logprob_is_under_the_temperature_scaled_distribution_before_filtering():
     params = SamplingParams(temperature=0.5, top_p=0.5)
-    token, logprob, _ = sample_token(LOGITS, params, torch.Generator().manual_seed(0))
+    token, logprob, _ = sample_token(LOGITS, params, random.Random(0))
     assert token == 0  # top_p 0.5 at temperature 0.5 leaves only the top token
     expected = torch.log_softmax(LOGITS / 0.5, dim=-1)[0].item()
     assert logprob == pytest.approx(expected)  # not 0.0, which the filtered distribution would give
@@ -55,7 +56,7 @@ def test_logprob_is_under_the_temperature_scaled_distribution_before_filtering()
 
 def test_samples_only_allowed_tokens_with_their_renormalised_frequencies():
     params = SamplingParams(temperature=1.0, top_p=0.8)
-    generator = torch.Generator().manual_seed(0)
+    generator = random.Random(0)
     draws = [sample_token(LOGITS, params, generator)[0] for _ in range(2000)]
     assert set(draws) == {0, 1}
     assert draws.count(0) / len(draws) == pytest.approx(0.644 / 0.881, abs=0.04)
@@ -63,8 +64,8 @@ def test_samples_only_allowed_tokens_with_their_renormalised_frequencies():
 
 def test_same_seed_gives_same_tokens():
     params = SamplingParams(temperature=1.0)
-    a = [sample_token(LOGITS, params, g)[0] for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
-    b = [sample_token(LOGITS, params, g)[0] for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+    a = [sample_token(LOGITS, params, g)[0] for g in [random.Random(7)] for _ in range(20)]
+    b = [sample_token(LOGITS, params, g)[0] for g in [random.Random(7)] for _ in range(20)]
     assert a == b
 
 
