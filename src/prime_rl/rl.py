@@ -242,20 +242,22 @@ def follow_logs(services: list[Service], stop: threading.Event) -> None:
         f.close()
 
 
-def wait_for_inference(service: Service, url: str, timeout: float) -> None:
+def wait_for_inference(services: list[Service], url: str, timeout: float) -> None:
+    """Wait for the server's /health; fail at once if any started service dies meanwhile."""
     import httpx
 
     start = time.monotonic()
     while time.monotonic() - start < timeout:
-        if service.returncode is not None:
-            raise ServiceFailed(service)
+        for service in services:
+            if service.returncode is not None:
+                raise ServiceFailed(service)
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"inference server not healthy at {url} after {timeout:.0f}s; see {service.log_path}")
+    raise TimeoutError(f"inference server not healthy at {url} after {timeout:.0f}s; see {services[0].log_path}")
 
 
 class ServiceFailed(RuntimeError):
@@ -294,13 +296,14 @@ def run(config: RLConfig) -> None:
     follower = threading.Thread(target=follow_logs, args=(services, stop_following), daemon=True)
     follower.start()
     try:
-        inference = Service("inference", commands["inference"], log_file(output_dir, "inference"), env["inference"])
-        services.append(inference)
-        port = config.inference.server.port
-        wait_for_inference(inference, f"http://127.0.0.1:{port}/health", config.startup_timeout)
-        logger.info(f"inference ready on port {port}; starting orchestrator and trainer ({trainer_procs} rank(s))")
-        for name in ("orchestrator", "trainer"):
+        # The trainer only needs rollouts, so it loads while the server does; the orchestrator needs the server.
+        for name in ("inference", "trainer"):
             services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
+        port = config.inference.server.port
+        wait_for_inference(services, f"http://127.0.0.1:{port}/health", config.startup_timeout)
+        logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
+        services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
+                                env["orchestrator"]))  # fmt: skip
         watch(services)
         logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
     finally:

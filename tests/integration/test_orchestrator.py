@@ -34,10 +34,15 @@ def encode(text: str) -> list[int]:
 class FakeInferenceServer:
     """Answers half of each prompt's samples correctly (the reversed text), half with the text itself."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int = 0, delay: float = 0.0, die_at: int = 0):
         self.step = 0
         self.updates: list[int] = []
         self.chat_bodies: list[dict] = []
+        self.events: list[str] = []  # "update" / "chat" in the order they were answered
+        self.delay = delay  # seconds each chat request stays in flight
+        self.die_at = die_at  # crash when the die_at-th chat request arrives (0 = never)
+        self.dead = threading.Event()
+        self.closed = False
         self.lock = threading.Lock()
         server = self
 
@@ -68,14 +73,27 @@ class FakeInferenceServer:
                     with server.lock:
                         server.step = int(weight_dir.name.removeprefix("step_"))
                         server.updates.append(server.step)
+                        server.events.append("update")
                     return self.reply(200, {"step": server.step, "weight_dir": str(weight_dir), "seconds": 0.0})
                 if self.path == "/v1/chat/completions":
                     with server.lock:
                         server.chat_bodies.append(body)
+                        crash = len(server.chat_bodies) == server.die_at
+                    if crash:
+                        server.dead.set()
+                        threading.Thread(target=server.kill, daemon=True).start()
+                    time.sleep(server.delay)
+                    if server.dead.is_set():  # killed while this request was in flight: hang up, no answer
+                        self.close_connection = True
+                        return
+                    with server.lock:
+                        server.events.append("chat")
                     return self.reply(200, server.chat(body))
                 self.reply(404, {"error": f"no route {self.path}"})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def chat(self, body: dict) -> dict:
@@ -102,8 +120,20 @@ class FakeInferenceServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop listening and hang up on the requests in flight, like a crashed server."""
+        self.dead.set()
+        with self.lock:
+            closed, self.closed = self.closed, True
+        if not closed:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+    def answered(self, kind: str = "chat") -> int:
+        with self.lock:
+            return self.events.count(kind)
 
 
 def fake_trainer(output_dir: Path, steps: int, stop: threading.Event, seconds_per_step: float = 1.0) -> None:
@@ -119,12 +149,14 @@ def fake_trainer(output_dir: Path, steps: int, stop: threading.Event, seconds_pe
         mark_stable(directory)
 
 
-def run_orchestrator(output_dir: Path, port: int, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_orchestrator(
+    output_dir: Path, port: int | None, *extra: str, timeout: float = 60, base_url: str = ""
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "prime_rl.orchestrator.orchestrator",
         "--output-dir", str(output_dir),
         "--model.name", "tiny",
-        "--client.base-url", f"http://127.0.0.1:{port}/v1",
+        "--client.base-url", base_url or f"http://127.0.0.1:{port}/v1",
         "--max-steps", str(STEPS),
         "--async-level", "1",
         "--batch-size", str(BATCH_SIZE),
@@ -251,3 +283,75 @@ def test_resume_continues_with_the_next_unseen_examples(tmp_path, free_port):
     metrics = read_metrics(tmp_path / "resumed", "orchestrator")
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert metrics[-1]["total_samples"] == 4 * BATCH_SIZE
+
+
+def real_samples(output_dir: Path, step: int) -> int:
+    """Rollouts in the rank files of `step` (padding micro batches have no loss mask)."""
+    per_rank = [read_rank_file(rank_file(output_dir, step, r), step, r) for r in range(RANKS)]
+    return sum(len(mb.cu_seqlens) - 1 for mbs in per_rank for mb in mbs if mb.loss_mask.any())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_server_killed_mid_step_is_taken_out_and_rejoins_once_it_answers_again(tmp_path):
+    """The real orchestrator process with a pool of three servers; one dies while step 1's requests are in flight.
+
+    The servers are three `FakeInferenceServer`s in this process (real HTTP on loopback), not real inference
+    servers: the test needs servers that hold each request for a known time and can be killed, and later
+    restarted on the same port, on cue. Killing one stops its listener and hangs up on its requests in
+    flight without an answer, as a crashed server would. The step must still complete with exactly
+    batch_size rollouts (the lost requests go to the live servers), the run must exit 0, the server must
+    be reported as taken out once, and when it listens again (from step 2 on) it must rejoin the pool:
+    brought to the pool's weights with /update_weights before it samples anything.
+    """
+    steps, batch, group = 5, 24, 2  # 12 requests per step, 4 per server by round-robin
+    # Step 0 sends each server 4 requests; the victim's 5th is from step 1: it crashes when that one arrives
+    # (and hangs up on it and on the rest of step 1's requests in flight).
+    servers = [FakeInferenceServer(delay=0.3, die_at=5 if i == 2 else 0).__enter__() for i in range(3)]
+    victim = servers[2]
+    revived: list[FakeInferenceServer] = []
+    stop = threading.Event()
+
+    def revive() -> None:
+        while not rank_file(tmp_path, 2, RANKS - 1).is_file():
+            if stop.wait(0.05):
+                return
+        revived.append(FakeInferenceServer(victim.port).__enter__())  # back, on base weights (step 0)
+
+    threads = [
+        threading.Thread(target=fake_trainer, args=(tmp_path, steps, stop, 0.1), daemon=True),
+        threading.Thread(target=revive, daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        result = run_orchestrator(
+            tmp_path, None, "--max-steps", str(steps), "--batch-size", str(batch), "--rollouts-per-example",
+            str(group), "--client.max-retries", "1", base_url=",".join(s.url for s in servers), timeout=90,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        for s in servers + revived:
+            s.kill()
+    assert result.returncode == 0
+    assert victim.dead.is_set() and len(revived) == 1
+
+    assert [real_samples(tmp_path, n) for n in range(steps)] == [batch] * steps
+    metrics = read_metrics(tmp_path, "orchestrator")
+    assert [m["samples"] for m in metrics] == [batch] * steps
+    # Every request was answered exactly once; the dead server answered only its 4 of step 0.
+    live, back = servers[:2], revived[0]
+    assert victim.answered() == 4
+    assert victim.answered() + sum(s.answered() for s in live) + back.answered() == steps * batch // group
+    log = result.stderr
+    down = f"inference server {victim.url} is down, taking it out of the pool"
+    assert log.count(down) == 1
+    rejoined = f"inference server {victim.url} answers again; back in the pool"
+    assert log.count(rejoined) == 1 and log.index(down) < log.index(rejoined)
+    # The rejoined server was brought to the pool's weights before it sampled, and it did sample.
+    assert back.answered() > 0 and back.events[0] == "update" and back.updates[0] >= 1
+    assert victim.updates == []  # steps 0-1 needed no new weights; later updates went to live servers only
+    assert all(s.updates and s.updates[-1] >= steps - 2 for s in live)
+    assert "\033[K" not in log  # the progress line stays off when stderr is not a terminal

@@ -1,9 +1,11 @@
 """Step/weight ordering of the async loop on real runs: `rl` with the real server, orchestrator and trainer.
 
-For every step n the rollouts must come from weights step >= n - async_level (== n for async_level 0).
-async_level 1 is held by the same assertions in tests/integration/test_rl.py (4 steps) and is not run
-again here, to keep the suite's time budget. The async_level 2 run trains on an external environment
-loaded by import path from a module outside the package (on PYTHONPATH), as a user's own would be.
+For every step n the rollouts must come from weights step >= n - async_level (== n for async_level 0) and
+never from a policy newer than n. Off-policy sampling is asserted deterministically: the servers start at
+weights step 0 and the orchestrator relays new weights only when a step needs them, so every step
+n <= async_level samples from step 0, i.e. runs exactly n steps off-policy (step 1 with async_level 1,
+steps 1 and 2 with async_level 2), however fast the trainer is. The async_level 2 run trains on an external
+environment loaded by import path from a module outside the package (on PYTHONPATH), as a user's own would be.
 """
 
 from __future__ import annotations
@@ -40,15 +42,17 @@ def load(**args):
     return VariedAnswers(**args)
 '''
 
-STEPS = 3
+# async_level + 2 steps (so the bound n - async_level is hit at least once), but at most 3: each further step
+# costs a trainer step, the runs are dominated by starting the three services.
+STEPS = {0: 2, 1: 3, 2: 3}
 
 
-@pytest.mark.parametrize("async_level", [0, 2])
+@pytest.mark.parametrize("async_level", [0, 1, 2])
 def test_every_step_samples_from_weights_no_older_than_async_level(async_level, tiny_model, tmp_path, free_port):
-    out = tmp_path / "out"
+    out, steps = tmp_path / "out", STEPS[async_level]
     env = dict(os.environ)
     args = [
-        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", str(STEPS),
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", str(steps),
         "--async-level", str(async_level), "--inference.server.port", str(free_port),
         "--orchestrator.batch-size", "8", "--orchestrator.rollouts-per-example", "4",
         "--orchestrator.seq-len", "128", "--orchestrator.sampling.max-tokens", "8", "--trainer.optim.lr", "1e-3",
@@ -64,8 +68,8 @@ def test_every_step_samples_from_weights_no_older_than_async_level(async_level, 
     assert result.returncode == 0, result.stderr + logs
 
     orch = read_metrics(out, "orchestrator")
-    assert [m["step"] for m in orch] == list(range(STEPS))
-    assert [m["step"] for m in read_metrics(out, "trainer")] == list(range(STEPS))
+    assert [m["step"] for m in orch] == list(range(steps))
+    assert [m["step"] for m in read_metrics(out, "trainer")] == list(range(steps))
     for m in orch:
         n = m["step"]
         assert m["weight_step"] >= n - async_level, orch
@@ -73,8 +77,11 @@ def test_every_step_samples_from_weights_no_older_than_async_level(async_level, 
         assert m["off_policy_gap"] == n - m["weight_step"]
         if async_level == 0:
             assert m["weight_step"] == m["weight_step_max"] == n
+        if n <= async_level:  # still on the base weights: exactly n steps off-policy
+            assert m["weight_step_max"] == 0 and m["off_policy_gap"] == n, orch
+    assert max(m["off_policy_gap"] for m in orch) == async_level  # the run really was async_level off-policy
     if async_level == 2:
         assert all("reward/chars" in m for m in orch)  # the external env's own metric is logged
         base = load_file(tiny_model / "model.safetensors")
-        last = load_file(weights_dir(out, STEPS) / "model.safetensors")
+        last = load_file(weights_dir(out, steps) / "model.safetensors")
         assert any(not (base[k] == last[k]).all() for k in base)  # and it trained

@@ -8,9 +8,10 @@ average: with weights a=2, b=1, c=1 every four requests go a, b, a, c.
 Each server takes at most `max_concurrency` requests at once. Connection errors, 5xx and 429 are retried
 on the same server with exponential backoff; when its retries run out the server is taken out of the
 pool (logged) and the request goes to another live server. Only when no server is left does a request
-fail. A removed server is probed at the next step's health check and rejoins once it answers (it is then
-brought to the pool's weights before sampling). Anything else (4xx, malformed JSON) raises
-`InferenceError` naming the URL and the server's answer.
+fail. A removed server is probed (one /health, PROBE_TIMEOUT) at every later step's health check and
+rejoins once it answers; like every live server it then gets weights >= n - async_level with
+/update_weights before it samples (its completions are stamped with the step it holds). Anything else
+(4xx, malformed JSON) raises `InferenceError` naming the URL and the server's answer.
 
 Completions come back as token ids (never re-tokenized text): the response's `prompt_token_ids`, each
 choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token_id:<id>`.

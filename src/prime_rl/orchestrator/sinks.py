@@ -68,14 +68,19 @@ class ProgressLine:
         self.step = 0
 
     def draw(self, text: str) -> None:
-        if self.enabled:
-            self.stream.write(f"\r\033[K{text}")
-            self.stream.flush()
+        self._write(f"\r\033[K{text}")
 
     def clear(self) -> None:
-        if self.enabled:
-            self.stream.write("\r\033[K")
+        self._write("\r\033[K")
+
+    def _write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        try:
+            self.stream.write(text)
             self.stream.flush()
+        except (OSError, ValueError):  # the terminal went away (closed / broken pipe): a cosmetic line must
+            self.enabled = False  # never fail a step, so it just stops
 
     async def track(self, coros: list[Awaitable]) -> list:
         if not self.enabled:

@@ -31,7 +31,7 @@ def chat_answer(n: int) -> dict:
 
 
 class FakeServer:
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, port: int = 0):
         self.requests = 0
         self.updates: list[str] = []
         self.delay = delay
@@ -61,7 +61,7 @@ class FakeServer:
                 time.sleep(fake.delay)
                 self.reply(chat_answer(body["n"]))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -125,6 +125,34 @@ def test_a_server_killed_mid_step_is_taken_out_and_its_requests_go_elsewhere(ser
     assert servers[0].requests + servers[1].requests + victim.requests >= 150
     # The next weight update reaches the live servers only.
     assert steps == 3 and servers[0].updates == servers[1].updates == ["/w/step_3"] and victim.updates == []
+
+
+def test_a_removed_server_rejoins_at_the_next_health_check_once_it_answers_again(servers, monkeypatch, caplog):
+    monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
+    config = ClientConfig(base_url=[s.url for s in servers], max_retries=0)
+    victim = servers[1]
+    port = int(victim.url.rsplit(":", 1)[1].removesuffix("/v1"))
+
+    async def go():
+        async with InferenceClient(config, "m") as client:
+            victim.kill()
+            await asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(6)))
+            out = [s.alive for s in client.servers]
+            assert await client.server_step() == 0  # still down: the probe fails quietly, it stays out
+            still_out = [s.alive for s in client.servers]
+            servers.append(FakeServer(port=port))  # back on the same address (the fixture stops it)
+            await client.server_step()
+            back = [s.alive for s in client.servers]
+            await asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(6)))
+            return out, still_out, back
+
+    with caplog.at_level(logging.INFO, logger="prime_rl"):
+        out, still_out, back = asyncio.run(go())
+    assert out == still_out == [True, False, True]
+    assert back == [True, True, True]
+    assert f"inference server {victim.url} answers again; back in the pool" in caplog.text
+    assert servers[-1].requests == 2  # its share of the next 6 requests
+    assert servers[0].requests + servers[2].requests == 10
 
 
 def test_every_server_dead_fails_with_a_clear_error(servers, monkeypatch):
