@@ -1,4 +1,4 @@
-"""The real trainer entrypoints (torchrun with 1 and 2 ranks, plain `trainer`) on hand-written rank files.
+"""The real trainer entrypoints (torchrun with 2 ranks, plain `trainer` with 1) on hand-written rank files.
 
 Also the documented multi-node command: two `torchrun --nnodes 2 --node-rank {0,1} --rdzv-endpoint ...`
 launches rendezvousing over loopback compute the same step as one `torchrun --nproc-per-node 2` launch, and
@@ -92,9 +92,11 @@ def runs(tiny_model, tmp_path_factory):
     write_rank_file(dirs["uneven"], 0, 1, batches[2:3])
     procs = {
         "split": _torchrun(2, _args(tiny_model, dirs["split"])),
-        "whole": _torchrun(1, _args(tiny_model, dirs["whole"])),
+        # One rank as the plain console script (a one-process group; torchrun with one rank is what
+        # `rl` launches, covered by test_rl.py): one torch import fewer than a torchrun launcher + worker.
+        "whole": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["whole"])],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
         "uneven": _torchrun(2, _args(tiny_model, dirs["uneven"])),
-        # Plain console script, no torchrun: a one-process group.
         "missing": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["missing"], timeout=2)],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }  # fmt: skip

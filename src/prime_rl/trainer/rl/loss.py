@@ -59,6 +59,26 @@ def token_entropy(logits: torch.Tensor, temperature: float, grad: bool = False) 
         return torch.nn.functional.pad(entropy, (1, 0), value=0.0)
 
 
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and `token_entropy` from one log-softmax over the vocabulary (the trainer's hot path).
+
+    Same values as the two functions (see their examples); the [L, V] log-softmax is computed once, not twice,
+    and logits are only divided when temperature ≠ 1.
+    """
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    logprobs = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        src = logp if entropy_grad else logp.detach()
+        entropy = -(src.exp() * src).sum(-1)
+    pad = torch.nn.functional.pad
+    return pad(logprobs, (1, 0), value=0.0), pad(entropy, (1, 0), value=0.0)
+
+
 def sample_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """Long [1, L]: the packed sample each position belongs to. cu_seqlens [0, 2, 3] → [[0, 0, 1]]."""
     cu = cu_seqlens.long()

@@ -201,7 +201,7 @@ def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) 
     import torch
 
     from prime_rl.trainer.model import forward_logprobs, sample_starts
-    from prime_rl.trainer.parallel import all_reduce
+    from prime_rl.trainer.parallel import all_reduce, set_micro_batch_sync
     from prime_rl.trainer.rl.loss import policy_loss, sample_index
 
     # The first token of each sample has no prefix, so it never carries a logprob to train on.
@@ -219,7 +219,8 @@ def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) 
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
     sums = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss, entropy, mismatch kl, clipped
-    for mb, mask in zip(micro_batches, masks, strict=True):
+    for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
+        set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
         out = forward_logprobs(model, mb, d.device, entropy_grad=config.loss.entropy_coef > 0)
         terms = policy_loss(
             out.logprobs,

@@ -146,7 +146,7 @@ def sft_step(model, optimizer, micro_batches: list, config: SFTConfig, d) -> SFT
     import torch
 
     from prime_rl.trainer.model import forward_logits, sample_starts
-    from prime_rl.trainer.parallel import all_reduce
+    from prime_rl.trainer.parallel import all_reduce, set_micro_batch_sync
     from prime_rl.trainer.rl.loss import token_logprobs
     from prime_rl.trainer.rl.train import _peak_memory_gib, _samples_with_loss
 
@@ -159,7 +159,8 @@ def sft_step(model, optimizer, micro_batches: list, config: SFTConfig, d) -> SFT
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
     nll_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-    for mb, mask in zip(micro_batches, masks, strict=True):
+    for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
+        set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
         logprobs = token_logprobs(forward_logits(model, mb, d.device), mb.input_ids.to(d.device), 1.0)
         nll = torch.where(mask, -logprobs, 0.0).sum()
         (nll * scale).backward()

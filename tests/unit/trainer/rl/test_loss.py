@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from prime_rl.trainer.rl.config import LossConfig
-from prime_rl.trainer.rl.loss import policy_loss, sample_index, token_entropy, token_logprobs, token_weights
+from prime_rl.trainer.rl.loss import (
+    policy_loss,
+    sample_index,
+    token_entropy,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_weights,
+)
 
 
 def test_token_logprobs_position_t_holds_logprob_of_token_t():
@@ -35,6 +42,23 @@ def test_token_entropy_example():
     logits = torch.tensor([[[0.0, 0.0], [math.log(3), 0.0], [5.0, 1.0]]])
     expected = [0.0, math.log(2), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]
     torch.testing.assert_close(token_entropy(logits, 1.0), torch.tensor([expected]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_and_entropy_match_the_separate_functions_with_gradients(temperature):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (1, 7))
+    fused_logits = torch.randn(1, 7, 11, requires_grad=True)
+    ref_logits = fused_logits.detach().clone().requires_grad_(True)
+    logprobs, entropy = token_logprobs_and_entropy(fused_logits, ids, temperature, entropy_grad=True)
+    ref_logprobs = token_logprobs(ref_logits, ids, temperature)
+    ref_entropy = token_entropy(ref_logits, temperature, grad=True)
+    torch.testing.assert_close(logprobs, ref_logprobs)
+    torch.testing.assert_close(entropy, ref_entropy)
+    (logprobs.sum() + 0.3 * entropy.sum()).backward()
+    (ref_logprobs.sum() + 0.3 * ref_entropy.sum()).backward()
+    torch.testing.assert_close(fused_logits.grad, ref_logits.grad)
+    assert not token_logprobs_and_entropy(fused_logits, ids, temperature)[1].requires_grad  # logging only
 
 
 def _cfg(**kw) -> LossConfig:
