@@ -36,9 +36,9 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer(" ".join(words[i % 5 : i % 5 + 6]) + f" {i}").input_ids for i in range(count)]
 
 
-def start_server(model: Path, out: Path, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, out: Path, max_batch_size: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", "0"]
-    cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size)]
+    cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size), *extra]
     log = out / "server.out"
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests = this × concurrency (≥ 8)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--server-args", default="", help='extra server flags, e.g. "--engine.cpu-threads 2"')
     args = parser.parse_args()
 
     import torch
@@ -161,7 +162,7 @@ def main() -> None:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path).eval()
             prompts = prompts_for(tokenizer, 64)
-            proc, url = start_server(path, Path(tmp), max(levels))
+            proc, url = start_server(path, Path(tmp), max(levels), args.server_args.split())
             try:
                 for c in levels:
                     requests = max(8, args.requests_per_slot * c)

@@ -61,3 +61,20 @@ def test_ckpt_switched_on_anywhere_is_shared_leaf_by_leaf():
     with pytest.raises(ConfigError, match="inconsistent ckpt.interval"):
         load_config(RLConfig, ["--trainer.ckpt.interval", "5", "--orchestrator.ckpt.interval", "6"])
     assert load_config(RLConfig, []).trainer.ckpt is None
+
+
+def test_output_dir_env_is_every_services_default_and_flags_still_win(monkeypatch, tmp_path):
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.trainer.rl.config import TrainerConfig
+
+    monkeypatch.setenv("OUTPUT_DIR", str(tmp_path / "shared"))  # as the multi-node commands export it
+    for cls in (InferenceConfig, OrchestratorConfig, TrainerConfig):
+        assert load_config(cls, []).output_dir == tmp_path / "shared"
+        assert load_config(cls, ["--output-dir", "mine"]).output_dir.name == "mine"
+    config = load_config(RLConfig, [])
+    assert {str(getattr(config, s).output_dir) for s in ("inference", "orchestrator", "trainer")} == {
+        str(tmp_path / "shared")
+    }
+    monkeypatch.delenv("OUTPUT_DIR")
+    assert str(load_config(TrainerConfig, []).output_dir) == "outputs"

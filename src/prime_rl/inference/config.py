@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, Section
+from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, OutputDir, Section
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -39,7 +38,7 @@ class EngineConfig(Section):
     ] = 1024
     cpu_threads: Annotated[
         int,
-        Field(ge=0, description="torch threads when the engine runs on CPU; 0 = every core but one (for HTTP)"),
+        Field(ge=0, description="torch threads on CPU; 0 = auto (one core spared for HTTP on short iterations)"),
     ] = 0
 
 
@@ -52,7 +51,7 @@ class InferenceConfig(BaseConfig):
     """OpenAI-compatible inference server with runtime weight updates."""
 
     model: Annotated[ModelConfig, Field(description="the served model")] = ModelConfig()
-    output_dir: Annotated[Path, Field(description="shared output directory (logs, run config)")] = Path("outputs")
+    output_dir: OutputDir
     backend: Annotated[
         Literal["auto", "vllm", "builtin"],
         Field(description="auto = vLLM when importable and CUDA is present, else the built-in engine"),

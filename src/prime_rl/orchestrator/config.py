@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, OutputDir, Section
 
 
 class ClientConfig(Section):
@@ -83,7 +82,7 @@ class OrchestratorConfig(BaseConfig):
     """Samples rollouts from the inference server, scores them and writes packed batches for the trainer."""
 
     model: Annotated[ModelConfig, Field(description="the policy model (must match the server's)")] = ModelConfig()
-    output_dir: Annotated[Path, Field(description="shared output directory")] = Path("outputs")
+    output_dir: OutputDir
     max_steps: Annotated[int, Field(ge=1, description="number of training steps to produce batches for")] = 20
     async_level: Annotated[
         int, Field(ge=0, description="step n samples from a policy no older than n - async_level (0 = on-policy)")

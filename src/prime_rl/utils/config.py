@@ -48,6 +48,17 @@ class BaseConfig(BaseSettings):
 C = TypeVar("C", bound=BaseModel)
 
 
+def default_output_dir() -> Path:
+    """`$OUTPUT_DIR` when set (multi-node runs and scripts/tmux.sh export it), else `outputs`."""
+    return Path(os.environ.get("OUTPUT_DIR") or "outputs")
+
+
+# The `output_dir` field of the three RL services: they must agree on it, so they share its default too.
+OutputDir = Annotated[
+    Path, Field(default_factory=default_output_dir, description="shared output directory ($OUTPUT_DIR or outputs)")
+]
+
+
 class ConfigError(Exception):
     """A problem with the user's config; `lines` are shown one per line."""
 

@@ -54,8 +54,3 @@ def test_serving_on_a_busy_port_is_a_clear_error():
         port = busy.getsockname()[1]
         with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
             server.serve(app=None, host="127.0.0.1", port=port, ready_message="")
-
-
-@pytest.mark.parametrize(("requested", "cores", "expected"), [(0, 2, 1), (0, 1, 1), (0, 16, 15), (3, 16, 3)])
-def test_cpu_engine_leaves_one_core_to_the_event_loop(requested, cores, expected):
-    assert server.cpu_threads(requested, cores) == expected

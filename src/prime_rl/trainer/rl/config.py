@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from prime_rl.trainer.config import OptimConfig
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, OutputDir, Section
 
 
 class LossConfig(Section):
@@ -55,7 +54,7 @@ class TrainerConfig(BaseConfig):
     """FSDP2 RL trainer: reads packed rollouts, updates the policy, writes HF weights every step."""
 
     model: Annotated[ModelConfig, Field(description="the policy model")] = ModelConfig()
-    output_dir: Annotated[Path, Field(description="shared output directory")] = Path("outputs")
+    output_dir: OutputDir
     max_steps: Annotated[int, Field(ge=1, description="optimizer steps to run")] = 20
     async_level: Annotated[
         int, Field(ge=0, description="orchestrator lag; the newest async_level + 1 weight steps are kept")

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, build_engine
-from prime_rl.inference.engine.engine import EngineBusy, left_padded_positions
+from prime_rl.inference.engine.engine import EngineBusy, cpu_threads, left_padded_positions
 from prime_rl.inference.engine.weights import check_tensors
 from prime_rl.protocol import mark_stable, weights_dir
 
@@ -255,3 +255,11 @@ def test_a_tied_lm_head_may_be_missing_from_the_weights(tiny_model, monkeypatch)
         check_tensors(tensors, model)
     monkeypatch.setattr(model.config, "tie_word_embeddings", True)
     check_tensors(tensors, model)
+
+
+@pytest.mark.parametrize(
+    ("requested", "cores", "work", "expected"),
+    [(0, 2, 1e6, 1), (0, 2, 1e9, 2), (0, 1, 1e6, 1), (0, 16, 1e6, 15), (3, 16, 1e9, 3)],
+)
+def test_cpu_engine_spares_a_core_for_http_only_on_short_iterations(requested, cores, work, expected):
+    assert cpu_threads(requested, cores, work) == expected
