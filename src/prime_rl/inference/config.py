@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -49,6 +49,11 @@ class ParallelConfig(Section):
 
 class InferenceConfig(BaseConfig):
     """OpenAI-compatible inference server with runtime weight updates."""
+
+    flag_aliases: ClassVar[dict[str, str]] = {  # vLLM's own flag names, as multi-node commands use them
+        "data_parallel_size": "parallel.dp",
+        "tensor_parallel_size": "parallel.tp",
+    }
 
     model: Annotated[ModelConfig, Field(description="the served model")] = ModelConfig()
     output_dir: OutputDir

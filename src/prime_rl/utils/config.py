@@ -94,6 +94,18 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (list, tuple, Sequence)
 
 
+def _dealias(cls: type[BaseModel], path: list[str]) -> list[str]:
+    """`path` with flag aliases replaced: a config class may map extra flag names to dotted field paths in a
+    `flag_aliases` class variable (e.g. vLLM's `tensor_parallel_size` -> `parallel.tp`), at any depth."""
+    out: list[str] = []
+    model: Any = cls
+    for part in path:
+        aliases = getattr(model, "flag_aliases", {}) if _is_model(model) else {}
+        out += aliases[part].split(".") if part in aliases else [part]
+        model = _field(cls, out)
+    return out
+
+
 def _field(cls: type[BaseModel], path: list[str]) -> Any | None:
     """The unwrapped annotation of the field at `path`, or None if there is no such field."""
     annotation: Any = cls
@@ -186,7 +198,7 @@ def parse_args(cls: type[BaseModel], argv: Sequence[str]) -> tuple[dict, dict, l
             i += 1
             continue
         key, eq, inline = tok[2:].partition("=")
-        path = key.replace("-", "_").split(".")
+        path = _dealias(cls, key.replace("-", "_").split("."))
         annotation = _field(cls, path)
         negated = False
         if annotation is None and path[-1].startswith("no_"):
@@ -312,6 +324,8 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
     lines.append("")
 
     def walk(model: type[BaseModel], prefix: str) -> None:
+        for alias, target in getattr(model, "flag_aliases", {}).items():
+            lines.append(f"  --{prefix}{alias.replace('_', '-')} VALUE  same as --{prefix}{target.replace('_', '-')}")
         for name, field in model.model_fields.items():
             annotation = _unwrap(field.annotation)
             flag = prefix + name.replace("_", "-")
