@@ -478,15 +478,24 @@ def _sse(chunks: AsyncIterator[dict[str, Any]], timeout: float) -> StreamingResp
     """Server-sent events in OpenAI's format: `data: <json>` per chunk, then `data: [DONE]`."""
 
     async def events() -> AsyncIterator[str]:
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+            while True:
+                # The deadline covers waiting for the next chunk only: a timeout around the `yield` would
+                # cancel the response's own `send` instead, cutting the stream without the error or [DONE].
+                async with asyncio.timeout_at(deadline):
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                yield f"data: {json.dumps(chunk)}\n\n"
         except TimeoutError:
             error = {"message": f"generation did not finish within request_timeout={timeout}s", "code": 504}
             yield f"data: {json.dumps({'error': error | {'type': 'timeout_error'}})}\n\n"
         except (EngineClosed, RuntimeError) as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 503}})}\n\n"
+        finally:
+            await chunks.aclose()  # a client that left mid-stream cancels its generation now, not at GC
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

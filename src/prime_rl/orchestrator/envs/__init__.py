@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -56,6 +57,16 @@ BUILTIN: dict[str, str] = {
     "guess-number": "prime_rl.orchestrator.envs.guess_number:load_environment",
     "dataset": "prime_rl.orchestrator.envs.dataset:load_environment",
 }
+
+
+def shuffled_forever(rows: list, seed: int) -> Iterator[Any]:
+    """The rows in a fresh seeded order each epoch, without end (datasets become example streams)."""
+    rng = random.Random(seed)
+    order = list(range(len(rows)))
+    while True:
+        rng.shuffle(order)
+        for i in order:
+            yield rows[i]
 
 
 def is_multi_turn(env: Environment) -> bool:

@@ -15,13 +15,12 @@ each epoch and cycled forever. Rewards: `exact` (stripped completion equals the 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from prime_rl.orchestrator.envs import EnvError, Example
+from prime_rl.orchestrator.envs import EnvError, Example, shuffled_forever
 from prime_rl.orchestrator.envs.arithmetic import parse_final_answer
 
 
@@ -77,12 +76,7 @@ class DatasetEnv:
         return Example(prompt=prompt, answer=str(row[self.answer_key]), info=info)
 
     def examples(self, seed: int) -> Iterator[Example]:
-        rng = random.Random(seed)
-        order = list(range(len(self.rows)))
-        while True:
-            rng.shuffle(order)
-            for i in order:
-                yield self.make_example(self.rows[i])
+        return map(self.make_example, shuffled_forever(self.rows, seed))
 
     def score(self, completion: str, example: Example) -> float:
         if self.reward == "exact":

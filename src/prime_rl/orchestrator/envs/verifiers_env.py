@@ -8,11 +8,10 @@ score the completion (their weighted sum is the reward; each function is also lo
 from __future__ import annotations
 
 import inspect
-import random
 from collections.abc import Iterator
 from typing import Any
 
-from prime_rl.orchestrator.envs import EnvError, Example
+from prime_rl.orchestrator.envs import EnvError, Example, shuffled_forever
 
 
 def load_verifiers_environment(env_id: str, **args: Any) -> VerifiersEnv:
@@ -42,13 +41,8 @@ class VerifiersEnv:
         self.weights = list(rubric.get_reward_weights())
 
     def examples(self, seed: int) -> Iterator[Example]:
-        rng = random.Random(seed)
-        order = list(range(len(self.rows)))
-        while True:
-            rng.shuffle(order)
-            for i in order:
-                row = self.rows[i]
-                yield Example(prompt=row["prompt"], answer=str(row.get("answer", "")), info=row)
+        for row in shuffled_forever(self.rows, seed):
+            yield Example(prompt=row["prompt"], answer=str(row.get("answer", "")), info=row)
 
     def score(self, completion: str, example: Example) -> dict[str, float]:
         messages = [{"role": "assistant", "content": completion}]

@@ -294,6 +294,13 @@ def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress)
         "entropy": stats.entropy,
         "mismatch_kl": stats.mismatch_kl,
         "clip_frac": stats.clip_frac,
+        **shared_step_metrics(stats, times, lr, progress),
+    }
+
+
+def shared_step_metrics(stats, times: dict[str, float], lr: float, progress) -> dict:
+    """What RL and SFT steps both report: gradient, lr, token counts, throughput, memory, progress, timers."""
+    return {
         "grad_norm": stats.grad_norm,
         "lr": lr,
         "num_tokens": stats.num_tokens,

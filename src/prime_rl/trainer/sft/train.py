@@ -203,20 +203,9 @@ def publish(config: SFTConfig, max_steps: int, model, optimizer, scheduler, prog
 
 
 def step_metrics(stats: SFTStats, times: dict[str, float], lr: float, progress) -> dict:
-    return {
-        "loss": stats.loss,
-        "grad_norm": stats.grad_norm,
-        "lr": lr,
-        "num_tokens": stats.num_tokens,
-        "num_loss_tokens": stats.num_loss_tokens,
-        "num_samples": stats.num_samples,
-        "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),
-        "peak_memory_gib": stats.peak_memory_gib,
-        "epoch": progress.epoch,
-        "progress/tokens": progress.tokens,
-        "progress/samples": progress.samples,
-        **{f"time/{k}": v for k, v in times.items()},
-    }
+    from prime_rl.trainer.rl.train import shared_step_metrics
+
+    return {"loss": stats.loss, "epoch": progress.epoch, **shared_step_metrics(stats, times, lr, progress)}
 
 
 if __name__ == "__main__":
