@@ -106,13 +106,13 @@ def measure(kind: str, model: Path, args, root: Path) -> dict:
         proc.wait()
     steps = read_metrics(out, "orchestrator")[1:]  # the first step warms up connections and caches
     med = lambda key: statistics.median(m[key] for m in steps)  # noqa: E731
-    overhead = [m["time_step"] - m["time_generate"] - m["time_wait_weights"] for m in steps]
+    overhead = [m["time/step"] - m["time/generate"] - m["time/wait_weights"] for m in steps]
     return {
-        "server": kind, "step_s": med("time_step"), "generate_s": med("time_generate"),
-        "score_s": med("time_score"), "advantage_s": med("time_advantage"), "pack_s": med("time_pack"),
-        "write_s": med("time_write"),
+        "server": kind, "step_s": med("time/step"), "generate_s": med("time/generate"),
+        "score_s": med("time/score"), "advantage_s": med("time/advantage"), "pack_s": med("time/pack"),
+        "write_s": med("time/write"),
         "overhead_s": statistics.median(overhead),
-        "overhead_share": statistics.median(o / m["time_step"] for o, m in zip(overhead, steps, strict=True)),
+        "overhead_share": statistics.median(o / m["time/step"] for o, m in zip(overhead, steps, strict=True)),
         "tokens_per_s": med("tokens_per_s"),
     }  # fmt: skip
 

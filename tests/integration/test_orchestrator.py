@@ -217,7 +217,7 @@ def test_orchestrator_writes_rank_files_and_relays_weights_with_async_level_1(tm
         assert 0.0 < m["reward_mean"] < 1.0
         assert m["truncated_fraction"] == 0.0 and m["tokens"] > 0
     assert [m["weight_step"] for m in metrics][:2] == [0, 0]
-    assert metrics[2]["time_wait_weights"] > 0.1  # it really waited for the trainer
+    assert metrics[2]["time/wait_weights"] > 0.1  # it really waited for the trainer
     assert "step 2 | reward" in result.stderr
     assert (tmp_path / "logs" / "orchestrator.log").is_file()
 

@@ -186,7 +186,7 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
     weight_steps = [r.weight_step for r in rollouts]
     gaps = [step - w for w in weight_steps]
     tokens = sum(seq_lens)
-    # Scoring overlaps generation (see generate_batch), so time_score is not part of this sum.
+    # Scoring overlaps generation (see generate_batch), so time/score is not part of this sum.
     generation = times.get("generate", 0.0) + times.get("wait_weights", 0.0)
     metrics: dict[str, Any] = {
         "reward_mean": statistics.fmean(rewards),
@@ -210,7 +210,7 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
         "tokens": tokens,
         "tokens_per_s": tokens / max(times["step"], 1e-9),
         "overhead_fraction": max(0.0, times["step"] - generation) / max(times["step"], 1e-9),
-        **{f"time_{key}": value for key, value in times.items()},
+        **{f"time/{key}": value for key, value in times.items()},
     }
     for name in sorted({k for r in rollouts for k in r.metrics}):
         values = [r.metrics[name] for r in rollouts if name in r.metrics]
