@@ -326,19 +326,22 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
     def walk(model: type[BaseModel], prefix: str) -> None:
         for alias, target in getattr(model, "flag_aliases", {}).items():
             lines.append(f"  --{prefix}{alias.replace('_', '-')} VALUE  same as --{prefix}{target.replace('_', '-')}")
-        for name, field in model.model_fields.items():
+        fields = model.model_fields.items()
+        sections = [(n, f) for n, f in fields if _is_model(_unwrap(f.annotation))]
+        for name, field in fields:  # a section's own flags first, so none reads as part of a sub-section
             annotation = _unwrap(field.annotation)
-            flag = prefix + name.replace("_", "-")
             if _is_model(annotation):
-                extra = f" (off unless --{flag} is given)" if field.default is None else ""
-                lines.append(f"[{flag}] {field.description or ''}{extra}")
-                walk(annotation, flag + ".")
                 continue
-            default = field.default
-            if field.default_factory is not None:
-                default = field.default_factory()
+            flag = prefix + name.replace("_", "-")
+            default = field.default_factory() if field.default_factory is not None else field.default
+            default = str(default) if isinstance(default, Path) else default
             kind = "--" + flag if annotation is bool else f"--{flag} VALUE"
             lines.append(f"  {kind}  {field.description or ''} (default: {default!r})")
+        for name, field in sections:
+            flag = prefix + name.replace("_", "-")
+            extra = f" (off unless --{flag} is given)" if field.default is None else ""
+            lines.append(f"[{flag}] {field.description or ''}{extra}")
+            walk(_unwrap(field.annotation), flag + ".")
 
     walk(cls, "")
     return "\n".join(lines)
