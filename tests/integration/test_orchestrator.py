@@ -229,7 +229,8 @@ def test_orchestrator_without_server_exits_nonzero_naming_the_url(tmp_path, free
     result = run_orchestrator(tmp_path, port, "--client.health-timeout", "2", timeout=30)
     assert result.returncode == 1
     assert time.monotonic() - start < 20
-    assert f"http://127.0.0.1:{port}/health" in result.stderr
+    assert f"waiting for the inference server at http://127.0.0.1:{port}/health" in result.stderr  # not silent
+    assert f"http://127.0.0.1:{port}/health not ready after 2s" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "rollouts").exists()
 

@@ -296,7 +296,7 @@ class InferenceClient:
         deadline = time.monotonic() + timeout
         for server in self.servers:
             url = f"{server_root(server.base)}/health"
-            delay = 0.2
+            delay, next_note = 0.2, time.monotonic()
             while True:
                 try:
                     response = await self._http.get(url, timeout=min(10.0, self.config.timeout))
@@ -311,6 +311,10 @@ class InferenceClient:
                         f"inference server at {url} not ready after {timeout:.0f}s ({problem}); "
                         f"is it running and is client.base_url right?"
                     )
+                if time.monotonic() >= next_note:  # say what we wait for, then every 30 s, never silently
+                    left = deadline - time.monotonic()
+                    logger.info(f"waiting for the inference server at {url} ({problem}; giving up in {left:.0f}s)")
+                    next_note = time.monotonic() + 30
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 2.0)
             logger.info(f"inference server {server.base} is up (weight step {server.step})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from prime_rl.protocol.files import atomic_write_json, is_stable
 from prime_rl.protocol.paths import heartbeat_file, rank_file, weights_dir
+
+logger = logging.getLogger("prime_rl")
 
 
 class WaitTimeout(TimeoutError):
@@ -73,12 +76,20 @@ def wait_until(
     heartbeat_timeout: float = 60.0,
     poll: float = 0.05,
     max_poll: float = 1.0,
+    note_every: float = 30.0,
 ) -> float:
-    """Poll `ready()` until true; return seconds waited. Raise WaitTimeout / WriterDead naming `what`."""
+    """Poll `ready()` until true; return seconds waited. Raise WaitTimeout / WriterDead naming `what`.
+
+    A wait longer than `note_every` seconds is logged then and every `note_every` seconds after, so a long
+    wait is never silent.
+    """
     start = time.monotonic()
-    delay = poll
+    delay, next_note = poll, note_every
     while not ready():
         waited = time.monotonic() - start
+        if waited >= next_note:
+            logger.info(f"still waiting for {what} ({waited:.0f}s of {timeout:.0f}s)")
+            next_note += note_every
         if waited > timeout:
             raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
         if writer is not None and output_dir is not None:

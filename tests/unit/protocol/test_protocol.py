@@ -96,3 +96,24 @@ def test_wait_returns_once_stable_appears(tmp_path):
 
     threading.Thread(target=writer).start()
     assert wait_for_weights(tmp_path, 1, timeout=5, heartbeat_timeout=5) == weights_dir(tmp_path, 1)
+
+
+def test_a_long_wait_is_never_silent():
+    import logging
+
+    from prime_rl.protocol.wait import wait_until
+
+    notes: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logger = logging.getLogger("prime_rl")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.raises(WaitTimeout, match="the rank file"):
+            wait_until(lambda: False, "the rank file", timeout=0.5, poll=0.02, max_poll=0.02, note_every=0.2)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert len(notes) == 2 and all(n.startswith("still waiting for the rank file (") for n in notes)
