@@ -21,9 +21,10 @@ import openai
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.utils.tiny_model import write_perturbed_weights
 
 START_TIMEOUT = 120.0  # generous: two servers import torch at once on a small CI machine
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
@@ -129,21 +130,6 @@ def greedy_logprobs(client: openai.OpenAI, model: str) -> list[float]:
     return response.choices[0].logprobs.token_logprobs
 
 
-def write_weights(model_dir: Path, output_dir: Path, step: int, stable: bool = True, noise: float = 0.05) -> Path:
-    """A trainer-like `weights/step_n`: the tiny model with noise added, plus its tokenizer."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(step)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(noise * torch.randn_like(p))
-    path = weights_dir(output_dir, step)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
-    if stable:
-        mark_stable(path)
-    return path
-
-
 def test_completion_and_chat(client, tiny_model):
     completion = client.completions.create(model=str(tiny_model), prompt="hello there", max_tokens=5)
     assert len(completion.choices) == 1 and completion.choices[0].finish_reason == "length"
@@ -197,7 +183,7 @@ def test_stop_string_truncates_the_completion(client, tiny_model):
 
 def test_update_weights_changes_the_policy_and_reload_restores_it_exactly(server, client, tiny_model):
     base = greedy_logprobs(client, str(tiny_model))
-    step_dir = write_weights(tiny_model, server.output_dir, step=1)
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=1)
     response = server.post("/update_weights", json={"weight_dir": str(step_dir)})
     assert response.status_code == 200, response.text
     assert response.json()["step"] == 1 and response.json()["weight_dir"] == str(step_dir)
@@ -211,7 +197,7 @@ def test_update_weights_changes_the_policy_and_reload_restores_it_exactly(server
 
 def test_unusable_weight_dirs_get_400_and_the_old_weights_keep_serving(server, client, tiny_model):
     base = greedy_logprobs(client, str(tiny_model))
-    unstable = write_weights(tiny_model, server.output_dir, step=5, stable=False)
+    unstable = write_perturbed_weights(tiny_model, server.output_dir, step=5, stable=False)
     wrong_shape = weights_dir(server.output_dir, 6)
     wrong_shape.mkdir(parents=True)
     tensors = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
@@ -305,7 +291,7 @@ def test_n_samples_seeds_and_sampling_knobs(client, tiny_model):
 
 def test_bad_weight_dir_and_concurrent_update_never_mix_policies(server, tiny_model):
     """Greedy answers under heavy traffic while the weights change: each one is entirely old or entirely new."""
-    step_dir = write_weights(tiny_model, server.output_dir, step=7, noise=0.3)
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=7, noise=0.3)
     prompts = [PROMPT[: 3 + i] for i in range(4)]
 
     def greedy(prompt) -> tuple[int, ...]:

@@ -107,6 +107,29 @@ def create_tiny_model(
     return path
 
 
+def write_perturbed_weights(
+    model_dir: Path, output_dir: Path, step: int, noise: float = 0.05, stable: bool = True
+) -> Path:
+    """A trainer-like `OUTPUT_DIR/weights/step_n`: the model at `model_dir` plus seeded Gaussian noise, with
+    its tokenizer, `STABLE`-marked unless `stable=False`. Tests use it as "a different policy"."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_rl.protocol import mark_stable, weights_dir
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    path = weights_dir(output_dir, step)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    if stable:
+        mark_stable(path)
+    return path
+
+
 def ensure_tiny_model(path: Path, arch: str = "qwen3", seed: int = 0) -> Path:
     """Create the tiny model at `path` unless a complete one is already there."""
     path = Path(path)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, buil
 from prime_rl.inference.engine.engine import EngineBusy, cpu_threads, left_padded_positions
 from prime_rl.inference.engine.weights import check_tensors
 from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.utils.tiny_model import write_perturbed_weights
 
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
 OTHERS = [[5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9]]
@@ -34,20 +34,6 @@ def generate_together(engine: Engine, *requests: tuple[list[int], SamplingParams
         return await asyncio.gather(*(engine.generate(ids, params) for ids, params in requests))
 
     return asyncio.run(go())
-
-
-def write_weights(model_dir: Path, output_dir: Path, step: int, noise: float = 0.05, stable: bool = True) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(step)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(noise * torch.randn_like(p))
-    path = weights_dir(output_dir, step)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
-    if stable:
-        mark_stable(path)
-    return path
 
 
 def test_left_padded_positions_start_at_each_rows_first_token():
@@ -199,7 +185,7 @@ def test_eos_ends_a_sample_and_stays_in_its_token_ids(tiny_model):
 
 def test_update_weights_changes_outputs_and_reload_restores_them_exactly(engine, tiny_model, tmp_path):
     ((base,),) = generate_together(engine, (PROMPT, GREEDY))
-    step_dir = write_weights(tiny_model, tmp_path, step=1)
+    step_dir = write_perturbed_weights(tiny_model, tmp_path, step=1)
     assert asyncio.run(engine.update_weights(step_dir)) == 1
     assert engine.step == 1
     ((updated,),) = generate_together(engine, (PROMPT, GREEDY))
@@ -213,7 +199,7 @@ def test_update_weights_changes_outputs_and_reload_restores_them_exactly(engine,
 
 def test_unusable_weight_dirs_are_refused_and_the_old_weights_keep_serving(engine, tiny_model, tmp_path):
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    unstable = write_weights(tiny_model, tmp_path, step=1, stable=False)
+    unstable = write_perturbed_weights(tiny_model, tmp_path, step=1, stable=False)
     wrong_shape = weights_dir(tmp_path, 2)
     wrong_shape.mkdir(parents=True)
     tensors = {k: v.clone() for k, v in before.items()}
@@ -228,7 +214,7 @@ def test_unusable_weight_dirs_are_refused_and_the_old_weights_keep_serving(engin
     wrong_dtype.mkdir(parents=True)
     save_file(tensors | {"model.norm.weight": torch.ones(64, dtype=torch.int32)}, wrong_dtype / "model.safetensors")
     mark_stable(wrong_dtype)
-    other_arch = write_weights(tiny_model, tmp_path, step=5)
+    other_arch = write_perturbed_weights(tiny_model, tmp_path, step=5)
     config = json.loads((other_arch / "config.json").read_text())
     (other_arch / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 7}))
     cases = {
