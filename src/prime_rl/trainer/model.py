@@ -20,6 +20,7 @@ forward as keyword arguments):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,24 @@ def build_model(name: str, activation_checkpointing: bool = False, device_type: 
     if activation_checkpointing:
         apply_ac(model)
     return model
+
+
+def build_sharded(config, d, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The model of a trainer config (RL or SFT) sharded over `d`, with its optimizer and lr schedule."""
+    from prime_rl.trainer.optim import build_optimizer, build_scheduler
+    from prime_rl.trainer.parallel import apply_fsdp
+
+    model = build_model(config.model.name, config.activation_checkpointing, d.device.type)
+    apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
+    optimizer = build_optimizer(model, config.optim)
+    return model, optimizer, build_scheduler(optimizer, config.optim, max_steps)
+
+
+def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """Dtype of the weights in forward/backward; the master copy is always float32."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, choice)
 
 
 def apply_ac(model: torch.nn.Module) -> None:

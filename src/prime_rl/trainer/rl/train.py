@@ -45,9 +45,8 @@ def run(config: TrainerConfig) -> None:
 
     from prime_rl.protocol import Heartbeat
     from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.model import build_model
-    from prime_rl.trainer.optim import build_optimizer, build_scheduler
-    from prime_rl.trainer.parallel import apply_fsdp, close_distributed, init_distributed, resolve_device
+    from prime_rl.trainer.model import build_sharded
+    from prime_rl.trainer.parallel import close_distributed, init_distributed, resolve_device
     from prime_rl.trainer.weights import build_model_files
     from prime_rl.utils.metrics import MetricsWriter
     from prime_rl.utils.timer import timer
@@ -56,10 +55,7 @@ def run(config: TrainerConfig) -> None:
     d = init_distributed(resolve_device(config.device))
     try:
         with Heartbeat(config.output_dir, f"trainer-rank{d.rank}") as heartbeat:
-            model = build_model(config.model.name, config.activation_checkpointing, d.device.type)
-            apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
-            optimizer = build_optimizer(model, config.optim)
-            scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
+            model, optimizer, scheduler = build_sharded(config, d, config.max_steps)
             files = build_model_files(config.model.name) if d.is_main else None
             progress = resume(config, model, optimizer, scheduler, files, d) or Progress()
             metrics = MetricsWriter(config.output_dir, "trainer") if d.is_main else None
@@ -131,15 +127,6 @@ def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files,
             prune_checkpoints(config.output_dir, config.ckpt.keep)
     if d.is_main:
         prune_old_steps(config, progress.step - 1)
-
-
-def compute_dtype(choice: str, device):
-    """Dtype of the weights in forward/backward; the master copy is always float32."""
-    import torch
-
-    if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, choice)
 
 
 def load_micro_batches(config: TrainerConfig, step: int, d) -> list:

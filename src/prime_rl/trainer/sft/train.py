@@ -49,10 +49,8 @@ def run(config: SFTConfig) -> None:
     from transformers import AutoTokenizer
 
     from prime_rl.trainer.ckpt import Progress, load_checkpoint
-    from prime_rl.trainer.model import build_model
-    from prime_rl.trainer.optim import build_optimizer, build_scheduler
-    from prime_rl.trainer.parallel import apply_fsdp, close_distributed, init_distributed, resolve_device
-    from prime_rl.trainer.rl.train import compute_dtype
+    from prime_rl.trainer.model import build_sharded
+    from prime_rl.trainer.parallel import close_distributed, init_distributed, resolve_device
     from prime_rl.trainer.sft.data import build_samples
     from prime_rl.trainer.weights import build_model_files
     from prime_rl.utils.metrics import MetricsWriter
@@ -63,10 +61,7 @@ def run(config: SFTConfig) -> None:
     max_steps = config.max_steps or config.epochs * math.ceil(len(samples) / config.batch_size)
     d = init_distributed(resolve_device(config.device))
     try:
-        model = build_model(config.model.name, config.activation_checkpointing, d.device.type)
-        apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
-        optimizer = build_optimizer(model, config.optim)
-        scheduler = build_scheduler(optimizer, config.optim, max_steps)
+        model, optimizer, scheduler = build_sharded(config, d, max_steps)
         files = build_model_files(config.model.name) if d.is_main else None
         progress = Progress()
         resume_step = resolve_resume(config)
