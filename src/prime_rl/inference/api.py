@@ -289,7 +289,7 @@ class Guard:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # later reads wait for the disconnect, which is what routes poll for
+            return await receive()  # later reads wait for the disconnect, which `_guarded` awaits
 
         await self.app(scope, replay, send)
 
