@@ -28,7 +28,7 @@ from prime_rl.utils.tiny_model import write_perturbed_weights
 
 START_TIMEOUT = 120.0  # generous: two servers import torch at once on a small CI machine
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
-READY = re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu\)")
+READY = re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu, native forward\)")
 TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
 
 

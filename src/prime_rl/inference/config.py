@@ -40,6 +40,13 @@ class EngineConfig(Section):
         int,
         Field(ge=0, description="torch threads on CPU; 0 = auto (one core spared for HTTP on short iterations)"),
     ] = 0
+    model_impl: Annotated[
+        Literal["auto", "native", "transformers"],
+        Field(
+            description="forward pass: native = the engine's own for Llama/Mistral/Qwen2/Qwen3 (slot KV cache), "
+            "transformers = the model's HF forward (any causal LM); auto = native when the architecture allows"
+        ),
+    ] = "auto"
 
 
 class ParallelConfig(Section):

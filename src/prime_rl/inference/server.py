@@ -42,11 +42,12 @@ def run(config: InferenceConfig) -> None:
 
     e = config.engine
     engine = build_engine(
-        config.model.name, e.device, e.dtype, e.max_batch_size, e.max_waiting, config.seed, e.cpu_threads
+        config.model.name, e.device, e.dtype, e.max_batch_size, e.max_waiting, config.seed, e.cpu_threads, e.model_impl
     )
     try:
         app = build_app(engine, config)
-        ready = f"serving {config.model.name} on {{url}} (backend builtin, device {engine.device.type})"
+        ready = f"serving {config.model.name} on {{url}} (backend builtin, device {engine.device.type}, "
+        ready += f"{engine.model_impl} forward)"
         serve(app, bind_host(config), config.server.port, ready)
     finally:
         engine.close()

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 
 from prime_rl.inference.config import StartupError
+from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
+from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
 from prime_rl.inference.engine.weights import load_weight_dir
 
@@ -117,55 +119,6 @@ class _Swap:
     future: asyncio.Future
 
 
-class _Batch:
-    """The running rows and their shared KV cache: `mask` [B, L] marks real cache columns (left padding is 0),
-    `next_pos` [B] is each row's next position id. Invariant: the cache holds exactly L columns."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.rows: list[_Row] = []
-        self.cache: Any = None
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
-        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)
-
-    def add(self, rows: list[_Row], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
-        """Append rows whose prefilled cache is `cache`; the shorter of the two caches is left-padded."""
-        if not self.rows:
-            self.rows, self.cache, self.mask, self.next_pos = list(rows), cache, mask, next_pos
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat([_pad_left(old.keys, width, -2), _pad_left(new.keys, width, -2)])
-            old.values = torch.cat([_pad_left(old.values, width, -2), _pad_left(new.values, width, -2)])
-        self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(mask, width, -1)])
-        self.next_pos = torch.cat([self.next_pos, next_pos])
-        self.rows += rows
-
-    def keep(self, keep: list[int]) -> None:
-        """Keep only the rows at `keep`, then drop cache columns that are padding in every remaining row."""
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[b] for b in keep]
-        if not self.rows:
-            self.cache, self.mask, self.next_pos = None, self.mask[:0, :0], self.next_pos[:0]
-            return
-        index = torch.tensor(keep, device=self.device)
-        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
-        first = int(self.mask.any(dim=0).int().argmax())
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
-        self.mask = self.mask[:, first:]
-
-
-def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
 class Engine:
     def __init__(
         self,
@@ -176,6 +129,7 @@ class Engine:
         max_waiting: int = 1024,
         seed: int = 0,
         cpu_threads: int = 0,
+        model_impl: str = "auto",
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -197,13 +151,20 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._swap: _Swap | None = None
         self._wake = threading.Condition()
-        self._batch = _Batch(self.device)
+        self._native = _native_decoder(model, model_impl, max_batch_size, self.device)
+        self.model_impl = "native" if self._native is not None else "transformers"
+        self._batch = self._new_batch()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
         self._weights_lock: asyncio.Lock | None = None
         self.cpu_threads = cpu_threads
         self._cores = len(os.sched_getaffinity(0))
         self._params = sum(p.numel() for p in model.parameters())  # ≈ multiply-adds per token
+
+    def _new_batch(self) -> NativeBatch | TransformersBatch:
+        if self._native is not None:
+            return NativeBatch(self._native)
+        return TransformersBatch(self.model, self.device, self.pad_id)
 
     # ---- asyncio side -------------------------------------------------------------------------
 
@@ -309,7 +270,7 @@ class Engine:
             except Exception as e:  # a failed forward fails the requests in it, not the server
                 logger.exception("engine iteration failed")
                 self._fail([row.request for row in self._batch.rows], e)
-                self._batch = _Batch(self.device)
+                self._batch = self._new_batch()
         self._fail([row.request for row in self._batch.rows] + list(self._waiting), EngineClosed("engine stopped"))
 
     def _iteration(self) -> None:
@@ -355,48 +316,18 @@ class Engine:
 
     def _prefill(self, requests: list[_Request]) -> None:
         """Run the prompts of newly admitted requests, sample each row's first token, join the batch."""
-        from transformers import DynamicCache
-
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for b, request in enumerate(requests):
-            input_ids[b, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            mask[b, width - len(request.prompt_ids) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, mask, left_padded_positions(mask), cache)
-        # Each request was run once; its n rows share that prefix, so repeat its cache and logits n times.
-        index = torch.tensor([b for b, r in enumerate(requests) for _ in range(r.params.n)], device=self.device)
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
         rows = [_Row(r, i, random.Random(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
         start = len(self._batch.rows)
-        self._batch.add(rows, cache, mask[index], mask.sum(-1)[index])
-        self._sample(logits[index], rows)
+        logits = self._batch.join(requests, rows)
+        self._sample(logits, rows)
         self.requests += len(requests)
         self.prefills += 1
         self._retire(range(start, start + len(rows)))
 
     def _decode(self) -> None:
-        batch = self._batch
-        next_ids = torch.tensor([row.token_ids[-1] for row in batch.rows], device=self.device)[:, None]
-        batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
-        logits = self._forward(next_ids, batch.mask, batch.next_pos[:, None], batch.cache)
-        batch.next_pos = batch.next_pos + 1
-        self._sample(logits, batch.rows)
-        self._retire(range(len(batch.rows)))
-
-    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1]
+        logits = self._batch.step()
+        self._sample(logits, self._batch.rows)
+        self._retire(range(len(self._batch.rows)))
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> None:
         params = [row.request.params for row in rows]
@@ -540,12 +471,17 @@ def cpu_threads(requested: int, cores: int, work: float) -> int:
     return cores if work >= PARALLEL_WORK else max(1, cores - 1)
 
 
-def left_padded_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that start at 0 on each row's first real token (pads get 1, they are masked anyway).
-
-    mask [[0, 0, 1, 1], [1, 1, 1, 1]] -> [[1, 1, 0, 1], [0, 1, 2, 3]]
-    """
-    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+def _native_decoder(model, model_impl: str, slots: int, device: torch.device) -> NativeDecoder | None:
+    """The engine's own forward for `model` (model_impl native/auto), or None to run it through transformers."""
+    if model_impl == "transformers":
+        return None
+    reason = native_unsupported(model.config)
+    if reason is None:
+        return NativeDecoder(model, slots, device)
+    if model_impl == "native":
+        raise StartupError(f"engine.model_impl = native cannot serve this model: {reason}")
+    logger.info(f"serving through transformers' forward: {reason}")
+    return None
 
 
 def _mix(seed: int, sample: int) -> int:
@@ -592,6 +528,7 @@ def build_engine(
     max_waiting: int = 1024,
     seed: int = 0,
     cpu_threads: int = 0,
+    model_impl: str = "auto",
 ) -> Engine:
     """Load the model and tokenizer on `device` (auto = CUDA when present) and start the worker."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -607,5 +544,5 @@ def build_engine(
         model = AutoModelForCausalLM.from_pretrained(model_name, dtype=getattr(torch, dtype)).to(device)
     except (OSError, ValueError) as e:  # missing path / not a model dir / hub id unreachable
         raise StartupError(f"cannot load model {model_name!r}: {e}") from None
-    engine = Engine(model, tokenizer, torch.device(device), max_batch_size, max_waiting, seed, cpu_threads)
+    engine = Engine(model, tokenizer, torch.device(device), max_batch_size, max_waiting, seed, cpu_threads, model_impl)
     return engine.start()

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, build_engine
-from prime_rl.inference.engine.engine import EngineBusy, cpu_threads, left_padded_positions
+from prime_rl.inference.engine.batch import left_padded_positions
+from prime_rl.inference.engine.engine import EngineBusy, cpu_threads
 from prime_rl.inference.engine.weights import check_tensors
 from prime_rl.protocol import mark_stable, weights_dir
 from prime_rl.utils.tiny_model import write_perturbed_weights
@@ -22,9 +23,9 @@ OTHERS = [[5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    engine = build_engine(str(tiny_model), device="cpu")
+@pytest.fixture(scope="module", params=["native", "transformers"])
+def engine(tiny_model, request):
+    engine = build_engine(str(tiny_model), device="cpu", model_impl=request.param)
     yield engine
     engine.close()
 
