@@ -1,17 +1,19 @@
 """Inference throughput and latency: our server over HTTP vs in-process `transformers` `generate`.
 
-    uv run python benchmarks/inference.py                    # defaults: ~2 min on a 2-core CPU
+    uv run python benchmarks/inference.py                    # defaults: ~4 min on a 2-core CPU
     uv run python benchmarks/inference.py --models tiny --runs 5 --max-tokens 32
 
 For each model (`tiny` = `create_tiny_model` defaults, hidden 64 / 2 layers; `small` = hidden 256 /
 4 layers) and each concurrency c in `--concurrency`:
 - server: the real `inference` process (built-in engine, CPU) answers `--requests-per-slot` × c completion
   requests, c in flight at a time (each client slot sends its next request when the previous returns);
-  throughput = generated tokens / wall time, latency = per request.
+  throughput = generated tokens / wall time, latency = per request. One server per `--impls` value
+  (`--engine.model-impl`: the engine's native forward, and transformers' forward);
 - generate: `model.generate` in this process over the same prompts and lengths, in batches of c
   (left-padded, KV cache, sampling at temperature 1); a batch's latency is the time until it returns.
 Every completion has exactly `--max-tokens` tokens (`ignore_eos` / `min_new_tokens`), so both sides do the
-same work. The server and `generate` never run at the same time. Each figure is the median of `--runs`.
+same work. The servers and `generate` take turns, never running at the same time; each figure is the median
+of `--runs`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
 
 
 def start_server(model: Path, out: Path, max_batch_size: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", "0"]
     cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size), *extra]
     log = out / "server.out"
@@ -147,6 +150,9 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests = this × concurrency (≥ 8)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--server-args", default="", help='extra server flags, e.g. "--engine.cpu-threads 2"')
+    parser.add_argument(
+        "--impls", default="native,transformers", help="the server's --engine.model-impl values, each its own server"
+    )
     args = parser.parse_args()
 
     import torch
@@ -162,31 +168,39 @@ def main() -> None:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path).eval()
             prompts = prompts_for(tokenizer, 64)
-            proc, url = start_server(path, Path(tmp), max(levels), args.server_args.split())
+            impls = args.impls.split(",")
+            servers = {}
             try:
+                for impl in impls:
+                    extra = [*args.server_args.split(), "--engine.model-impl", impl]
+                    servers[impl] = start_server(path, Path(tmp) / impl, max(levels), extra)
                 for c in levels:
                     requests = max(8, args.requests_per_slot * c)
-                    asyncio.run(http_run(url, prompts, c, min(requests, c), args.max_tokens))  # warm-up
+                    for _, url in servers.values():  # warm-up
+                        asyncio.run(http_run(url, prompts, c, min(requests, c), args.max_tokens))
                     generate_run(model, prompts, c, c, args.max_tokens, tokenizer.pad_token_id)
-                    server, hf = [], []
-                    for _ in range(args.runs):
-                        server.append(asyncio.run(http_run(url, prompts, c, requests, args.max_tokens)))
-                        hf.append(generate_run(model, prompts, c, requests, args.max_tokens, tokenizer.pad_token_id))
-                    for label, runs in (("server (HTTP)", server), ("generate", hf)):
+                    runs = {impl: [] for impl in impls} | {"generate": []}
+                    for _ in range(args.runs):  # alternate, so drifts of a noisy machine hit every variant
+                        for impl, (_, url) in servers.items():
+                            runs[impl].append(asyncio.run(http_run(url, prompts, c, requests, args.max_tokens)))
+                        pad = tokenizer.pad_token_id
+                        runs["generate"].append(generate_run(model, prompts, c, requests, args.max_tokens, pad))
+                    for label, results in runs.items():
                         rows.append(
                             (
                                 name,
                                 c,
-                                label,
-                                statistics.median(r[0] for r in runs),
-                                statistics.median(pct(r[1], 0.5) for r in runs),
-                                statistics.median(pct(r[1], 0.99) for r in runs),
+                                label if label == "generate" else f"server, {label} (HTTP)",
+                                statistics.median(r[0] for r in results),
+                                statistics.median(pct(r[1], 0.5) for r in results),
+                                statistics.median(pct(r[1], 0.99) for r in results),
                             )
                         )
                     print(f"[{name} c={c}] done", file=sys.stderr, flush=True)
             finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+                for proc, _ in servers.values():
+                    proc.terminate()
+                    proc.wait(timeout=30)
     print(f"\nmax_tokens={args.max_tokens}, median of {args.runs} runs, torch threads {torch.get_num_threads()}\n")
     print("| model | concurrency | engine | tokens/s | p50 latency (s) | p99 latency (s) |")
     print("|---|---|---|---|---|---|")
