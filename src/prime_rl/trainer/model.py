@@ -26,7 +26,7 @@ import torch
 
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.rl.loss import token_logprobs_and_entropy
+from prime_rl.trainer.rl.loss import target_logprobs_and_entropy, token_logprobs_and_entropy
 
 
 def build_model(name: str, activation_checkpointing: bool = False, device_type: str = "cpu") -> torch.nn.Module:
@@ -121,14 +121,16 @@ class PolicyOutput:
     entropy: torch.Tensor  # [1, L], detached unless asked for with entropy_grad
 
 
-def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
-    """Logits [1, L, V] of one packed row, every sample attending only to itself."""
+def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device, keep=None) -> torch.Tensor:
+    """Logits [1, L, V] of one packed row, every sample attending only to itself; with `keep` (positions,
+    long [K]) only those rows, [1, K, V]: the lm_head then never runs on the rest."""
     cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
     longest = int(mb.cu_seqlens.diff().max())
     return model(
         input_ids=mb.input_ids.to(device),
         position_ids=mb.position_ids.to(device),
         use_cache=False,
+        logits_to_keep=0 if keep is None else keep,  # 0 = every position
         cu_seq_lens_q=cu,
         cu_seq_lens_k=cu,
         max_length_q=longest,
@@ -137,12 +139,29 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device)
 
 
 def forward_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, device: torch.device, entropy_grad: bool = False
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    entropy_grad: bool = False,
+    where: torch.Tensor | None = None,
 ) -> PolicyOutput:
-    """Token logprobs and entropies of the policy on one packed micro batch."""
-    logits = forward_logits(model, mb, device)
-    logprobs, entropy = token_logprobs_and_entropy(logits, mb.input_ids.to(device), mb.temperature, entropy_grad)
-    return PolicyOutput(logprobs=logprobs, entropy=entropy)
+    """Token logprobs and entropies of the policy on one packed micro batch.
+
+    With `where` (bool [1, L], e.g. the loss mask) only those positions are computed and the rest are 0:
+    the lm_head and the [L, V] log-softmax then skip the prompts, which the loss never reads.
+    """
+    ids = mb.input_ids.to(device)
+    if where is None:
+        logits = forward_logits(model, mb, device)
+        logprobs, entropy = token_logprobs_and_entropy(logits, ids, mb.temperature, entropy_grad)
+        return PolicyOutput(logprobs=logprobs, entropy=entropy)
+    # Token t is predicted by the logits at t − 1 of the same sample, so a sample's first token has none.
+    targets = (where.to(device) & ~sample_starts(mb).to(device))[0].nonzero().squeeze(-1)
+    logits = forward_logits(model, mb, device, keep=targets - 1)
+    logprobs, entropy = target_logprobs_and_entropy(logits, ids[:, targets], mb.temperature, entropy_grad)
+    index = targets[None]
+    zeros = torch.zeros(ids.shape, dtype=logprobs.dtype, device=device)
+    return PolicyOutput(logprobs=zeros.scatter(1, index, logprobs), entropy=zeros.scatter(1, index, entropy))
 
 
 def sample_starts(mb: MicroBatch) -> torch.Tensor:

@@ -63,3 +63,26 @@ def test_activation_checkpointing_leaves_gradients_unchanged(tiny_model):
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5)
+
+
+def test_logprobs_at_loss_positions_only_match_the_full_forward_in_value_and_gradient(tiny_model):
+    model = build_model(str(tiny_model))
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (11, 7))
+    mb = MicroBatch.pack([_sample(a), _sample(b)], temperature=0.7)
+    where = torch.zeros_like(mb.loss_mask)
+    where[0, [0, 3, 4, 10, 11, 12, 17]] = True  # 0 and 11 start a sample: they have no prediction
+    want = where & ~sample_starts(mb)
+
+    results = []
+    for kwargs in ({}, {"where": where}):
+        model.zero_grad()
+        out = forward_logprobs(model, mb, torch.device("cpu"), entropy_grad=True, **kwargs)
+        (torch.where(want, out.logprobs + out.entropy, 0.0).sum()).backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full, full_grads), (kept, kept_grads) = results
+    torch.testing.assert_close(kept.logprobs[want], full.logprobs[want], atol=1e-5, rtol=0)
+    torch.testing.assert_close(kept.entropy[want], full.entropy[want], atol=1e-5, rtol=0)
+    assert not kept.logprobs[~want].any() and not kept.entropy[~want].any()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, atol=1e-6, rtol=1e-4)

@@ -67,16 +67,25 @@ def token_logprobs_and_entropy(
     Same values as the two functions (see their examples); the [L, V] log-softmax is computed once, not twice,
     and logits are only divided when temperature ≠ 1.
     """
-    scaled = logits[:, :-1].float()
+    logprobs, entropy = target_logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature, entropy_grad)
+    pad = torch.nn.functional.pad
+    return pad(logprobs, (1, 0), value=0.0), pad(entropy, (1, 0), value=0.0)
+
+
+def target_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature) at `targets` [B, K] and the entropy, for logits [B, K, V] already
+    aligned with their targets (no shift)."""
+    scaled = logits.float()
     if temperature != 1.0:
         scaled = scaled / temperature
     logp = torch.log_softmax(scaled, dim=-1)
-    logprobs = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         src = logp if entropy_grad else logp.detach()
         entropy = -(src.exp() * src).sum(-1)
-    pad = torch.nn.functional.pad
-    return pad(logprobs, (1, 0), value=0.0), pad(entropy, (1, 0), value=0.0)
+    return logprobs, entropy
 
 
 def sample_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

@@ -208,7 +208,7 @@ def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) 
     sums = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss, entropy, mismatch kl, clipped
     for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
         set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
-        out = forward_logprobs(model, mb, d.device, entropy_grad=config.loss.entropy_coef > 0)
+        out = forward_logprobs(model, mb, d.device, config.loss.entropy_coef > 0, where=mask)
         terms = policy_loss(
             out.logprobs,
             mb.inference_logprobs.to(d.device),

@@ -140,9 +140,8 @@ def sft_step(model, optimizer, micro_batches: list, config: SFTConfig, d) -> SFT
     """Accumulate the NLL gradient over the micro batches, clip, and take one AdamW step."""
     import torch
 
-    from prime_rl.trainer.model import forward_logits, sample_starts
+    from prime_rl.trainer.model import forward_logprobs, sample_starts
     from prime_rl.trainer.parallel import all_reduce, set_micro_batch_sync
-    from prime_rl.trainer.rl.loss import token_logprobs
     from prime_rl.trainer.rl.train import _peak_memory_gib, _samples_with_loss
 
     masks = [(mb.loss_mask & ~sample_starts(mb)).to(d.device) for mb in micro_batches]
@@ -156,7 +155,7 @@ def sft_step(model, optimizer, micro_batches: list, config: SFTConfig, d) -> SFT
     nll_sum = torch.zeros((), dtype=torch.float64, device=d.device)
     for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
         set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
-        logprobs = token_logprobs(forward_logits(model, mb, d.device), mb.input_ids.to(d.device), 1.0)
+        logprobs = forward_logprobs(model, mb, d.device, where=mask).logprobs
         nll = torch.where(mask, -logprobs, 0.0).sum()
         (nll * scale).backward()
         nll_sum += nll.detach().double()
