@@ -6,7 +6,8 @@
 Both variants train one optimizer step per repetition on the same `--samples` sequences with lengths drawn
 uniformly from [min_len, max_len] (loss on the last 3/4 of each, like a completion):
 - ours: `prime_rl.trainer` as the RL trainer runs it: samples packed first-fit-decreasing into rows of
-  `--seq-len` tokens, per-sample causal attention (`packed_sdpa`), FSDP2 (one rank), AdamW;
+  `--seq-len` tokens, per-sample causal attention (`packed_attention`), FSDP2 (one rank), AdamW; once eager
+  and once with `--compile` (decoder layers compiled; the warm-up step pays the compile);
 - padded: `AutoModelForCausalLM` + AdamW, micro batches of `--batch` samples padded to their longest
   sample with an attention mask, `labels` = -100 on prompt and padding (the usual HF fine-tuning loop).
 Each variant runs in its own process (so peak memory is its own), one warm-up step, then `--reps` timed
@@ -24,6 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+VARIANTS = {
+    "padded": "padded transformers loop",
+    "ours": "prime-rl trainer (packed)",
+    "ours-compile": "prime-rl trainer (packed, --compile)",
+}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -35,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the generated model")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the generated model")
     p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
-    p.add_argument("--variant", choices=["ours", "padded"], help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -49,7 +56,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = create_tiny_model(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers)
-        results = {v: child(v, model, sys.argv[1:]) for v in ("padded", "ours")}
+        results = {v: child(v, model, sys.argv[1:]) for v in VARIANTS}
     print_table(results, args)
 
 
@@ -76,7 +83,7 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     samples = random_samples(args.samples, args.min_len, args.max_len, 1000, seed=0)
-    step = build_ours(args, samples) if args.variant == "ours" else build_padded(args, samples)
+    step = build_padded(args, samples) if args.variant == "padded" else build_ours(args, samples)
     before = _rss_gib()
     step()  # warm-up
     times = []
@@ -96,9 +103,10 @@ def build_ours(args, samples):
     from prime_rl.trainer.rl.config import TrainerConfig
     from prime_rl.trainer.rl.train import train_step
 
-    config = TrainerConfig(model={"name": str(args.model)}, device="cpu", optim={"lr": 1e-5})
+    compile = args.variant == "ours-compile"
+    config = TrainerConfig(model={"name": str(args.model)}, device="cpu", optim={"lr": 1e-5}, compile=compile)
     d = init_distributed("cpu")
-    model = build_model(str(args.model), device_type="cpu")
+    model = build_model(str(args.model), device_type="cpu", compile=compile)
     import torch
 
     apply_fsdp(model, d, torch.float32)
@@ -155,7 +163,7 @@ def print_table(results: dict, args) -> None:
     for col in ("variant", "step (s)", "useful tok/s", "processed tok/step", "peak RSS (GiB)", "RSS growth (GiB)"):
         table.add_column(col, justify="right")
     rates = {}
-    for name, label in (("padded", "padded transformers loop"), ("ours", "prime-rl trainer (packed)")):
+    for name, label in VARIANTS.items():
         r = results[name]
         t = statistics.median(r["times"])
         rates[name] = r["useful"] / t
@@ -168,7 +176,10 @@ def print_table(results: dict, args) -> None:
             f"{r['peak'] - r['before']:.2f}",
         )
     Console(width=140).print(table)
-    print(f"speed-up (useful tokens/s): {rates['ours'] / rates['padded']:.2f}x")
+    for name in ("ours", "ours-compile"):
+        print(
+            f"speed-up of {VARIANTS[name]} over the padded loop (useful tokens/s): {rates[name] / rates['padded']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

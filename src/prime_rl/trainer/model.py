@@ -1,20 +1,9 @@
 """The policy model: loading an HF causal LM and running it on packed micro batches.
 
-A packed row holds several samples end to end. Each sample must only attend to itself (positions restart
-at 0 per sample). For `cu_seqlens = [0, 2, 3]` (samples a0 a1 | b0), True = may attend:
-
-        a0 a1 b0
-    a0 [ T  .  . ]
-    a1 [ T  T  . ]
-    b0 [ .  .  T ]
-
-Rather than materialising that L×L block-diagonal mask, the model is loaded with one of two attention
-kernels that read the sample boundaries (`cu_seq_lens_q/k`, `max_length_q/k`, passed through the HF
-forward as keyword arguments):
-- `flash_attention_2` (CUDA with flash-attn installed): transformers' varlen flash-attention path;
-- `packed_sdpa` (everywhere else, registered below): causal SDPA run per sample, so attention costs
-  Σ len² instead of L² and never sees another sample. `packed_attention_mask` is the same rule as an
-  explicit mask, kept as the reference the tests compare against.
+A packed row holds several samples end to end; `attention.py` keeps each sample attending only to itself.
+With `compile`, each decoder layer's forward is compiled once for every row length (dynamic shapes):
+inductor fuses the norms, rotary embedding and SwiGLU around the matmuls, the packed attention op stays
+opaque, and module hooks (FSDP, activation checkpointing) run outside the compiled code.
 """
 
 from __future__ import annotations
@@ -25,11 +14,14 @@ from typing import Any
 import torch
 
 from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.attention import attention_implementation
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.rl.loss import target_logprobs_and_entropy, token_logprobs_and_entropy
 
 
-def build_model(name: str, activation_checkpointing: bool = False, device_type: str = "cpu") -> torch.nn.Module:
+def build_model(
+    name: str, activation_checkpointing: bool = False, device_type: str = "cpu", compile: bool = False
+) -> torch.nn.Module:
     """Load `name` (hub id or local dir) in float32 on CPU: fp32 master weights; FSDP moves and shards them."""
     from transformers import AutoModelForCausalLM
 
@@ -43,6 +35,8 @@ def build_model(name: str, activation_checkpointing: bool = False, device_type: 
     model.train()  # from_pretrained returns eval mode, which would also switch activation checkpointing off
     if activation_checkpointing:
         apply_ac(model)
+    if compile:
+        apply_compile(model, device_type)
     return model
 
 
@@ -51,7 +45,7 @@ def build_sharded(config, d, max_steps: int) -> tuple[torch.nn.Module, torch.opt
     from prime_rl.trainer.optim import build_optimizer, build_scheduler
     from prime_rl.trainer.parallel import apply_fsdp
 
-    model = build_model(config.model.name, config.activation_checkpointing, d.device.type)
+    model = build_model(config.model.name, config.activation_checkpointing, d.device.type, config.compile)
     apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
     optimizer = build_optimizer(model, config.optim)
     return model, optimizer, build_scheduler(optimizer, config.optim, max_steps)
@@ -69,50 +63,18 @@ def apply_ac(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def attention_implementation(device_type: str) -> str:
-    """`flash_attention_2` on CUDA when flash-attn is importable, else our per-sample `packed_sdpa`."""
-    import importlib.util
+def apply_compile(model: torch.nn.Module, device_type: str) -> None:
+    """Compile each decoder layer's `forward` (not `__call__`: hooks stay eager, parameter names unchanged)."""
+    import os
+    import shutil
 
-    if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    register_packed_sdpa()
-    return "packed_sdpa"
+    from prime_rl.trainer.parallel import decoder_layers
 
-
-def register_packed_sdpa() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("packed_sdpa", packed_sdpa_attention)
-
-
-def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
-    """Causal SDPA over each packed sample separately; query/key/value are [1, heads, L, dim], out [1, L, heads, dim].
-
-    Without `cu_seq_lens_q` (a plain HF forward, e.g. generation) it is ordinary SDPA with the given mask.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    for unused in ("cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
-        kwargs.pop(unused, None)
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    # `split`, not slicing: the backward of n slices zero-fills and adds n full-length [1, heads, L, dim]
-    # gradients (O(n·L) per layer, ~20% of a CPU step), while split's backward is one concatenation.
-    lengths = cu_seq_lens_q.diff().tolist()
-    outs = [
-        sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
-        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
-    ]
-    return torch.cat(outs, dim=1), None
-
-
-def packed_attention_mask(cu_seqlens: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
-    """Boolean [1, 1, L, L] mask: causal within each sample of the packed row, nothing across samples."""
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    sample_of = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu.diff(), output_size=length)
-    same_sample = sample_of[:, None] == sample_of[None, :]
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    return (same_sample & causal)[None, None]
+    compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if device_type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        raise TrainerError("--compile on CPU needs a C++ compiler (g++, or $CXX); install one or drop --compile")
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 @dataclass

@@ -4,28 +4,12 @@ import pytest
 import torch
 
 from prime_rl.protocol.records import MicroBatch
-from prime_rl.trainer.model import build_model, forward_logprobs, packed_attention_mask, sample_starts
+from prime_rl.trainer.model import build_model, forward_logprobs, sample_starts
 
 
 def _sample(ids: list[int]) -> dict:
     n = len(ids)
     return {"input_ids": ids, "loss_mask": [True] * n, "advantages": [0.0] * n, "inference_logprobs": [0.0] * n}
-
-
-def test_packed_attention_mask_is_causal_within_samples_and_blocks_across():
-    mask = packed_attention_mask(torch.tensor([0, 2, 3, 5], dtype=torch.int32), 5, torch.device("cpu"))
-    expected = torch.tensor(
-        [
-            [1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [0, 0, 1, 0, 0],
-            [0, 0, 0, 1, 0],
-            [0, 0, 0, 1, 1],
-        ],
-        dtype=torch.bool,
-    )
-    assert mask.shape == (1, 1, 5, 5)
-    assert torch.equal(mask[0, 0], expected)
 
 
 def test_sample_starts_marks_first_token_of_each_packed_sample():
@@ -86,3 +70,25 @@ def test_logprobs_at_loss_positions_only_match_the_full_forward_in_value_and_gra
     assert not kept.logprobs[~want].any() and not kept.entropy[~want].any()
     for name, grad in full_grads.items():
         torch.testing.assert_close(kept_grads[name], grad, atol=1e-6, rtol=1e-4)
+
+
+def test_compiled_layers_give_the_eager_logprobs_and_gradients_for_any_row_length(tiny_model):
+    """`--compile`: one dynamic-shape compile serves rows of every length, with activation checkpointing on,
+    and parameter names (what checkpoints and weight export read) are unchanged."""
+    g = torch.Generator().manual_seed(3)
+    rows = [
+        MicroBatch.pack([_sample(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in lengths], 1.0)
+        for lengths in ([9, 300], [40, 7, 3], [5])
+    ]
+    eager = build_model(str(tiny_model))
+    compiled = build_model(str(tiny_model), activation_checkpointing=True, compile=True)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    for mb in rows:
+        for model in (eager, compiled):
+            model.zero_grad()
+            forward_logprobs(model, mb, torch.device("cpu"), where=mb.loss_mask).logprobs.sum().backward()
+        want = forward_logprobs(eager, mb, torch.device("cpu")).logprobs
+        got = forward_logprobs(compiled, mb, torch.device("cpu")).logprobs
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -67,6 +67,10 @@ class TrainerConfig(BaseConfig):
     activation_checkpointing: Annotated[
         bool, Field(description="recompute each decoder layer's activations in backward (less memory, ~30% slower)")
     ] = False
+    compile: Annotated[
+        bool,
+        Field(description="torch.compile each decoder layer (fused elementwise ops; the first step compiles, ~30 s)"),
+    ] = False
     cpu_offload: Annotated[
         bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
     ] = False

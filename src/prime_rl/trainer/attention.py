@@ -1,0 +1,181 @@
+"""Attention over packed rows: every sample attends causally to itself and never to its neighbours.
+
+A packed row holds several samples end to end (positions restart at 0 per sample). For
+`cu_seqlens = [0, 2, 3]` (samples a0 a1 | b0), True = may attend:
+
+        a0 a1 b0
+    a0 [ T  .  . ]
+    a1 [ T  T  . ]
+    b0 [ .  .  T ]
+
+Rather than materialising that L×L mask, the model gets the sample boundaries (`cu_seq_lens_q/k`,
+`max_length_q/k`, passed through the HF forward as keyword arguments) and one of these kernels:
+- `flash_attention_2` (CUDA with flash-attn installed): transformers' varlen flash-attention path;
+- `packed_attention` (registered here) everywhere else:
+  - on CPU, the `prime_rl::packed_causal_attention` op: torch's CPU flash-attention kernel per sample, with
+    long samples cut into query blocks (below) and a backward that reuses the forward's logsumexp;
+  - on other devices, causal SDPA per sample.
+  Either way attention costs Σ len² rather than L². `packed_attention_mask` is the same rule as an
+  explicit mask, kept as the reference the tests compare against.
+
+Why query blocks on CPU: torch's CPU flash kernel skips masked-out keys only in whole key blocks of 512,
+so a causal sample of ≤ 512 tokens pays for the full L×L square. Cutting its queries into blocks of
+`BLOCK` rows, each block attends to the keys before it without a mask and to its own keys causally; the
+two partial results merge exactly through their logsumexps (softmax over a union of key sets). For 512
+tokens that computes ~55% of the square. Backward needs no merging: given the merged output and
+logsumexp, each (query block, key set) pair's gradient is the kernel's own backward on that pair.
+The op is opaque to torch.compile, so a compiled decoder layer stays one graph around it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128  # query rows per block; samples up to 2 × BLOCK tokens run as one causal call
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _causal_forward(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample, q [1, H, L, D], k/v [1, KV, L, D]: out [1, H, L, D] and logsumexp [1, H, L]."""
+    length = q.shape[2]
+    if length <= 2 * BLOCK:
+        return _flash(q, k, v, 0.0, True, scale=scale)
+    outs, lses = [], []
+    for start in range(0, length, BLOCK):
+        end = min(start + BLOCK, length)
+        qb = q[:, :, start:end]
+        out, lse = _flash(qb, k[:, :, start:end], v[:, :, start:end], 0.0, True, scale=scale)
+        if start:
+            past_out, past_lse = _flash(qb, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
+            merged = torch.logaddexp(past_lse, lse)
+            out = (past_out * (past_lse - merged).exp()[..., None] + out * (lse - merged).exp()[..., None]).to(q.dtype)
+            lse = merged
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _causal_backward(grad, q, k, v, out, lse, scale: float):
+    """Gradients of one sample's `_causal_forward` (same shapes as q, k, v)."""
+    length = q.shape[2]
+    if length <= 2 * BLOCK:
+        return _flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for start in range(0, length, BLOCK):
+        end = min(start + BLOCK, length)
+        rows = (grad[:, :, start:end], q[:, :, start:end])
+        saved = (out[:, :, start:end], lse[:, :, start:end])
+        gq, gk, gv = _flash_backward(*rows, k[:, :, start:end], v[:, :, start:end], *saved, 0.0, True, scale=scale)
+        dk[:, :, start:end] += gk
+        dv[:, :, start:end] += gv
+        if start:
+            past_q, past_k, past_v = _flash_backward(
+                *rows, k[:, :, :start], v[:, :, :start], *saved, 0.0, False, scale=scale
+            )
+            gq += past_q
+            dk[:, :, :start] += past_k
+            dv[:, :, :start] += past_v
+        dq[:, :, start:end] = gq
+    return dq, dk, dv
+
+
+@torch.library.custom_op("prime_rl::packed_causal_attention", mutates_args=(), device_types="cpu")
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, L, D], k/v [1, KV, L, D] (KV divides H) → out [1, L, H, D], logsumexp [1, H, L]."""
+    lengths = cu_seqlens.diff().tolist()
+    per_sample = zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
+    parts = [_causal_forward(*qkv, scale) for qkv in per_sample]
+    out = torch.cat([o for o, _ in parts], 2).transpose(1, 2).contiguous()
+    return out, torch.cat([lse for _, lse in parts], 2).contiguous()
+
+
+@packed_causal_attention.register_fake
+def _(q, k, v, cu_seqlens, scale):
+    batch, heads, length, dim = q.shape
+    return q.new_empty(batch, length, heads, dim), q.new_empty(batch, heads, length, dtype=torch.float32)
+
+
+@torch.library.custom_op("prime_rl::packed_causal_attention_backward", mutates_args=(), device_types="cpu")
+def packed_causal_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lengths = cu_seqlens.diff().tolist()
+    per_sample = (t.split(lengths, 2) for t in (grad.transpose(1, 2), q, k, v, out.transpose(1, 2), lse))
+    grads = [_causal_backward(*tensors, scale) for tensors in zip(*per_sample, strict=True)]
+    return tuple(torch.cat(g, 2).contiguous() for g in zip(*grads, strict=True))
+
+
+@packed_causal_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    grads = packed_causal_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale)
+    return *grads, None, None
+
+
+packed_causal_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_implementation(device_type: str) -> str:
+    """`flash_attention_2` on CUDA when flash-attn is importable, else our `packed_attention`."""
+    import importlib.util
+
+    if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("packed_attention", packed_attention)
+    return "packed_attention"
+
+
+def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+    """HF attention interface: query/key/value [1, heads, L, dim] → out [1, L, heads, dim].
+
+    Without `cu_seq_lens_q` (a plain HF forward, e.g. generation) it is ordinary SDPA with the given mask.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for unused in ("cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
+        kwargs.pop(unused, None)
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    if query.device.type == "cpu" and not kwargs.get("dropout"):
+        return packed_causal_attention(query, key, value, cu_seq_lens_q, scale)[0], None
+    # `split`, not slicing: the backward of n slices zero-fills and adds n full-length [1, heads, L, dim]
+    # gradients, while split's backward is one concatenation.
+    lengths = cu_seq_lens_q.diff().tolist()
+    outs = [
+        sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
+        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+    ]
+    return torch.cat(outs, dim=1), None
+
+
+def packed_attention_mask(cu_seqlens: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+    """Boolean [1, 1, L, L] mask: causal within each sample of the packed row, nothing across samples."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    sample_of = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu.diff(), output_size=length)
+    same_sample = sample_of[:, None] == sample_of[None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return (same_sample & causal)[None, None]

@@ -1,0 +1,92 @@
+"""The CPU packed attention op: same values and gradients as causal SDPA on each sample alone."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prime_rl.trainer import attention
+from prime_rl.trainer.attention import packed_attention_mask, packed_causal_attention
+
+# Short samples run as one causal call; 257+ tokens are cut into query blocks of 128 (one sample ends mid-block).
+LENGTHS = [300, 5, 129, 257, 1, 520]
+
+
+def _qkv(heads: int, kv_heads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    length = sum(LENGTHS)
+    # HF hands the kernel transposed views ([1, L, heads, dim] memory); keep that layout here.
+    q, k, v = (torch.randn(1, length, h, 32, generator=g).transpose(1, 2) for h in (heads, kv_heads, kv_heads))
+    return [t.requires_grad_() for t in (q, k, v)], torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0)
+
+
+def _reference(q, k, v, scale):
+    """Causal SDPA per sample, keys/values repeated for grouped heads: out [1, L, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    outs = [
+        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        for qs, ks, vs in zip(q.split(LENGTHS, 2), k.split(LENGTHS, 2), v.split(LENGTHS, 2), strict=True)
+    ]
+    return torch.cat(outs, 2).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+def test_packed_causal_attention_matches_sdpa_per_sample_in_value_and_gradient(heads, kv_heads):
+    (q, k, v), cu = _qkv(heads, kv_heads)
+    grad = torch.randn(1, sum(LENGTHS), heads, 32, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (lambda: packed_causal_attention(q, k, v, cu, 0.2)[0], lambda: _reference(q, k, v, 0.2)):
+        out = fn()
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_long_samples_run_in_query_blocks_and_equal_one_causal_call(monkeypatch):
+    (q, k, v), cu = _qkv(4, 2)
+    calls = []
+    flash = attention._flash
+    monkeypatch.setattr(attention, "_flash", lambda *a, **kw: calls.append(a[4]) or flash(*a, **kw))
+    blocked = packed_causal_attention(q, k, v, cu, 0.2)[0]
+    # 300 → 3 blocks, 257 → 3, 520 → 5: each block after the first also attends to its past unmasked.
+    assert calls.count(False) == 2 + 2 + 4
+    monkeypatch.setattr(attention, "BLOCK", 1024)
+    whole = packed_causal_attention(q, k, v, cu, 0.2)[0]
+    torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=1e-4)
+    monkeypatch.setattr(attention, "BLOCK", 16)  # many blocks per sample
+    torch.testing.assert_close(packed_causal_attention(q, k, v, cu, 0.2)[0], whole, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_causal_attention_never_reads_another_sample():
+    (q, k, v), cu = _qkv(4, 2)
+    out = packed_causal_attention(q, k, v, cu, 0.2)[0]
+    # Change everything but the third sample: its output must not move.
+    start, end = sum(LENGTHS[:2]), sum(LENGTHS[:3])
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, :start] += 1.0
+    v2[:, :, end:] -= 3.0
+    out2 = packed_causal_attention(q, k2, v2, cu, 0.2)[0]
+    torch.testing.assert_close(out2[:, start:end], out[:, start:end], atol=0, rtol=0)
+    assert not torch.allclose(out2[:, :start], out[:, :start])
+
+
+def test_packed_causal_attention_op_registration_is_consistent():
+    """Fake (meta) kernels, autograd registration and schema agree with the real op (torch.compile relies on it)."""
+    (q, k, v), cu = _qkv(4, 2)
+    torch.library.opcheck(packed_causal_attention, (q, k, v, cu, 0.2))
+
+
+def test_packed_attention_mask_is_causal_within_samples_and_blocks_across():
+    mask = packed_attention_mask(torch.tensor([0, 2, 3, 5], dtype=torch.int32), 5, torch.device("cpu"))
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 0, 1, 0],
+            [0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert mask.shape == (1, 1, 5, 5)
+    assert torch.equal(mask[0, 0], expected)
