@@ -1,27 +1,30 @@
 """Trainer throughput: our packed FSDP2 step vs a plain padded `transformers` loop, on the same samples.
 
-    uv run python benchmarks/trainer.py                      # defaults: ~2 min on a 2-core CPU
+    uv run python benchmarks/trainer.py                      # defaults: ~3 min on a 2-core CPU
     uv run python benchmarks/trainer.py --samples 64 --reps 5 --hidden 512
 
-Both variants train one optimizer step per repetition on the same `--samples` sequences with lengths drawn
+Every variant trains one optimizer step per repetition on the same `--samples` sequences with lengths drawn
 uniformly from [min_len, max_len] (loss on the last 3/4 of each, like a completion):
-- ours: `prime_rl.trainer` as the RL trainer runs it: samples packed first-fit-decreasing into rows of
-  `--seq-len` tokens, per-sample causal attention (`packed_attention`), FSDP2 (one rank), AdamW; once eager
-  and once with `--compile` (decoder layers compiled; the warm-up step pays the compile);
 - padded: `AutoModelForCausalLM` + AdamW, micro batches of `--batch` samples padded to their longest
-  sample with an attention mask, `labels` = -100 on prompt and padding (the usual HF fine-tuning loop).
-Each variant runs in its own process (so peak memory is its own), one warm-up step, then `--reps` timed
-steps; the table shows medians. Useful tokens = the samples' real tokens (no padding), the same for both.
+  sample with an attention mask, `labels` = -100 on prompt and padding (the usual HF fine-tuning loop);
+- ours: `prime_rl.trainer` as the RL trainer runs it: samples packed first-fit-decreasing into rows of
+  `--seq-len` tokens, per-sample causal attention (`packed_attention`), FSDP2 (one rank), AdamW;
+- ours-compile: the same with `--compile` (decoder layers compiled; the warm-up step pays the compile).
+Each variant lives in its own process (so peak memory is its own) and takes one warm-up step; then the
+timed steps interleave, one step of each variant per round, so a machine that slows down mid-run slows
+every variant alike. The table shows medians. Useful tokens = the samples' real tokens (no padding).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,24 +53,57 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args)))
+        serve_variant(args)
         return
     from prime_rl.utils.tiny_model import create_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = create_tiny_model(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers)
-        results = {v: child(v, model, sys.argv[1:]) for v in VARIANTS}
+        children = {v: Child(v, model, sys.argv[1:]) for v in VARIANTS}
+        try:
+            for child in children.values():  # one at a time: a compile must not overlap another's steps
+                print(f"{child.variant}: warm-up step", file=sys.stderr, flush=True)
+                child.call("warmup", timeout=900)
+            print(f"{args.reps} rounds of one step per variant", file=sys.stderr, flush=True)
+            steps = {v: [] for v in VARIANTS}
+            for rep in range(args.reps):
+                order = list(VARIANTS)[rep % len(VARIANTS) :] + list(VARIANTS)[: rep % len(VARIANTS)]
+                for v in order:
+                    steps[v].append(children[v].call("step", timeout=600))
+            results = {
+                v: {**children[v].call("done", timeout=60), "times": [s["time"] for s in steps[v]],
+                    "processed": steps[v][-1]["processed"]}
+                for v in VARIANTS
+            }  # fmt: skip
+        finally:
+            for child in children.values():
+                child.proc.kill()
     print_table(results, args)
 
 
-def child(variant: str, model: Path, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, *argv, "--variant", variant, "--model", str(model)]
-    env_note = f"{variant}: running"
-    print(env_note, file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"{variant} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class Child:
+    """One variant's process, driven line by line: each command gets one JSON line back on stdout."""
+
+    def __init__(self, variant: str, model: Path, argv: list[str]):
+        cmd = [sys.executable, __file__, *argv, "--variant", variant, "--model", str(model)]
+        self.variant = variant
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    def call(self, command: str, timeout: float) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise SystemExit(f"{self.variant}: no answer to {command!r} within {timeout:.0f} s") from None
+            if line.startswith("{"):  # anything else on stdout is a library's chatter
+                return json.loads(line)
+            if self.proc.poll() is not None and self.lines.empty():
+                raise SystemExit(f"{self.variant} exited (code {self.proc.returncode}) during {command!r}")
 
 
 def _rss_gib() -> float:
@@ -76,7 +112,8 @@ def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_variant(args: argparse.Namespace) -> dict:
+def serve_variant(args: argparse.Namespace) -> None:
+    """Child side of `Child`: build, then answer warmup / step / done from stdin."""
     import torch
 
     from prime_rl.trainer.fake_data import random_samples
@@ -85,14 +122,17 @@ def run_variant(args: argparse.Namespace) -> dict:
     samples = random_samples(args.samples, args.min_len, args.max_len, 1000, seed=0)
     step = build_padded(args, samples) if args.variant == "padded" else build_ours(args, samples)
     before = _rss_gib()
-    step()  # warm-up
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        processed = step()
-        times.append(time.perf_counter() - start)
-    useful = sum(len(s) for s in samples)
-    return {"times": times, "useful": useful, "processed": processed, "peak": _rss_gib(), "before": before}
+    for command in sys.stdin:
+        command = command.strip()
+        if command == "done":
+            answer = {"useful": sum(len(s) for s in samples), "peak": _rss_gib(), "before": before}
+        else:  # warmup or step
+            start = time.perf_counter()
+            processed = step()
+            answer = {"time": time.perf_counter() - start, "processed": processed}
+        print(json.dumps(answer), flush=True)
+        if command == "done":
+            return
 
 
 def build_ours(args, samples):

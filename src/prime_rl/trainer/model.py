@@ -60,7 +60,11 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 def apply_ac(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in backward (HF's own hook keeps parameter names intact)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers; the old name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def apply_compile(model: torch.nn.Module, device_type: str) -> None:
