@@ -197,3 +197,18 @@ def test_converted_two_rank_checkpoint_loads_in_transformers_with_the_same_logit
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # refuses to overwrite
     assert again.returncode == 1 and "exists and is not empty" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_bench_on_fake_data_prints_the_table_and_writes_no_weights(tiny_model, tmp_path):
+    cmd = [str(TRAINER), "--model.name", str(tiny_model), "--output-dir", str(tmp_path), "--data.fake", "--bench",
+           "--max-steps", "3", "--data.fake-seq-len", "256", "--bench-peak-tflops", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header = next(line for line in proc.stdout.splitlines() if "step time (s)" in line)
+    for column in ("tokens/step", "tokens/s", "TFLOP/s", "MFU", "peak mem (GiB)"):
+        assert column in header
+    row = next(line for line in proc.stdout.splitlines() if line.strip("│ ").startswith("2 "))  # 2 steps after warm-up
+    assert "%" in row  # MFU from --bench-peak-tflops
+    assert [r["step"] for r in read_metrics(tmp_path, "trainer")] == [0, 1, 2]
+    assert not (tmp_path / "weights").exists()
+    assert "benchmark, no weights written" in proc.stderr

@@ -85,7 +85,8 @@ def run(config: TrainerConfig) -> None:
                 metrics.close()
             if config.bench and d.is_main:
                 print_bench_table(history, model, config, d)
-            logger.info(f"done: {config.max_steps} steps, weights in {config.output_dir / 'weights'}")
+            written = "benchmark, no weights written" if config.bench else f"weights in {config.output_dir / 'weights'}"
+            logger.info(f"done: {config.max_steps} steps, {written}")
     finally:
         close_distributed()
 
