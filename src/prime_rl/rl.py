@@ -202,14 +202,18 @@ class Service:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             _signal_group(self.proc, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.proc, signal.SIGKILL)
-                self.proc.wait(5)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        """Wait for the exit until `deadline` (monotonic), then SIGKILL the whole group."""
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning(f"{self.name} still running after SIGTERM; killing it")
+            _signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait(5)
         self._log.close()
 
     def tail(self, lines: int = 20) -> str:
@@ -217,6 +221,15 @@ class Service:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def stop_all(services: list[Service], timeout: float = 15.0) -> None:
+    """SIGTERM every service at once (so shutdown takes one timeout, not one per service), then SIGKILL."""
+    for service in reversed(services):  # consumers first: the orchestrator, then the trainer, then inference
+        service.terminate()
+    deadline = time.monotonic() + timeout
+    for service in services:
+        service.wait_or_kill(deadline)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -307,8 +320,7 @@ def run(config: RLConfig) -> None:
         watch(services)
         logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
     finally:
-        for service in reversed(services):
-            service.stop()
+        stop_all(services)
         time.sleep(0.6)  # let the follower print the last lines
         stop_following.set()
         follower.join(timeout=2)
