@@ -346,6 +346,8 @@ def _terminate(signum, frame) -> None:
 def main() -> None:
     config = parse_config(RLConfig, prog="rl")
     setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
+    # Explicitly: a shell that starts us in the background leaves SIGINT ignored, and Ctrl-C must still stop us.
+    signal.signal(signal.SIGINT, _terminate)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         run(config)
