@@ -88,22 +88,30 @@ class Child:
         cmd = [sys.executable, __file__, *argv, "--variant", variant, "--model", str(model)]
         self.variant = variant
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # end of stream: the child exited
 
     def call(self, command: str, timeout: float) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise SystemExit(f"{self.variant} exited (code {self.proc.wait()}) before {command!r}") from None
         deadline = time.monotonic() + timeout
         while True:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise SystemExit(f"{self.variant}: no answer to {command!r} within {timeout:.0f} s") from None
+            if line is None:
+                raise SystemExit(f"{self.variant} exited (code {self.proc.wait()}) during {command!r}")
             if line.startswith("{"):  # anything else on stdout is a library's chatter
                 return json.loads(line)
-            if self.proc.poll() is not None and self.lines.empty():
-                raise SystemExit(f"{self.variant} exited (code {self.proc.returncode}) during {command!r}")
 
 
 def _rss_gib() -> float:
