@@ -2,6 +2,7 @@
 
 4 straight steps == 2 steps with --ckpt, then --ckpt.resume-step latest for 2 more: same weights (on CPU in
 fp32 the resumed run is bitwise equal; the test allows 1e-6), same losses, lr schedule and counters.
+A one-rank run (an unsharded model) resumes on two ranks (FSDP shards) from the same checkpoint.
 (Multi-node launches and checkpoint conversion are tested in test_trainer.py, beside the 2-rank run.)
 """
 
@@ -21,11 +22,12 @@ from prime_rl.utils.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
+TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "trainer" / "rl" / "train.py"
 
 
-def _write_rollouts(out: Path, world_size: int, steps: int = 4) -> None:
+def _write_rollouts(out: Path, world_size: int, steps=range(4)) -> None:
     """The same 4 packed rows per step however many ranks share them."""
-    for step in range(steps):
+    for step in steps:
         rows = fake_micro_batches(step, 0, 4, 192, 8, 64, 1000, seed=0)
         for rank in range(world_size):
             write_rank_file(out, step, rank, rows[rank::world_size])
@@ -62,13 +64,16 @@ def _assert_same_weights(a: Path, b: Path, atol: float) -> None:
 def runs(tiny_model, tmp_path_factory):
     """Every first-phase run, started together so their torch imports overlap."""
     root = tmp_path_factory.mktemp("ckpt")
-    dirs = {name: root / name for name in ("straight", "resumed", "missing")}
+    dirs = {name: root / name for name in ("straight", "resumed", "missing", "rescaled")}
     _write_rollouts(dirs["straight"], 1)
     _write_rollouts(dirs["resumed"], 1)
+    _write_rollouts(dirs["rescaled"], 1, range(2))
+    _write_rollouts(dirs["rescaled"], 2, range(2, 4))
     procs = {
         "straight": _start([str(BIN / "trainer"), *_args(tiny_model, dirs["straight"], "--max-steps", "4")]),
         "resumed": _start([str(BIN / "trainer"), *_args(tiny_model, dirs["resumed"], "--max-steps", "2", "--ckpt")]),
         "missing": _start([str(BIN / "trainer"), *_args(tiny_model, dirs["missing"], "--ckpt.resume-step", "3")]),
+        "rescaled": _start([str(BIN / "trainer"), *_args(tiny_model, dirs["rescaled"], "--max-steps", "2", "--ckpt")]),
     }
     yield procs, dirs
     for proc in procs.values():
@@ -98,6 +103,22 @@ def test_resumed_run_matches_an_uninterrupted_one(tiny_model, runs):
     for a, b in zip(straight, again, strict=True):  # same loss, lr schedule and progress counters
         for key in ("loss", "lr", "grad_norm", "progress/tokens", "progress/samples"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), key
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model, runs):
+    procs, dirs = runs
+    _finish(procs["rescaled"])
+    rescaled = dirs["rescaled"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN_PY)]
+    output = _finish(_start([*torchrun, *_args(tiny_model, rescaled, "--max-steps", "4", "--ckpt.resume-step", "2")]))
+    assert "Traceback" not in output
+    _finish(procs["straight"])
+    # Two ranks sum the same gradients in another order: equal up to float rounding.
+    _assert_same_weights(weights_dir(dirs["straight"], 4), weights_dir(rescaled, 4), atol=1e-5)
+    assert checkpoint_steps(rescaled, ("trainer",)) == [2, 4]
+    straight, again = read_metrics(dirs["straight"], "trainer"), read_metrics(rescaled, "trainer")
+    for a, b in zip(straight[2:], again[2:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
 
 
 def test_resume_from_a_missing_checkpoint_exits_1_with_a_clear_message(runs):
