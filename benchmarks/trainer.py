@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="padded: samples per micro batch")
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the generated model")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the generated model")
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary of the generated model (min 1024)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -58,7 +59,9 @@ def main() -> None:
     from prime_rl.utils.tiny_model import create_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = create_tiny_model(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers)
+        model = create_tiny_model(
+            Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab
+        )
         children = {v: Child(v, model, sys.argv[1:]) for v in VARIANTS}
         try:
             for child in children.values():  # one at a time: a compile must not overlap another's steps
@@ -206,7 +209,7 @@ def print_table(results: dict, args) -> None:
 
     table = Table(
         title=f"trainer step, {args.samples} samples of {args.min_len}-{args.max_len} tokens, "
-        f"qwen3 hidden {args.hidden} x {args.layers} layers, CPU, median of {args.reps}"
+        f"qwen3 hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, CPU, median of {args.reps}"
     )
     for col in ("variant", "step (s)", "useful tok/s", "processed tok/step", "peak RSS (GiB)", "RSS growth (GiB)"):
         table.add_column(col, justify="right")

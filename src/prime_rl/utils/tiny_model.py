@@ -85,15 +85,26 @@ def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: 
 
 
 def create_tiny_model(
-    path: Path, arch: str = "qwen3", seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+    path: Path,
+    arch: str = "qwen3",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int | None = None,
 ) -> Path:
-    """Write a tiny model + tokenizer to `path` (an HF model dir) and return it. Deterministic in `seed`."""
+    """Write a tiny model + tokenizer to `path` (an HF model dir) and return it. Deterministic in `seed`.
+
+    `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as real models pad theirs; the extra
+    rows are never sampled by the tokenizer but cost what a large vocabulary costs in the lm_head and loss.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     tokenizer = build_tokenizer(seed=seed)
-    config = build_config(arch, len(tokenizer), hidden_size, num_layers)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
+    config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers)
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
