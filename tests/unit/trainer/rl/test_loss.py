@@ -9,6 +9,7 @@ from prime_rl.trainer.rl.config import LossConfig
 from prime_rl.trainer.rl.loss import (
     policy_loss,
     sample_index,
+    target_logprobs_and_entropy,
     token_entropy,
     token_logprobs,
     token_logprobs_and_entropy,
@@ -59,6 +60,29 @@ def test_fused_logprobs_and_entropy_match_the_separate_functions_with_gradients(
     (ref_logprobs.sum() + 0.3 * ref_entropy.sum()).backward()
     torch.testing.assert_close(fused_logits.grad, ref_logits.grad)
     assert not token_logprobs_and_entropy(fused_logits, ids, temperature)[1].requires_grad  # logging only
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("chunk_rows", [None, 2, 3])
+def test_chunked_logprobs_match_log_softmax_in_value_and_gradient(chunk_rows, entropy_grad):
+    """Chunks of 2 or 3 of 7 rows (one ragged), weighted upstream gradients, temperature 0.7."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(1, 7, 50, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, 50, (1, 7), generator=g)
+    w_lp, w_ent = torch.randn(1, 7, generator=g), torch.randn(1, 7, generator=g)
+    logprobs, entropy = target_logprobs_and_entropy(logits, targets, 0.7, entropy_grad, chunk_rows)
+    (logprobs * w_lp + entropy * w_ent).sum().backward()
+    ref = logits.detach().clone().requires_grad_(True)
+    logp = torch.log_softmax(ref / 0.7, -1)
+    ref_entropy = -(logp.exp() * logp).sum(-1)
+    ref_loss = logp.gather(-1, targets[..., None]).squeeze(-1) * w_lp
+    if entropy_grad:
+        ref_loss = ref_loss + ref_entropy * w_ent
+    ref_loss.sum().backward()
+    torch.testing.assert_close(logprobs, logp.gather(-1, targets[..., None]).squeeze(-1))
+    torch.testing.assert_close(entropy, ref_entropy.detach())
+    torch.testing.assert_close(logits.grad, ref.grad)
+    assert entropy.requires_grad == entropy_grad
 
 
 def _cfg(**kw) -> LossConfig:
