@@ -6,9 +6,7 @@ the trainer is a one-process group held in an in-memory store, so no port is nee
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,8 +42,6 @@ def init_distributed(device_type: str) -> Dist:
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        retain_freed_memory()
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
     if "WORLD_SIZE" in os.environ:
@@ -53,25 +49,6 @@ def init_distributed(device_type: str) -> Dist:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-def retain_freed_memory() -> None:
-    """Keep memory that CPU tensors free inside the process for the next allocation (glibc only).
-
-    By default glibc serves blocks from 128 KiB up with fresh mmaps and returns them on free (its adaptive
-    threshold only catches up gradually), so each training step page-faults much of its activation memory
-    back in: ~20k faults, 5-10% of a small CPU step. 32 MiB is the highest mmap threshold glibc accepts;
-    the trim threshold bounds how much freed memory the process keeps at the top of its heap.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl)
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)
-    libc.mallopt(m_trim_threshold, 2**30)
 
 
 def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
