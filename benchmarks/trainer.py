@@ -1,6 +1,6 @@
 """Trainer throughput: our packed FSDP2 step vs a plain padded `transformers` loop, on the same samples.
 
-    uv run python benchmarks/trainer.py                      # defaults: ~3 min on a 2-core CPU
+    uv run python benchmarks/trainer.py                      # defaults: ~1 min on a 2-core CPU
     uv run python benchmarks/trainer.py --samples 64 --reps 5 --hidden 512
 
 Every variant trains one optimizer step per repetition on the same `--samples` sequences with lengths drawn
