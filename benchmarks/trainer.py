@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="padded: samples per micro batch")
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the generated model")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the generated model")
-    p.add_argument("--vocab", type=int, default=1024, help="vocabulary of the generated model (min 1024)")
+    p.add_argument("--vocab", type=int, default=1024, help="generated model vocabulary (min 1024, its tokenizer)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -61,9 +61,12 @@ def main() -> None:
     from prime_rl.utils.tiny_model import create_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = create_tiny_model(
-            Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab
-        )
+        try:
+            model = create_tiny_model(
+                Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab
+            )
+        except ValueError as e:
+            raise SystemExit(f"--vocab: {e}") from None
         children = {v: Child(v, model, sys.argv[1:]) for v in VARIANTS}
         try:
             for child in children.values():  # one at a time: a compile must not overlap another's steps

@@ -21,7 +21,7 @@ On CPU the op is opaque to torch.compile, so a compiled decoder layer stays one 
 the sample lengths. The kernel computes 512-key blocks whole, so up to 512 tokens it pays for the full
 square, not the causal triangle. A sample of at least `SPLIT_FROM` tokens is therefore cut in two halves a | b:
 a→a and b→b causal, b→a full, the two parts of b merged by their logsumexps (3/4 of the square; each
-part's backward takes the merged output and logsumexp, which is exact). That is 12–18% faster from 384
+part's backward takes the merged output and logsumexp, which is exact). That is 8–18% faster from 384
 tokens; finer cuts (query blocks, or a second level of halves) measured slower: smaller kernel calls lose
 more than the skipped work saves.
 """

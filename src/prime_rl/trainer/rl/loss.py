@@ -62,11 +62,11 @@ def token_entropy(logits: torch.Tensor, temperature: float, grad: bool = False) 
 def token_logprobs_and_entropy(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` and `token_entropy` from one log-softmax over the vocabulary (the trainer's hot path;
+    """`token_logprobs` and `token_entropy` in one chunked pass over the vocabulary (the trainer's hot path;
     those two are the plain references the tests hold it to, and the trainer itself no longer calls them).
 
-    Same values as the two functions (see their examples); the [L, V] log-softmax is computed once, not twice,
-    and logits are only divided when temperature ≠ 1.
+    Same values as the two functions (see their examples): `target_logprobs_and_entropy` on the logits
+    shifted against their next tokens, with position 0 (no prefix) set to 0.
     """
     logprobs, entropy = target_logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature, entropy_grad)
     pad = torch.nn.functional.pad
