@@ -19,6 +19,14 @@ def tiny_llama(tmp_path_factory):
     return create_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_attention_kernel():
+    """Compile the trainer's CPU attention kernel once up front (~40 s on a fresh machine), not in a timed test."""
+    from prime_rl.trainer.attention import cpu_kernel
+
+    cpu_kernel()
+
+
 @pytest.fixture
 def free_port() -> int:
     """A free loopback port (also importable as prime_rl.utils.net.free_port)."""

@@ -18,17 +18,52 @@ Rather than materialising that L×L mask, the model gets the sample boundaries (
   explicit mask, kept as the reference the tests compare against.
 
 On CPU the op is opaque to torch.compile, so a compiled decoder layer stays one graph around it whatever
-the sample lengths. The kernel computes 512-key blocks whole, so up to 512 tokens it pays for the full
-square, not the causal triangle. A sample of at least `SPLIT_FROM` tokens is therefore cut in two halves a | b:
-a→a and b→b causal, b→a full, the two parts of b merged by their logsumexps (3/4 of the square; each
-part's backward takes the merged output and logsumexp, which is exact). That is 8–18% faster from 384
-tokens; finer cuts (query blocks, or a second level of halves) measured slower: smaller kernel calls lose
-more than the skipped work saves.
+the sample lengths. Its kernel is ours (`csrc/causal_attention.cpp`, built with the local C++ compiler on
+first use and cached per machine): query blocks of 64 rows read only the keys up to their last row, so a
+sample costs its causal triangle. torch's CPU flash-attention kernel computes 512-key blocks whole and so
+pays the full square up to 512 tokens; it remains the fallback where the kernel cannot be built, and for
+dtypes other than float32.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from pathlib import Path
+
 import torch
+
+logger = logging.getLogger("prime_rl")
+
+BLOCK = 64  # query rows per work item of the CPU kernel
+
+
+@functools.cache
+def cpu_kernel():
+    """The compiled CPU kernel module, or None where it cannot be built (no C++ compiler, no BLAS symbols)."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns "no CUDA"
+    from torch.utils.cpp_extension import load
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-ffast-math", "-fopenmp"]  # fast-math: a vectorised exp; no inf or NaN is ever formed
+    if capability in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    logger.info("loading the CPU attention kernel (its first use on a machine compiles it, ~40 s)")
+    try:
+        return load(
+            f"prime_rl_causal_attention_{capability.lower()}",
+            [str(Path(__file__).parent / "csrc" / "causal_attention.cpp")],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # a failed build or load of any kind: fall back rather than fail training
+        logger.warning(f"CPU attention kernel unavailable, using torch's slower per-sample kernel: {e}")
+        return None
+
+
+def _our_kernel(q: torch.Tensor):
+    return cpu_kernel() if q.dtype == torch.float32 else None
+
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -39,43 +74,14 @@ def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, H, L, D], k/v [1, KV, L, D] (KV divides H) → out [1, L, H, D], logsumexp [1, H, L]."""
+    if kernel := _our_kernel(q):
+        return tuple(kernel.forward(q, k, v, cu_seqlens, scale, BLOCK))
     lengths = cu_seqlens.diff().tolist()
     per_sample = zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
-    parts = [_sample_forward(*qkv, scale) for qkv in per_sample]
+    parts = [_flash(*qkv, 0.0, True, scale=scale)[:2] for qkv in per_sample]
     # The kernel's out is [1, H, l, D] over [1, l, H, D] memory: concatenating in that layout is one copy.
     out = torch.cat([o.transpose(1, 2) for o, _ in parts], 1)
     return out, torch.cat([lse for _, lse in parts], 2)
-
-
-SPLIT_FROM = 320  # samples this long or longer are computed in halves (module docstring)
-
-
-def _sample_forward(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of one sample: out [1, H, l, D], logsumexp [1, H, l]."""
-    n = q.shape[2]
-    if n < SPLIT_FROM:
-        return _flash(q, k, v, 0.0, True, scale=scale)[:2]
-    h = n // 2
-    out_a, lse_a = _flash(q[:, :, :h], k[:, :, :h], v[:, :, :h], 0.0, True, scale=scale)[:2]
-    out_bb, lse_bb = _flash(q[:, :, h:], k[:, :, h:], v[:, :, h:], 0.0, True, scale=scale)[:2]
-    out_ba, lse_ba = _flash(q[:, :, h:], k[:, :, :h], v[:, :, :h], 0.0, False, scale=scale)[:2]
-    lse_b = torch.logaddexp(lse_bb, lse_ba)
-    out_b = out_bb * (lse_bb - lse_b).exp_().unsqueeze(-1) + out_ba * (lse_ba - lse_b).exp_().unsqueeze(-1)
-    return torch.cat([out_a, out_b], 2), torch.cat([lse_a, lse_b], 2)
-
-
-def _sample_backward(grad, q, k, v, out, lse, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `_sample_forward` for q, k, v, from the sample's (merged) out and logsumexp."""
-    n = q.shape[2]
-    if n < SPLIT_FROM:
-        return _flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
-    h = n // 2
-    a, b = slice(None, h), slice(h, None)
-    dq_a, dk_a, dv_a = _flash_backward(*(t[:, :, a] for t in (grad, q, k, v, out, lse)), 0.0, True, scale=scale)
-    grad_b, q_b, out_b, lse_b = (t[:, :, b] for t in (grad, q, out, lse))
-    dq_bb, dk_b, dv_b = _flash_backward(grad_b, q_b, k[:, :, b], v[:, :, b], out_b, lse_b, 0.0, True, scale=scale)
-    dq_ba, dk_ba, dv_ba = _flash_backward(grad_b, q_b, k[:, :, a], v[:, :, a], out_b, lse_b, 0.0, False, scale=scale)
-    return torch.cat([dq_a, dq_bb + dq_ba], 2), torch.cat([dk_a + dk_ba, dk_b], 2), torch.cat([dv_a + dv_ba, dv_b], 2)
 
 
 @packed_causal_attention.register_fake
@@ -95,9 +101,11 @@ def packed_causal_attention_backward(
     cu_seqlens: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if kernel := _our_kernel(q):
+        return tuple(kernel.backward(grad, q, k, v, out, lse, cu_seqlens, scale, BLOCK))
     lengths = cu_seqlens.diff().tolist()
     per_sample = (t.split(lengths, 2) for t in (grad.transpose(1, 2), q, k, v, out.transpose(1, 2), lse))
-    grads = [_sample_backward(*tensors, scale) for tensors in zip(*per_sample, strict=True)]
+    grads = [_flash_backward(*tensors, 0.0, True, scale=scale) for tensors in zip(*per_sample, strict=True)]
     return tuple(torch.cat(g, 2).contiguous() for g in zip(*grads, strict=True))
 
 
@@ -127,6 +135,8 @@ def attention_implementation(device_type: str) -> str:
 
     if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if device_type == "cpu":
+        cpu_kernel()  # build it now, logged, rather than inside the first step
     from transformers import AttentionInterface
 
     AttentionInterface.register("packed_attention", packed_attention)

@@ -1,13 +1,27 @@
-"""The CPU packed attention op: same values and gradients as causal SDPA on each sample alone."""
+"""The CPU packed attention op: same values and gradients as causal SDPA on each sample alone, with our
+compiled kernel and with torch's per-sample fallback."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from prime_rl.trainer import attention
 from prime_rl.trainer.attention import packed_attention_mask, packed_causal_attention
 
-# Lengths on both sides of the kernel's 512-key blocks, and a single token.
-LENGTHS = [300, 5, 129, 257, 1, 520]
+# Lengths around our kernel's 64-row query blocks and torch's 512-key blocks, and a single token.
+LENGTHS = [300, 5, 129, 257, 1, 64, 520]
+
+
+@pytest.fixture(params=["ours", "torch"])
+def kernel(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "cpu_kernel", lambda: None)
+    return request.param
+
+
+def test_our_cpu_kernel_builds_on_this_machine():
+    """Without it the op silently falls back to torch's kernel, at about half the attention speed."""
+    assert attention.cpu_kernel() is not None
 
 
 def _qkv(heads: int, kv_heads: int, seed: int = 0):
@@ -30,7 +44,7 @@ def _reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
-def test_packed_causal_attention_matches_sdpa_per_sample_in_value_and_gradient(heads, kv_heads):
+def test_packed_causal_attention_matches_sdpa_per_sample_in_value_and_gradient(kernel, heads, kv_heads):
     (q, k, v), cu = _qkv(heads, kv_heads)
     grad = torch.randn(1, sum(LENGTHS), heads, 32, generator=torch.Generator().manual_seed(1))
     results = []
@@ -41,7 +55,7 @@ def test_packed_causal_attention_matches_sdpa_per_sample_in_value_and_gradient(h
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_packed_causal_attention_never_reads_another_sample():
+def test_packed_causal_attention_never_reads_another_sample(kernel):
     (q, k, v), cu = _qkv(4, 2)
     out = packed_causal_attention(q, k, v, cu, 0.2)[0]
     # Change everything but the third sample: its output must not move.
@@ -54,7 +68,7 @@ def test_packed_causal_attention_never_reads_another_sample():
     assert not torch.allclose(out2[:, :start], out[:, :start])
 
 
-def test_packed_causal_attention_op_registration_is_consistent():
+def test_packed_causal_attention_op_registration_is_consistent(kernel):
     """Fake (meta) kernels, autograd registration and schema agree with the real op (torch.compile relies on it)."""
     (q, k, v), cu = _qkv(4, 2)
     torch.library.opcheck(packed_causal_attention, (q, k, v, cu, 0.2))

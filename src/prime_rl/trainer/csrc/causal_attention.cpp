@@ -1,0 +1,167 @@
+// Causal attention of packed samples on CPU, float32: every sample attends causally to itself only.
+//
+// Work is split into query blocks of `block` rows; a block reads only the keys at or before its last row,
+// so a sample costs its causal triangle (plus half a block on the diagonal), not its full square.
+// Scores of one block [block x keys] live in a per-thread buffer; the GEMMs are single-threaded MKL calls
+// (nested in ATen's parallel region), and threads take work items largest first from a shared counter.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+extern "C" void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+                       const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace {
+
+// Row-major C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, through column-major BLAS (C^T = B^T A^T).
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  const int M = m, N = n, K = k, LDA = lda, LDB = ldb, LDC = ldc;
+  sgemm_(&tB, &tA, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+}
+
+// Runs work(i) for every i, largest cost first, on ATen's threads.
+template <typename F>
+void run_items(std::vector<int64_t> cost, F work) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = order.size();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) work(order[i]);
+  });
+}
+
+struct Layout {  // a [1, heads, L, D] tensor: element (h, t, d) at h * head + t * token + d
+  float* data;
+  int64_t head, token;
+  explicit Layout(const torch::Tensor& t) : data(t.data_ptr<float>()), head(t.stride(1)), token(t.stride(2)) {}
+  float* at(int64_t h, int64_t t) const { return data + h * head + t * token; }
+};
+
+// A [1, heads, L, dim] float32 tensor whose last dimension is contiguous (copied only if it is not).
+torch::Tensor checked(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.scalar_type() == torch::kFloat, name,
+              " must be float32 [1, heads, L, dim]");
+  return t.stride(3) == 1 ? t : t.contiguous();
+}
+
+}  // namespace
+
+// q [1, H, L, D], k/v [1, KV, L, D] -> out [1, L, H, D], logsumexp [1, H, L].
+std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens,
+                                   double scale, int64_t block) {
+  q = checked(q, "q"), k = checked(k, "k"), v = checked(v, "v");
+  const int64_t H = q.size(1), L = q.size(2), D = q.size(3), group = H / k.size(1);
+  auto cu = cu_seqlens.to(torch::kLong).contiguous();
+  const int64_t* starts = cu.data_ptr<int64_t>();
+  const int64_t samples = cu.numel() - 1;
+  auto out = torch::empty({1, L, H, D}, q.options());
+  auto lse = torch::empty({1, H, L}, q.options());
+  Layout Q(q), K(k), V(v), O(out.transpose(1, 2));
+  float* LSE = lse.data_ptr<float>();
+
+  struct Item { int64_t start, head, q0, q1; };
+  std::vector<Item> items;
+  std::vector<int64_t> cost;
+  for (int64_t s = 0; s < samples; ++s) {
+    const int64_t start = starts[s], n = starts[s + 1] - start;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t q0 = 0; q0 < n; q0 += block) {
+        items.push_back({start, h, q0, std::min(q0 + block, n)});
+        cost.push_back(std::min(block, n - q0) * std::min(q0 + block, n));
+      }
+  }
+  run_items(cost, [&](int64_t i) {
+    const Item& it = items[i];
+    const int64_t rows = it.q1 - it.q0, keys = it.q1, kv = it.head / group;
+    thread_local std::vector<float> buffer;
+    buffer.resize(rows * keys);
+    float* S = buffer.data();
+    const float* k0 = K.at(kv, it.start);
+    gemm(false, true, rows, keys, D, scale, Q.at(it.head, it.start + it.q0), Q.token, k0, K.token, 0.f, S, keys);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = S + r * keys;
+      const int64_t valid = it.q0 + r + 1;
+      float mx = row[0];
+      for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
+      float sum = 0.f;
+      for (int64_t j = 0; j < valid; ++j) sum += (row[j] = std::exp(row[j] - mx));
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
+      std::fill(row + valid, row + keys, 0.f);
+      LSE[it.head * L + it.start + it.q0 + r] = mx + std::log(sum);
+    }
+    gemm(false, false, rows, D, keys, 1.f, S, keys, V.at(kv, it.start), V.token, 0.f,
+         O.at(it.head, it.start + it.q0), O.token);
+  });
+  return {out, lse};
+}
+
+// Gradients of `forward` for q, k, v, given grad_out [1, L, H, D] and the forward's out and logsumexp.
+std::vector<torch::Tensor> backward(torch::Tensor grad_out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    torch::Tensor out, torch::Tensor lse, torch::Tensor cu_seqlens, double scale,
+                                    int64_t block) {
+  q = checked(q, "q"), k = checked(k, "k"), v = checked(v, "v");
+  grad_out = grad_out.contiguous(), out = out.contiguous(), lse = lse.contiguous();
+  const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = H / KV;
+  auto cu = cu_seqlens.to(torch::kLong).contiguous();
+  const int64_t* starts = cu.data_ptr<int64_t>();
+  const int64_t samples = cu.numel() - 1;
+  auto dq = torch::empty_like(q, at::MemoryFormat::Contiguous), dk = torch::zeros_like(k, at::MemoryFormat::Contiguous),
+       dv = torch::zeros_like(v, at::MemoryFormat::Contiguous);
+  Layout Q(q), K(k), V(v), dQ(dq), dK(dk), dV(dv), dO(grad_out.transpose(1, 2)), O(out.transpose(1, 2));
+  const float* LSE = lse.data_ptr<float>();
+
+  // One item = one sample and one kv head: it alone accumulates into that head's dk/dv rows.
+  std::vector<int64_t> cost;
+  for (int64_t s = 0; s < samples; ++s)
+    for (int64_t g = 0; g < KV; ++g) cost.push_back((starts[s + 1] - starts[s]) * (starts[s + 1] - starts[s]));
+  run_items(cost, [&](int64_t i) {
+    const int64_t s = i / KV, kv = i % KV, start = starts[s], n = starts[s + 1] - start;
+    thread_local std::vector<float> buffer;
+    buffer.resize(2 * std::min(block, n) * n);
+    float *P = buffer.data(), *dS = P + std::min(block, n) * n;
+    const float *k0 = K.at(kv, start), *v0 = V.at(kv, start);
+    for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
+      for (int64_t q0 = 0; q0 < n; q0 += block) {
+        const int64_t rows = std::min(block, n - q0), keys = q0 + rows, t0 = start + q0;
+        const float *qb = Q.at(h, t0), *dob = dO.at(h, t0);
+        gemm(false, true, rows, keys, D, scale, qb, Q.token, k0, K.token, 0.f, P, keys);
+        gemm(false, true, rows, keys, D, 1.f, dob, dO.token, v0, V.token, 0.f, dS, keys);
+        for (int64_t r = 0; r < rows; ++r) {
+          float *p = P + r * keys, *ds = dS + r * keys;
+          const float* o = O.at(h, t0 + r);
+          const float* g = dO.at(h, t0 + r);
+          float delta = 0.f;
+          for (int64_t d = 0; d < D; ++d) delta += o[d] * g[d];
+          const float m = LSE[h * L + t0 + r];
+          const int64_t valid = q0 + r + 1;
+          for (int64_t j = 0; j < valid; ++j) {
+            p[j] = std::exp(p[j] - m);
+            ds[j] = p[j] * (ds[j] - delta) * scale;
+          }
+          std::fill(p + valid, p + keys, 0.f);
+          std::fill(ds + valid, ds + keys, 0.f);
+        }
+        gemm(false, false, rows, D, keys, 1.f, dS, keys, k0, K.token, 0.f, dQ.at(h, t0), dQ.token);
+        gemm(true, false, keys, D, rows, 1.f, dS, keys, qb, Q.token, 1.f, dK.at(kv, start), dK.token);
+        gemm(true, false, keys, D, rows, 1.f, P, keys, dob, dO.token, 1.f, dV.at(kv, start), dV.token);
+      }
+  });
+  return {dq, dk, dv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward);
+  m.def("backward", &backward);
+}
