@@ -12,9 +12,9 @@ Rather than materialising that L×L mask, the model gets the sample boundaries (
 `max_length_q/k`, passed through the HF forward as keyword arguments) and one of these kernels:
 - `flash_attention_2` (CUDA with flash-attn installed): transformers' varlen flash-attention path;
 - `packed_attention` (registered here) everywhere else:
-  - on CPU, the `prime_rl::packed_causal_attention` op: torch's CPU flash-attention kernel per sample;
+  - on CPU, the `prime_rl::packed_causal_attention` op (below);
   - on other devices, causal SDPA per sample.
-  Either way attention costs Σ len² rather than L². `packed_attention_mask` is the same rule as an
+  Either way attention costs Σ len² rather than L² (on CPU, Σ len²/2). `packed_attention_mask` is the same rule as an
   explicit mask, kept as the reference the tests compare against.
 
 On CPU the op is opaque to torch.compile, so a compiled decoder layer stays one graph around it whatever

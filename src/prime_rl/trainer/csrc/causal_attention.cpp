@@ -1,9 +1,10 @@
 // Causal attention of packed samples on CPU, float32: every sample attends causally to itself only.
 //
 // Work is split into query blocks of `block` rows; a block reads only the keys at or before its last row,
-// so a sample costs its causal triangle (plus half a block on the diagonal), not its full square.
-// Scores of one block [block x keys] live in a per-thread buffer; the GEMMs are single-threaded MKL calls
-// (nested in ATen's parallel region), and threads take work items largest first from a shared counter.
+// so a sample costs its causal triangle (plus half a block on the diagonal), not its full square. The query
+// heads that share a key/value head are stacked into one matrix, so each GEMM is `group` times taller.
+// Scores of one block live in a per-thread buffer; the GEMMs are single-threaded BLAS calls (nested in
+// ATen's parallel region), and threads take work items largest first from a shared counter.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -55,43 +56,68 @@ torch::Tensor checked(const torch::Tensor& t, const char* name) {
   return t.stride(3) == 1 ? t : t.contiguous();
 }
 
+// Rows [t, t + rows) of heads h0 .. h0 + group of `src`, stacked head by head into dst [group * rows, D].
+void gather(const Layout& src, int64_t h0, int64_t group, int64_t t, int64_t rows, int64_t D, float* dst) {
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(src.at(h0 + j, t + r), D, dst + (j * rows + r) * D);
+}
+
+// The inverse of `gather`.
+void scatter(const float* src, const Layout& dst, int64_t h0, int64_t group, int64_t t, int64_t rows, int64_t D) {
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(src + (j * rows + r) * D, D, dst.at(h0 + j, t + r));
+}
+
+struct Samples {  // sample boundaries, checked against the row length
+  torch::Tensor cu;
+  const int64_t* starts;
+  int64_t count;
+  Samples(const torch::Tensor& cu_seqlens, int64_t L) : cu(cu_seqlens.to(torch::kLong).contiguous()) {
+    starts = cu.data_ptr<int64_t>(), count = cu.numel() - 1;
+    TORCH_CHECK(count >= 0 && starts[0] == 0 && starts[count] == L, "cu_seqlens must run from 0 to the row length ",
+                L);
+  }
+  int64_t start(int64_t s) const { return starts[s]; }
+  int64_t length(int64_t s) const { return starts[s + 1] - starts[s]; }
+};
+
 }  // namespace
 
 // q [1, H, L, D], k/v [1, KV, L, D] -> out [1, L, H, D], logsumexp [1, H, L].
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens,
                                    double scale, int64_t block) {
   q = checked(q, "q"), k = checked(k, "k"), v = checked(v, "v");
-  const int64_t H = q.size(1), L = q.size(2), D = q.size(3), group = H / k.size(1);
-  auto cu = cu_seqlens.to(torch::kLong).contiguous();
-  const int64_t* starts = cu.data_ptr<int64_t>();
-  const int64_t samples = cu.numel() - 1;
+  const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = H / KV;
+  TORCH_CHECK(H % KV == 0, "query heads (", H, ") must be a multiple of key/value heads (", KV, ")");
+  const Samples samples(cu_seqlens, L);
   auto out = torch::empty({1, L, H, D}, q.options());
   auto lse = torch::empty({1, H, L}, q.options());
-  Layout Q(q), K(k), V(v), O(out.transpose(1, 2));
+  const Layout Q(q), K(k), V(v), O(out.transpose(1, 2));
   float* LSE = lse.data_ptr<float>();
 
-  struct Item { int64_t start, head, q0, q1; };
+  struct Item { int64_t start, kv, q0, q1; };
   std::vector<Item> items;
   std::vector<int64_t> cost;
-  for (int64_t s = 0; s < samples; ++s) {
-    const int64_t start = starts[s], n = starts[s + 1] - start;
-    for (int64_t h = 0; h < H; ++h)
+  for (int64_t s = 0; s < samples.count; ++s) {
+    const int64_t n = samples.length(s);
+    for (int64_t kv = 0; kv < KV; ++kv)
       for (int64_t q0 = 0; q0 < n; q0 += block) {
-        items.push_back({start, h, q0, std::min(q0 + block, n)});
-        cost.push_back(std::min(block, n - q0) * std::min(q0 + block, n));
+        const int64_t q1 = std::min(q0 + block, n);
+        items.push_back({samples.start(s), kv, q0, q1});
+        cost.push_back((q1 - q0) * q1);
       }
   }
   run_items(cost, [&](int64_t i) {
     const Item& it = items[i];
-    const int64_t rows = it.q1 - it.q0, keys = it.q1, kv = it.head / group;
+    const int64_t rows = it.q1 - it.q0, keys = it.q1, M = group * rows, h0 = it.kv * group, t0 = it.start + it.q0;
     thread_local std::vector<float> buffer;
-    buffer.resize(rows * keys);
-    float* S = buffer.data();
-    const float* k0 = K.at(kv, it.start);
-    gemm(false, true, rows, keys, D, scale, Q.at(it.head, it.start + it.q0), Q.token, k0, K.token, 0.f, S, keys);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = S + r * keys;
-      const int64_t valid = it.q0 + r + 1;
+    buffer.resize(M * keys + 2 * M * D);
+    float *S = buffer.data(), *Qg = S + M * keys, *Og = Qg + M * D;
+    gather(Q, h0, group, t0, rows, D, Qg);
+    gemm(false, true, M, keys, D, scale, Qg, D, K.at(it.kv, it.start), K.token, 0.f, S, keys);
+    for (int64_t i = 0; i < M; ++i) {
+      float* row = S + i * keys;
+      const int64_t r = i % rows, valid = it.q0 + r + 1;
       float mx = row[0];
       for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, row[j]);
       float sum = 0.f;
@@ -99,10 +125,10 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
       const float inv = 1.f / sum;
       for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
       std::fill(row + valid, row + keys, 0.f);
-      LSE[it.head * L + it.start + it.q0 + r] = mx + std::log(sum);
+      LSE[(h0 + i / rows) * L + t0 + r] = mx + std::log(sum);
     }
-    gemm(false, false, rows, D, keys, 1.f, S, keys, V.at(kv, it.start), V.token, 0.f,
-         O.at(it.head, it.start + it.q0), O.token);
+    gemm(false, false, M, D, keys, 1.f, S, keys, V.at(it.kv, it.start), V.token, 0.f, Og, D);
+    scatter(Og, O, h0, group, t0, rows, D);
   });
   return {out, lse};
 }
@@ -114,49 +140,49 @@ std::vector<torch::Tensor> backward(torch::Tensor grad_out, torch::Tensor q, tor
   q = checked(q, "q"), k = checked(k, "k"), v = checked(v, "v");
   grad_out = grad_out.contiguous(), out = out.contiguous(), lse = lse.contiguous();
   const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = H / KV;
-  auto cu = cu_seqlens.to(torch::kLong).contiguous();
-  const int64_t* starts = cu.data_ptr<int64_t>();
-  const int64_t samples = cu.numel() - 1;
+  TORCH_CHECK(H % KV == 0, "query heads (", H, ") must be a multiple of key/value heads (", KV, ")");
+  const Samples samples(cu_seqlens, L);
   auto dq = torch::empty_like(q, at::MemoryFormat::Contiguous), dk = torch::zeros_like(k, at::MemoryFormat::Contiguous),
        dv = torch::zeros_like(v, at::MemoryFormat::Contiguous);
-  Layout Q(q), K(k), V(v), dQ(dq), dK(dk), dV(dv), dO(grad_out.transpose(1, 2)), O(out.transpose(1, 2));
+  const Layout Q(q), K(k), V(v), dQ(dq), dK(dk), dV(dv), dO(grad_out.transpose(1, 2)), O(out.transpose(1, 2));
   const float* LSE = lse.data_ptr<float>();
 
   // One item = one sample and one kv head: it alone accumulates into that head's dk/dv rows.
   std::vector<int64_t> cost;
-  for (int64_t s = 0; s < samples; ++s)
-    for (int64_t g = 0; g < KV; ++g) cost.push_back((starts[s + 1] - starts[s]) * (starts[s + 1] - starts[s]));
+  for (int64_t s = 0; s < samples.count; ++s)
+    for (int64_t kv = 0; kv < KV; ++kv) cost.push_back(samples.length(s) * samples.length(s));
   run_items(cost, [&](int64_t i) {
-    const int64_t s = i / KV, kv = i % KV, start = starts[s], n = starts[s + 1] - start;
+    const int64_t s = i / KV, kv = i % KV, start = samples.start(s), n = samples.length(s), h0 = kv * group;
+    const int64_t most = group * std::min(block, n);  // rows of the tallest stacked block
     thread_local std::vector<float> buffer;
-    buffer.resize(2 * std::min(block, n) * n);
-    float *P = buffer.data(), *dS = P + std::min(block, n) * n;
+    buffer.resize(2 * most * n + 3 * most * D);
+    float *P = buffer.data(), *dS = P + most * n, *Qg = dS + most * n, *dOg = Qg + most * D, *dQg = dOg + most * D;
     const float *k0 = K.at(kv, start), *v0 = V.at(kv, start);
-    for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
-      for (int64_t q0 = 0; q0 < n; q0 += block) {
-        const int64_t rows = std::min(block, n - q0), keys = q0 + rows, t0 = start + q0;
-        const float *qb = Q.at(h, t0), *dob = dO.at(h, t0);
-        gemm(false, true, rows, keys, D, scale, qb, Q.token, k0, K.token, 0.f, P, keys);
-        gemm(false, true, rows, keys, D, 1.f, dob, dO.token, v0, V.token, 0.f, dS, keys);
-        for (int64_t r = 0; r < rows; ++r) {
-          float *p = P + r * keys, *ds = dS + r * keys;
-          const float* o = O.at(h, t0 + r);
-          const float* g = dO.at(h, t0 + r);
-          float delta = 0.f;
-          for (int64_t d = 0; d < D; ++d) delta += o[d] * g[d];
-          const float m = LSE[h * L + t0 + r];
-          const int64_t valid = q0 + r + 1;
-          for (int64_t j = 0; j < valid; ++j) {
-            p[j] = std::exp(p[j] - m);
-            ds[j] = p[j] * (ds[j] - delta) * scale;
-          }
-          std::fill(p + valid, p + keys, 0.f);
-          std::fill(ds + valid, ds + keys, 0.f);
+    for (int64_t q0 = 0; q0 < n; q0 += block) {
+      const int64_t rows = std::min(block, n - q0), keys = q0 + rows, M = group * rows, t0 = start + q0;
+      gather(Q, h0, group, t0, rows, D, Qg);
+      gather(dO, h0, group, t0, rows, D, dOg);
+      gemm(false, true, M, keys, D, scale, Qg, D, k0, K.token, 0.f, P, keys);
+      gemm(false, true, M, keys, D, 1.f, dOg, D, v0, V.token, 0.f, dS, keys);
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t h = h0 + i / rows, r = i % rows, valid = q0 + r + 1;
+        const float *o = O.at(h, t0 + r), *g = dOg + i * D;
+        float delta = 0.f;
+        for (int64_t d = 0; d < D; ++d) delta += o[d] * g[d];
+        const float m = LSE[h * L + t0 + r];
+        float *p = P + i * keys, *ds = dS + i * keys;
+        for (int64_t j = 0; j < valid; ++j) {
+          p[j] = std::exp(p[j] - m);
+          ds[j] = p[j] * (ds[j] - delta) * scale;
         }
-        gemm(false, false, rows, D, keys, 1.f, dS, keys, k0, K.token, 0.f, dQ.at(h, t0), dQ.token);
-        gemm(true, false, keys, D, rows, 1.f, dS, keys, qb, Q.token, 1.f, dK.at(kv, start), dK.token);
-        gemm(true, false, keys, D, rows, 1.f, P, keys, dob, dO.token, 1.f, dV.at(kv, start), dV.token);
+        std::fill(p + valid, p + keys, 0.f);
+        std::fill(ds + valid, ds + keys, 0.f);
       }
+      gemm(false, false, M, D, keys, 1.f, dS, keys, k0, K.token, 0.f, dQg, D);
+      scatter(dQg, dQ, h0, group, t0, rows, D);
+      gemm(true, false, keys, D, M, 1.f, dS, keys, Qg, D, 1.f, dK.at(kv, start), dK.token);
+      gemm(true, false, keys, D, M, 1.f, P, keys, dOg, D, 1.f, dV.at(kv, start), dV.token);
+    }
   });
   return {dq, dk, dv};
 }
