@@ -43,7 +43,7 @@ def _reference(q, k, v, scale):
     return torch.cat(outs, 2).transpose(1, 2)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2)])
 def test_packed_causal_attention_matches_sdpa_per_sample_in_value_and_gradient(kernel, heads, kv_heads):
     (q, k, v), cu = _qkv(heads, kv_heads)
     grad = torch.randn(1, sum(LENGTHS), heads, 32, generator=torch.Generator().manual_seed(1))
@@ -66,6 +66,12 @@ def test_packed_causal_attention_never_reads_another_sample(kernel):
     out2 = packed_causal_attention(q, k2, v2, cu, 0.2)[0]
     torch.testing.assert_close(out2[:, start:end], out[:, start:end], atol=0, rtol=0)
     assert not torch.allclose(out2[:, :start], out[:, :start])
+
+
+def test_our_kernel_rejects_sample_boundaries_that_do_not_cover_the_row():
+    (q, k, v), cu = _qkv(4, 2)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to the row length"):
+        attention.cpu_kernel().forward(q, k, v, cu[:-1], 0.2, attention.BLOCK)
 
 
 def test_packed_causal_attention_op_registration_is_consistent(kernel):
