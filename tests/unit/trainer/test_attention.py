@@ -68,6 +68,18 @@ def test_packed_causal_attention_never_reads_another_sample(kernel):
     assert not torch.allclose(out2[:, :start], out[:, :start])
 
 
+def test_our_kernel_gives_the_same_result_for_any_query_block_size():
+    (q, k, v), cu = _qkv(8, 2)
+    grad = torch.randn(1, sum(LENGTHS), 8, 32, generator=torch.Generator().manual_seed(1))
+    results = []
+    for block in (7, attention.BLOCK, 1000):
+        out, lse = attention.cpu_kernel().forward(q, k, v, cu, 0.2, block)
+        results.append((out, lse, *attention.cpu_kernel().backward(grad, q, k, v, out, lse, cu, 0.2, block)))
+    for other in results[1:]:
+        for got, want in zip(other, results[0], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_our_kernel_rejects_sample_boundaries_that_do_not_cover_the_row():
     (q, k, v), cu = _qkv(4, 2)
     with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to the row length"):

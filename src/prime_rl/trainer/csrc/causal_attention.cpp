@@ -68,6 +68,13 @@ void scatter(const float* src, const Layout& dst, int64_t h0, int64_t group, int
     for (int64_t r = 0; r < rows; ++r) std::copy_n(src + (j * rows + r) * D, D, dst.at(h0 + j, t + r));
 }
 
+// Query rows per block for a sample of n tokens: `block`, fewer where a block's scores
+// [group * rows, n] would pass 8 MiB (long samples with many grouped heads), so buffers stay small.
+int64_t rows_per_block(int64_t block, int64_t group, int64_t n) {
+  constexpr int64_t budget = int64_t(1) << 21;  // floats
+  return std::clamp(budget / std::max<int64_t>(group * n, 1), int64_t(1), block);
+}
+
 struct Samples {  // sample boundaries, checked against the row length
   torch::Tensor cu;
   const int64_t* starts;
@@ -99,10 +106,10 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
   std::vector<Item> items;
   std::vector<int64_t> cost;
   for (int64_t s = 0; s < samples.count; ++s) {
-    const int64_t n = samples.length(s);
+    const int64_t n = samples.length(s), rows = rows_per_block(block, group, n);
     for (int64_t kv = 0; kv < KV; ++kv)
-      for (int64_t q0 = 0; q0 < n; q0 += block) {
-        const int64_t q1 = std::min(q0 + block, n);
+      for (int64_t q0 = 0; q0 < n; q0 += rows) {
+        const int64_t q1 = std::min(q0 + rows, n);
         items.push_back({samples.start(s), kv, q0, q1});
         cost.push_back((q1 - q0) * q1);
       }
@@ -153,13 +160,13 @@ std::vector<torch::Tensor> backward(torch::Tensor grad_out, torch::Tensor q, tor
     for (int64_t kv = 0; kv < KV; ++kv) cost.push_back(samples.length(s) * samples.length(s));
   run_items(cost, [&](int64_t i) {
     const int64_t s = i / KV, kv = i % KV, start = samples.start(s), n = samples.length(s), h0 = kv * group;
-    const int64_t most = group * std::min(block, n);  // rows of the tallest stacked block
+    const int64_t step = rows_per_block(block, group, n), most = group * std::min(step, n);
     thread_local std::vector<float> buffer;
     buffer.resize(2 * most * n + 3 * most * D);
     float *P = buffer.data(), *dS = P + most * n, *Qg = dS + most * n, *dOg = Qg + most * D, *dQg = dOg + most * D;
     const float *k0 = K.at(kv, start), *v0 = V.at(kv, start);
-    for (int64_t q0 = 0; q0 < n; q0 += block) {
-      const int64_t rows = std::min(block, n - q0), keys = q0 + rows, M = group * rows, t0 = start + q0;
+    for (int64_t q0 = 0; q0 < n; q0 += step) {
+      const int64_t rows = std::min(step, n - q0), keys = q0 + rows, M = group * rows, t0 = start + q0;
       gather(Q, h0, group, t0, rows, D, Qg);
       gather(dO, h0, group, t0, rows, D, dOg);
       gemm(false, true, M, keys, D, scale, Qg, D, k0, K.token, 0.f, P, keys);
