@@ -75,6 +75,14 @@ int64_t rows_per_block(int64_t block, int64_t group, int64_t n) {
   return std::clamp(budget / std::max<int64_t>(group * n, 1), int64_t(1), block);
 }
 
+// Query heads per key/value head (checked, with the block size).
+int64_t group_size(const torch::Tensor& q, const torch::Tensor& k, int64_t block) {
+  const int64_t H = q.size(1), KV = k.size(1);
+  TORCH_CHECK(KV > 0 && H % KV == 0, "query heads (", H, ") must be a multiple of key/value heads (", KV, ")");
+  TORCH_CHECK(block > 0, "block must be positive, got ", block);
+  return H / KV;
+}
+
 struct Samples {  // sample boundaries, checked against the row length
   torch::Tensor cu;
   const int64_t* starts;
@@ -83,6 +91,7 @@ struct Samples {  // sample boundaries, checked against the row length
     starts = cu.data_ptr<int64_t>(), count = cu.numel() - 1;
     TORCH_CHECK(count >= 0 && starts[0] == 0 && starts[count] == L, "cu_seqlens must run from 0 to the row length ",
                 L);
+    for (int64_t s = 0; s < count; ++s) TORCH_CHECK(starts[s] <= starts[s + 1], "cu_seqlens must not decrease");
   }
   int64_t start(int64_t s) const { return starts[s]; }
   int64_t length(int64_t s) const { return starts[s + 1] - starts[s]; }
@@ -94,8 +103,7 @@ struct Samples {  // sample boundaries, checked against the row length
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens,
                                    double scale, int64_t block) {
   q = checked(q, "q"), k = checked(k, "k"), v = checked(v, "v");
-  const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = H / KV;
-  TORCH_CHECK(H % KV == 0, "query heads (", H, ") must be a multiple of key/value heads (", KV, ")");
+  const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = group_size(q, k, block);
   const Samples samples(cu_seqlens, L);
   auto out = torch::empty({1, L, H, D}, q.options());
   auto lse = torch::empty({1, H, L}, q.options());
@@ -146,8 +154,7 @@ std::vector<torch::Tensor> backward(torch::Tensor grad_out, torch::Tensor q, tor
                                     int64_t block) {
   q = checked(q, "q"), k = checked(k, "k"), v = checked(v, "v");
   grad_out = grad_out.contiguous(), out = out.contiguous(), lse = lse.contiguous();
-  const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = H / KV;
-  TORCH_CHECK(H % KV == 0, "query heads (", H, ") must be a multiple of key/value heads (", KV, ")");
+  const int64_t H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3), group = group_size(q, k, block);
   const Samples samples(cu_seqlens, L);
   auto dq = torch::empty_like(q, at::MemoryFormat::Contiguous), dk = torch::zeros_like(k, at::MemoryFormat::Contiguous),
        dv = torch::zeros_like(v, at::MemoryFormat::Contiguous);
