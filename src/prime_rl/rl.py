@@ -301,8 +301,13 @@ def run(config: RLConfig) -> None:
     if config.inference.api_key:
         env["orchestrator"][config.orchestrator.client.api_key_var] = config.inference.api_key
 
-    from prime_rl.protocol import log_file
+    from prime_rl.protocol import clear_previous_run, log_file, resolve_resume_step
 
+    # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
+    ckpt = config.orchestrator.ckpt
+    fresh = ckpt is None or resolve_resume_step(output_dir, ckpt.resume_step, "orchestrator") is None
+    if fresh and (removed := clear_previous_run(output_dir)):
+        logger.warning(removed)
     commands = service_commands(run_dir(output_dir), trainer_procs)
     services: list[Service] = []
     stop_following = threading.Event()

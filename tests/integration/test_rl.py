@@ -23,12 +23,13 @@ def show_logs(output_dir) -> str:
 
 def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, free_port):
     out = tmp_path / "out"
-    result = run_rl([
+    args = [
         "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "4", "--async-level", "1",
         "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
         "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "256",
         "--orchestrator.sampling.max-tokens", "12", "--trainer.optim.lr", "1e-3",
-    ])  # fmt: skip
+    ]  # fmt: skip
+    result = run_rl(args)
     assert result.returncode == 0, result.stderr + show_logs(out)
 
     # OUTPUT_DIR holds what DESIGN §2 promises.
@@ -60,6 +61,15 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     served = (out / "logs" / "inference.log").read_text()
     for step in sorted(set(weight_steps) - {0}):
         assert f"now serving weights step {step}" in served
+
+    # The same command again starts fresh: the first run's rollouts and weights are removed up front (kept,
+    # they were served as this run's policy, and their newer step numbers got this run's weights pruned).
+    first = {step: (weights_dir(out, step) / "model.safetensors").stat().st_mtime_ns for step in kept}
+    again = run_rl(args)
+    assert again.returncode == 0, again.stderr + show_logs(out)
+    assert "removed rollouts/step_2..3, weights/step_3..4 left in" in (out / "logs" / "rl.log").read_text()
+    assert list_steps(weights_root(out)) == [3, 4]
+    assert all((weights_dir(out, s) / "model.safetensors").stat().st_mtime_ns > t for s, t in first.items())
 
 
 def test_rl_stops_everything_and_names_the_failed_service(tiny_model, tmp_path, free_port):

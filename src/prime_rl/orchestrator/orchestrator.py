@@ -37,6 +37,7 @@ from prime_rl.protocol import (
     Heartbeat,
     WaitTimeout,
     WriterDead,
+    clear_previous_run,
     list_steps,
     rollout_step_dir,
     rollouts_dir,
@@ -242,6 +243,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     state = resumed or Progress()
     if resumed is not None:
         drop_stale_rollouts(config, state.step)
+    elif removed := clear_previous_run(config.output_dir):
+        logger.warning(removed)
     data = DataStream(env, config.seed, skip=state.examples_drawn)
     rng = new_rng(config.seed, resumed)
     source = RolloutSource(env, config.env.id, config.sampling, config.seq_len, load_tokenizer(env, config.model.name),

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-from prime_rl.protocol.paths import STABLE, list_steps
+from prime_rl.protocol.paths import STABLE, list_steps, rollouts_dir, weights_root
 
 
 def _fsync_dir(path: Path) -> None:
@@ -90,6 +90,19 @@ def prune_steps(parent: Path, keep: int, protect: Iterable[int] = ()) -> list[in
         shutil.rmtree(target, ignore_errors=True)
         removed.append(step)
     return removed
+
+
+def clear_previous_run(output_dir: Path) -> str:
+    """Delete the rollouts and weights an earlier run left in `output_dir` (checkpoints stay); say what went.
+
+    A fresh run must never read them: a stale `weights/step_n` would be served as this run's policy, stale
+    rollouts trained on, and the trainer's keep policy would prune its new weights in their favour.
+    """
+    removed = []
+    for parent in (rollouts_dir(output_dir), weights_root(output_dir)):
+        if steps := prune_steps(parent, keep=0):
+            removed.append(f"{parent.name}/step_{steps[0]}..{steps[-1]}")
+    return f"fresh start: removed {', '.join(removed)} left in {output_dir} by an earlier run" if removed else ""
 
 
 def checkpoint_steps(output_dir: Path, parts: Iterable[str] = ("trainer", "orchestrator")) -> list[int]:

@@ -11,6 +11,7 @@ from prime_rl.protocol import (
     WaitTimeout,
     WriterDead,
     atomic_write_text,
+    clear_previous_run,
     heartbeat_file,
     list_steps,
     mark_stable,
@@ -117,3 +118,19 @@ def test_a_long_wait_is_never_silent():
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     assert len(notes) == 2 and all(n.startswith("still waiting for the rank file (") for n in notes)
+
+
+def test_clear_previous_run_removes_rollouts_and_weights_but_keeps_checkpoints(tmp_path):
+    for step in (0, 1, 2):
+        rank_file(tmp_path, step, 0).parent.mkdir(parents=True)
+    for step in (2, 3):
+        weights_dir(tmp_path, step).mkdir(parents=True)
+        mark_stable(weights_dir(tmp_path, step))
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+
+    said = clear_previous_run(tmp_path)
+
+    assert said == f"fresh start: removed rollouts/step_0..2, weights/step_2..3 left in {tmp_path} by an earlier run"
+    assert list_steps(tmp_path / "rollouts") == [] and list_steps(weights_root(tmp_path)) == []
+    assert (tmp_path / "checkpoints" / "step_2").is_dir()
+    assert clear_previous_run(tmp_path) == ""
