@@ -14,8 +14,8 @@ Rather than materialising that L×L mask, the model gets the sample boundaries (
 - `packed_attention` (registered here) everywhere else:
   - on CPU, the `prime_rl::packed_causal_attention` op (below);
   - on other devices, causal SDPA per sample.
-  Either way attention costs Σ len² rather than L² (on CPU, Σ len²/2). `packed_attention_mask` is the same rule as an
-  explicit mask, kept as the reference the tests compare against.
+  Either way attention costs Σ len² rather than L² (our CPU kernel: Σ len²/2). `packed_attention_mask`
+  is the same rule as an explicit mask, kept as the reference the tests compare against.
 
 On CPU the op is opaque to torch.compile, so a compiled decoder layer stays one graph around it whatever
 the sample lengths. Its kernel is ours (`csrc/causal_attention.cpp`, built with the local C++ compiler on
