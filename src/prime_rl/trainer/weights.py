@@ -4,6 +4,13 @@ Every rank takes part in gathering the full state dict (an FSDP collective); ran
 config.json, generation_config.json, the tokenizer and safetensors shards whose parameter names are
 exactly the base model's, fsyncs them, and only then marks the dir `STABLE`. A dir without `STABLE`
 (e.g. left by a crash) is never read and is replaced on the next write.
+
+The model's own parameter names are not always the checkpoint's: transformers 5 converts some
+architectures at load (MoE models get their per-expert `mlp.experts.{i}.gate_proj/up_proj/down_proj`
+fused into 3-D `mlp.experts.gate_up_proj`/`down_proj`; Mixtral's `block_sparse_moe` also becomes `mlp`).
+The inference servers load by checkpoint names, so the export undoes that conversion exactly as
+`save_pretrained` does, and `check_export_layout` refuses at start-up a model where that would not
+give back its checkpoint's names and shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from prime_rl.protocol import atomic_write, atomic_write_text, mark_stable, prune_steps, weights_dir, weights_root
+from prime_rl.trainer.errors import TrainerError
 
 logger = logging.getLogger("prime_rl")
 
@@ -59,6 +67,87 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def checkpoint_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` (the model's own names) in its HF checkpoint's names and shapes.
+
+    Reverts transformers' load-time weight conversion with the function `save_pretrained` uses: the
+    conversions recorded when `model` was loaded, or, for a model built from its config (e.g. on the
+    meta device), the ones registered for its architecture. A no-op for architectures without any.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, state_dict)
+
+
+def meta_model(config) -> torch.nn.Module:
+    """The causal LM of `config` without memory (meta device): enough to revert its weight conversion."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def drop_tied_head(state_dict: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """With tied embeddings the head is the embedding matrix; HF checkpoints store it once."""
+    return {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+
+
+def checkpoint_layout(name: str) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in `name`'s safetensors checkpoint (a local dir, or a hub id already
+    in the local cache), read from the file headers only; None when it has no safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = _checkpoint_file(name, "model.safetensors.index.json")
+    filenames = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
+    files = [_checkpoint_file(name, filename) for filename in filenames]
+    if not all(files):
+        return None
+    layout = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            layout.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return layout
+
+
+def _checkpoint_file(name: str, filename: str) -> Path | None:
+    if Path(name).is_dir():
+        path = Path(name) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, filename)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def check_export_layout(model: torch.nn.Module, name: str) -> None:
+    """Refuse a model whose exported weights would not carry the names and shapes of its checkpoint `name`.
+
+    Checked at start-up (on meta copies, so nothing is allocated) rather than at the first weight save,
+    hours in: inference could not load such weights. Checkpoint tensors the model never loads (e.g.
+    multi-token-prediction layers) may be absent from the export; every exported one must match.
+    """
+    meta = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
+    arch = type(model).__name__
+    try:
+        exported = checkpoint_state_dict(model, meta)
+    except NotImplementedError:
+        raise TrainerError(
+            f"{arch}: transformers converts the weights of {name!r} at load and has no reverse conversion, "
+            "so the trainer could not write them back in the checkpoint's layout that inference loads"
+        ) from None
+    stored = checkpoint_layout(name)
+    if stored is None:
+        return  # no safetensors headers to compare with (e.g. a .bin checkpoint)
+    exported = drop_tied_head(exported, bool(getattr(model.config, "tie_word_embeddings", False)))
+    wrong = sorted(k for k, v in exported.items() if stored.get(k) != tuple(v.shape))
+    if wrong:
+        raise TrainerError(
+            f"{arch}: transformers converts the weights of {name!r} at load and reverting that does not give "
+            f"back the checkpoint's names and shapes ({len(wrong)} tensors differ, e.g. {wrong[:3]}), so "
+            "inference could not load the weights the trainer writes"
+        )
+
+
 def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: Path, step: int) -> Path | None:
     """Write `weights/step_{step}` (rank 0) and return its path; other ranks only help gather and get None."""
     state_dict = gather_full_state_dict(model)
@@ -72,6 +161,7 @@ def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: P
     files.config.save_pretrained(path)
     files.generation_config.save_pretrained(path)
     files.tokenizer.save_pretrained(path)
+    state_dict = checkpoint_state_dict(model, state_dict)
     write_safetensors(state_dict, path, files.dtype, tied=bool(getattr(files.config, "tie_word_embeddings", False)))
     for f in path.iterdir():
         _fsync(f)
@@ -90,9 +180,7 @@ def write_safetensors(
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save
 
-    if tied:
-        # With tied embeddings the head is the embedding matrix; HF checkpoints store it once.
-        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    state_dict = drop_tied_head(state_dict, tied)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():

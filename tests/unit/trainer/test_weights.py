@@ -1,15 +1,17 @@
-"""weights/step_n: a complete, STABLE HF dir with the base model's parameter names."""
+"""weights/step_n: a complete, STABLE HF dir with the base model's parameter names (and shapes, for MoE too)."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.protocol import is_stable, weights_dir
+from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
-from prime_rl.trainer.weights import build_model_files, save_weights, write_safetensors
+from prime_rl.trainer.weights import build_model_files, check_export_layout, save_weights, write_safetensors
 
 
 def test_saved_weights_are_a_loadable_hf_dir_identical_to_the_base(tiny_model, tmp_path, one_rank):
@@ -51,3 +53,102 @@ def test_weights_are_saved_in_the_base_models_dtype(tmp_path):
     write_safetensors(state, tmp_path, torch.bfloat16, tied=False)
     saved = load_file(tmp_path / "model.safetensors")
     assert saved["w"].dtype == torch.bfloat16 and saved["step"].dtype == torch.int64
+
+
+def _tiny_moe(path, arch: str):
+    """A tiny MoE model + tokenizer written by `save_pretrained`: the checkpoint layout inference loads."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from prime_rl.utils.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    if arch == "qwen3_moe":
+        config = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, head_dim=16, **common)
+    else:
+        config = MixtralConfig(num_local_experts=4, **common)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_moes(tmp_path_factory):
+    return {arch: _tiny_moe(tmp_path_factory.mktemp(arch), arch) for arch in ("qwen3_moe", "mixtral")}
+
+
+@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3", "llama"])
+def any_arch(request, tiny_moes):
+    """A tiny model of every kind: MoE (transformers fuses its experts at load) and dense (no conversion)."""
+    fixture = {"qwen3": "tiny_model", "llama": "tiny_llama"}.get(request.param)
+    return request.getfixturevalue(fixture) if fixture else tiny_moes[request.param]
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def test_state_dict_names_of_moe_models_differ_from_their_checkpoint(tiny_moes):
+    """Why the export reverts anything: transformers 5 loads per-expert tensors as one fused 3-D parameter."""
+    per_expert = {"qwen3_moe": "mlp.experts.0.gate_proj.weight", "mixtral": "block_sparse_moe.experts.0.w1.weight"}
+    for arch, path in tiny_moes.items():
+        names, stored = AutoModelForCausalLM.from_pretrained(path).state_dict().keys(), _tensors(path).keys()
+        fused, expert = "model.layers.0.mlp.experts.gate_up_proj", f"model.layers.0.{per_expert[arch]}"
+        assert fused in names and fused not in stored, arch
+        assert expert in stored and expert not in names, arch
+
+
+def test_exported_weights_have_the_checkpoints_names_shapes_and_values(any_arch, tmp_path, one_rank):
+    model = build_model(str(any_arch))
+    apply_fsdp(model, one_rank, torch.float32)
+
+    path = save_weights(model, build_model_files(str(any_arch)), tmp_path, step=1)
+
+    base, saved = _tensors(any_arch), _tensors(path)
+    assert saved.keys() == base.keys()
+    for name in base:
+        assert torch.equal(saved[name], base[name]), name
+    ids = torch.tensor([[5, 6, 7]])
+    reloaded, original = AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(any_arch)
+    torch.testing.assert_close(reloaded(ids).logits, original(ids).logits)
+
+
+def test_converted_checkpoints_have_the_base_checkpoints_layout(tiny_moes, tmp_path, one_rank):
+    from prime_rl.trainer.ckpt import Progress, save_checkpoint
+    from prime_rl.trainer.convert import convert
+
+    base = tiny_moes["qwen3_moe"]
+    model = build_model(str(base))
+    apply_fsdp(model, one_rank, torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    ckpt = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, Progress(), build_model_files(str(base)), 0)
+
+    out = convert(ckpt, tmp_path / "hf")
+
+    expected, converted = _tensors(base), _tensors(out)
+    assert converted.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(converted[name], expected[name]), name
+
+
+def test_a_model_whose_export_would_not_match_its_checkpoint_is_refused(tiny_moes, tmp_path):
+    # A checkpoint stored with fused experts loads without conversion, so its export is unchanged and exact...
+    fused = tmp_path / "fused"
+    AutoModelForCausalLM.from_pretrained(tiny_moes["qwen3_moe"]).save_pretrained(fused, save_original_format=False)
+    check_export_layout(AutoModelForCausalLM.from_pretrained(fused), str(fused))
+    # ...but a model that was converted at load would be exported per expert, which that checkpoint is not.
+    model = AutoModelForCausalLM.from_pretrained(tiny_moes["qwen3_moe"])
+    with pytest.raises(TrainerError, match=r"Qwen3MoeForCausalLM: .*mlp\.experts\.0\..* inference could not load"):
+        check_export_layout(model, str(fused))

@@ -2,6 +2,6 @@
 
 from prime_rl.inference.engine.engine import Engine, Sample, build_engine
 from prime_rl.inference.engine.sampling import SamplingParams
-from prime_rl.inference.engine.weights import WeightsError
+from prime_rl.inference.weights import WeightsError
 
 __all__ = ["Engine", "Sample", "SamplingParams", "WeightsError", "build_engine"]

@@ -146,7 +146,7 @@ class Engine:
         self.iterations = 0
         self.generated_tokens = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
-        self._base = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+        self.base_weights = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._waiting: collections.deque[_Request] = collections.deque()
         self._swap: _Swap | None = None
@@ -241,19 +241,20 @@ class Engine:
         """Serve the weights in a complete `weights/step_n` dir; returns n once new requests see them."""
         async with self._lock():
             loaded = await asyncio.to_thread(load_weight_dir, weight_dir, self.model)
-            return await self._swap_in(loaded.tensors, loaded.step)
+            return await self.swap(loaded.tensors, loaded.step)
 
     async def reload_weights(self) -> int:
         """Serve the base weights again, bit for bit."""
         async with self._lock():
-            return await self._swap_in(self._base, 0)
+            return await self.swap(self.base_weights, 0)
 
     def _lock(self) -> asyncio.Lock:
         if self._weights_lock is None:
             self._weights_lock = asyncio.Lock()
         return self._weights_lock
 
-    async def _swap_in(self, tensors: dict[str, torch.Tensor], step: int) -> int:
+    async def swap(self, tensors: dict[str, torch.Tensor], step: int) -> int:
+        """Serve checked tensors (`load_weight_dir`) as `step` once the running rows have finished."""
         loop = asyncio.get_running_loop()
         swap = _Swap(tensors, step, loop, loop.create_future())
         with self._wake:
@@ -441,7 +442,6 @@ class Engine:
                     if name in swap.tensors:  # only a tied lm_head may be absent (checked when loading)
                         param.copy_(swap.tensors[name])
             self.step = swap.step
-            logger.info(f"now serving weights step {swap.step}")
             result: Any = swap.step
         except Exception as e:  # shapes were checked, so this is an internal error; report it to the route
             logger.exception("weight swap failed")

@@ -1,9 +1,10 @@
-"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.20). Pure: imports neither vLLM nor torch.
+"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.26). Pure: imports neither vLLM nor torch.
 
 Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
 `Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8000 --tensor-parallel-size 2 --data-parallel-size 1
  --gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64 --seed 0
- --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension --api-server-count 1 ...`
+ --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension
+ --logprobs-mode processed_logprobs --generation-config vllm --api-server-count 1 ...`
 """
 
 from __future__ import annotations
@@ -11,18 +12,26 @@ from __future__ import annotations
 from prime_rl.inference.config import InferenceConfig
 
 WORKER_EXTENSION = "prime_rl.inference.vllm.worker.WeightUpdateExtension"
+CONTROL_PLANE = "prime_rl.inference.vllm.server.VllmControlPlane"
 
 
-def vllm_serve_args(config: InferenceConfig, host: str) -> list[str]:
-    """The argv (after `vllm serve`) that runs our config; the API key is enforced by our own middleware."""
+def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> list[str]:
+    """The argv (after `vllm serve`) that runs our config; the API key is enforced by our control plane."""
     args = [config.model.name, "--host", host, "--port", str(config.server.port)]
     args += ["--served-model-name", config.model.name]
     args += ["--tensor-parallel-size", str(config.parallel.tp), "--data-parallel-size", str(config.parallel.dp)]
     args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     args += ["--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.engine.max_batch_size)]
     args += ["--seed", str(config.seed), "--worker-extension-cls", WORKER_EXTENSION]
-    if config.engine.dtype != "auto":
-        args += ["--dtype", config.engine.dtype]
+    # Logprobs of log_softmax(logits / temperature), what the trainer recomputes (vLLM's default is the raw
+    # logits' logprobs, before temperature). Sampling defaults come from vLLM, never from the checkpoint's
+    # generation_config.json (its top_k, min_p, ... would make vLLM sample another distribution than the
+    # built-in engine and the trainer for the same request).
+    args += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    # Same precision as the built-in engine: float32 on CPU, vLLM's choice (bf16) on GPU.
+    dtype = config.engine.dtype if config.engine.dtype != "auto" or cuda else "float32"
+    if dtype != "auto":
+        args += ["--dtype", dtype]
     multi_node = {
         "--data-parallel-size-local": config.data_parallel_size_local,
         "--data-parallel-address": config.data_parallel_address,
@@ -33,9 +42,9 @@ def vllm_serve_args(config: InferenceConfig, host: str) -> list[str]:
         if value is not None:
             args += [flag, str(value)]
     if config.headless:
-        args.append("--headless")  # engines only: no API server, so no routes to add
+        args.append("--headless")  # engines only: no API server, so no routes
     else:
-        # One API server in this process: our routes are added to its app (more would be separate processes).
-        args += ["--api-server-count", "1"]
+        # One API server, in this process: the control plane's state (step, gate) lives in it.
+        args += ["--api-server-count", "1", "--middleware", CONTROL_PLANE]
     args += ["--disable-uvicorn-access-log", "--disable-fastapi-docs"]
     return args

@@ -1,113 +1,98 @@
-"""Run vLLM's OpenAI server (vLLM 0.20) in this process with our routes added (DESIGN §4).
+"""Run vLLM's OpenAI server in this process behind our control plane (DESIGN §4).
 
-Imported only when the vLLM backend is chosen (it pulls in the built-in API module for shared pieces).
-`vllm serve` builds its FastAPI app in `vllm.entrypoints.openai.api_server.build_app`; we wrap that
-function so the app it returns also has:
-- `GET /health` → {"status": "ok", "step": n} (replacing vLLM's empty 200),
-- `POST /update_weights {"weight_dir"}`: the dir is checked first (complete `step_n`, readable safetensors
-  headers, `config.json` of the served architecture) — a bad dir is a 400 and the old weights keep serving;
-  then generation is paused with mode "wait" (running requests finish on the old weights, new ones queue),
-  every worker loads the tensors (`collective_rpc("update_weights_from_path")`, worker.py), the prefix
-  cache is cleared and generation resumes. So no response mixes two policies;
-- `POST /reload_weights`: the same with the served model's own weights, step 0;
-- our `Guard` middleware: the API key on every route but /health (vLLM's own check covers only /v1) and
-  the body size limit.
-Only one API server runs (in this process); `--headless` nodes run engines only and serve no routes.
+Imported only when the vLLM backend is chosen. `vllm serve` builds its app itself; its `--middleware` flag
+puts `VllmControlPlane` (the same `ControlPlane` the built-in engine mounts) in front of every route, so
+`/health`, `/update_weights`, `/reload_weights`, the API key, the body limit and the `x-weight-step` stamp
+behave exactly as on the built-in engine. A weight swap, once no request is in flight, pauses vLLM's
+scheduler (clearing the prefix cache, which holds keys of the old weights), has every worker load the
+tensors (`collective_rpc("update_weights_from_path")`, worker.py) and resumes. Only one API server runs
+(in this process); `--headless` nodes run engines only and serve no routes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import time
 from pathlib import Path
+from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-
-from prime_rl.inference.api import Guard, UpdateWeightsRequest
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.engine.weights import WeightsError, check_config, check_weight_files
+from prime_rl.inference.control import ControlPlane
 from prime_rl.inference.vllm.args import vllm_serve_args
+from prime_rl.inference.weights import TensorSpecs, check_weight_dir, read_specs
 
 logger = logging.getLogger("prime_rl")
 
+_config: InferenceConfig | None = None  # set by serve_vllm before vLLM instantiates the middleware
 
-def serve_vllm(config: InferenceConfig, host: str) -> None:
+
+def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.openai import api_server
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(vllm_serve_args(config, host))
+    global _config
+    _config = config
+    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(vllm_serve_args(config, host, cuda))
     validate_parsed_serve_args(args)
-    build_app = api_server.build_app
-
-    def build_app_with_our_routes(*a, **kw):
-        app = build_app(*a, **kw)
-        add_routes(app, config)
-        return app
-
-    api_server.build_app = build_app_with_our_routes
     logger.info(f"starting vLLM for {config.model.name} on http://{host}:{config.server.port} (backend vllm)")
     ServeSubcommand.cmd(args)
 
 
-def add_routes(app, config: InferenceConfig) -> None:
-    """Our health, weight-update routes and middleware on vLLM's app (its engine client is on app.state)."""
-    state = {"step": 0}
-    lock = asyncio.Lock()
-    router = APIRouter()
+class VllmControlPlane(ControlPlane):
+    """The control plane as vLLM's `--middleware` class (vLLM passes only the app)."""
 
-    async def swap(request: Request, method: str, args: tuple, step: int) -> float:
-        client = request.app.state.engine_client
-        start = time.perf_counter()
-        async with lock:
-            await client.pause_generation(mode="wait", clear_cache=True)
-            try:
-                await client.collective_rpc(method, args=args)
-            finally:
-                await client.resume_generation()
-            state["step"] = step
-        logger.info(f"now serving weights step {step}")
-        return round(time.perf_counter() - start, 3)
+    def __init__(self, app):
+        assert _config is not None, "VllmControlPlane runs only under serve_vllm"
+        super().__init__(app, VllmModel(_config.model.name), _config.api_key, _config.max_body_bytes)
 
-    @router.get("/health")
-    async def health():
-        return {"status": "ok", "step": state["step"], "backend": "vllm"}
+    async def __call__(self, scope, receive, send):
+        if self.served.client is None and "app" in scope:
+            self.served.client = scope["app"].state.engine_client
+        await super().__call__(scope, receive, send)
 
-    @router.post("/update_weights")
-    async def update_weights(body: UpdateWeightsRequest, request: Request):
-        weight_dir = Path(body.weight_dir)
+
+class VllmModel:
+    """vLLM's engine (through its engine client) as the control plane sees it."""
+
+    backend = "vllm"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.client: Any = None
+        self._specs: TensorSpecs | None = None
+
+    def served_specs(self) -> TensorSpecs:
+        """Names and shapes of the served checkpoint, which vLLM's loader expects (read once)."""
+        if self._specs is None:
+            self._specs = read_specs(sorted(checkpoint_dir(self.model).glob("*.safetensors")))
+        return self._specs
+
+    async def prepare(self, weight_dir: Path | None) -> tuple[int, Path | None]:
+        if weight_dir is None:
+            return 0, None
+        hf_config = self.client.model_config.hf_config.to_dict()
+        step, _ = await asyncio.to_thread(lambda: check_weight_dir(weight_dir, hf_config, self.served_specs()))
+        return step, weight_dir
+
+    async def apply(self, weight_dir: Path | None) -> None:
+        await self.client.pause_generation(mode="wait", clear_cache=True)
         try:
-            step, files = check_weight_files(weight_dir)
-            check_config(weight_dir, request.app.state.engine_client.model_config.hf_config.to_dict())
-            check_headers(files)
-        except WeightsError as e:
-            error = {"message": str(e), "type": "invalid_request_error", "code": 400}
-            return JSONResponse({"error": error}, status_code=400)
-        seconds = await swap(request, "update_weights_from_path", (str(weight_dir),), step)
-        return {"step": step, "weight_dir": body.weight_dir, "seconds": seconds}
+            if weight_dir is None:
+                await self.client.collective_rpc("reload_base_weights")
+            else:
+                await self.client.collective_rpc("update_weights_from_path", args=(str(weight_dir),))
+        finally:
+            await self.client.resume_generation()
 
-    @router.post("/reload_weights")
-    async def reload_weights(request: Request):
-        return {"step": 0, "seconds": await swap(request, "reload_base_weights", (), 0)}
-
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
-    app.include_router(router)
-    app.add_middleware(
-        Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, counts=collections.Counter()
-    )
+    def health(self) -> dict[str, Any]:
+        return {}
 
 
-def check_headers(files: list[Path]) -> None:
-    """Every file opens as safetensors (reads headers only), so a corrupt dir is refused before the swap."""
-    from safetensors import safe_open
+def checkpoint_dir(model: str) -> Path:
+    """The local dir of a served model: the path itself, or its snapshot in the HF cache (vLLM fetched it)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
 
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                f.keys()
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise WeightsError(f"{file}: cannot read: {e}") from None
+    return Path(snapshot_download(model, local_files_only=True))

@@ -1,7 +1,7 @@
 """vLLM worker extension (`--worker-extension-cls`): load a trainer's safetensors dir into the model runner.
 
-vLLM mixes this class into every GPU worker; the server calls its methods on all workers at once with
-`engine_client.collective_rpc(name, args=...)`. Runs only inside vLLM (GPU); imports torch lazily.
+vLLM mixes this class into every worker (GPU or CPU); the server calls its methods on all workers at once with
+`engine_client.collective_rpc(name, args=...)`. Runs only inside vLLM; imports torch lazily.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def safetensors_weights(weight_dir: str) -> Iterator[tuple[str, object]]:
 
 
 class WeightUpdateExtension:
-    """Methods vLLM adds to its `Worker` (so `self.model_runner` is the worker's GPU model runner)."""
+    """Methods vLLM adds to its `Worker` (so `self.model_runner` is the worker's model runner)."""
 
     model_runner: object
 

@@ -1,8 +1,7 @@
-"""The vLLM adapter without vLLM: config → `vllm serve` arguments, and our routes on a vLLM-like app.
-
-vLLM cannot be installed here (CUDA-only), so its engine client is replaced by a recorder with the same
-async methods (`pause_generation`, `collective_rpc`, `resume_generation`, `model_config.hf_config`); the
-real thing runs in the `gpu` test at the end.
+"""The vLLM adapter without starting vLLM: config → `vllm serve` arguments, and the control plane over a
+vLLM-like app whose engine client is a recorder with the same async methods (`pause_generation`,
+`collective_rpc`, `resume_generation`, `model_config.hf_config`). The real vLLM server (CPU build) runs in
+tests/integration/test_inference_server.py and test_vllm.py.
 """
 
 from __future__ import annotations
@@ -11,14 +10,16 @@ import json
 import types
 
 import pytest
+import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.vllm.args import WORKER_EXTENSION, vllm_serve_args
-from prime_rl.inference.vllm.server import add_routes
+from prime_rl.inference.vllm.args import CONTROL_PLANE, WORKER_EXTENSION, vllm_serve_args
+from prime_rl.inference.control import ControlPlane
+from prime_rl.inference.vllm.server import VllmModel
 from prime_rl.protocol import mark_stable, weights_dir
 from prime_rl.utils.config import ModelConfig
 
@@ -54,8 +55,16 @@ def test_config_maps_to_vllm_serve_arguments():
     assert got["--gpu-memory-utilization"] == "0.8" and got["--max-model-len"] == "8192"
     assert got["--max-num-seqs"] == "256" and got["--dtype"] == "bfloat16" and got["--seed"] == "7"
     assert got["--worker-extension-cls"] == WORKER_EXTENSION
-    assert got["--api-server-count"] == "1"  # our routes live in this process's one API server
+    assert got["--api-server-count"] == "1"  # the control plane's state lives in this process's one API server
+    assert got["--middleware"] == CONTROL_PLANE
+    # What the trainer recomputes, and no sampling defaults from the checkpoint's generation_config.json.
+    assert got["--logprobs-mode"] == "processed_logprobs" and got["--generation-config"] == "vllm"
     assert "--headless" not in got and "--data-parallel-address" not in got
+
+
+def test_cpu_serves_float32_like_the_built_in_engine():
+    assert flags(vllm_serve_args(InferenceConfig(), "127.0.0.1", cuda=False))["--dtype"] == "float32"
+    assert "--dtype" not in flags(vllm_serve_args(InferenceConfig(), "127.0.0.1", cuda=True))
 
 
 def test_multi_node_data_parallel_flags_pass_through():
@@ -73,6 +82,7 @@ def test_multi_node_data_parallel_flags_pass_through():
     assert got["--data-parallel-size-local"] == "8" and got["--data-parallel-address"] == "10.0.0.1"
     assert got["--data-parallel-rpc-port"] == "13345" and got["--data-parallel-start-rank"] == "8"
     assert "--headless" in got and "--api-server-count" not in got  # headless nodes serve no API
+    assert "--middleware" not in got
 
 
 class RecordingEngineClient:
@@ -97,14 +107,26 @@ def vllm_like(tiny_model):
     app = FastAPI()
 
     @app.get("/health")
-    async def vllm_health():  # vLLM's own empty health route, which ours replaces
+    async def vllm_health():  # vLLM's own empty health route, which ours answers first
         return {}
 
     client = RecordingEngineClient(AutoConfig.from_pretrained(tiny_model))
-    app.state.engine_client = client
-    config = InferenceConfig(model=ModelConfig(name=str(tiny_model)), api_key="k")
-    add_routes(app, config)
-    return TestClient(app), client
+    served = VllmModel(str(tiny_model))
+    served.client = client
+    return TestClient(ControlPlane(app, served, api_key="k", max_body_bytes=1 << 20)), client
+
+
+def perturbed(tiny_model, tmp_path, step: int, **changes):
+    """A complete weights/step_n dir: the checkpoint's tensors with `changes` (None drops a tensor)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(tiny_model / "model.safetensors") | changes
+    step_dir = weights_dir(tmp_path, step)
+    step_dir.mkdir(parents=True)
+    save_file({k: v for k, v in tensors.items() if v is not None}, step_dir / "model.safetensors")
+    (step_dir / "config.json").write_text((tiny_model / "config.json").read_text())
+    mark_stable(step_dir)
+    return step_dir
 
 
 def test_update_weights_pauses_loads_on_every_worker_and_resumes(vllm_like, tiny_model, tmp_path):
@@ -112,11 +134,7 @@ def test_update_weights_pauses_loads_on_every_worker_and_resumes(vllm_like, tiny
     auth = {"Authorization": "Bearer k"}
     assert http.get("/health").json() == {"status": "ok", "step": 0, "backend": "vllm"}
     assert http.post("/update_weights", json={"weight_dir": "x"}).status_code == 401
-    step_dir = weights_dir(tmp_path, 3)
-    step_dir.mkdir(parents=True)
-    save_file({"w": __import__("torch").zeros(2)}, step_dir / "model.safetensors")
-    (step_dir / "config.json").write_text((tiny_model / "config.json").read_text())
-    mark_stable(step_dir)
+    step_dir = perturbed(tiny_model, tmp_path, 3)
     response = http.post("/update_weights", json={"weight_dir": str(step_dir)}, headers=auth).json()
     assert response["step"] == 3 and response["seconds"] >= 0
     assert engine.calls == [
@@ -136,55 +154,16 @@ def test_bad_weight_dirs_are_refused_before_touching_the_engine(vllm_like, tiny_
     corrupt.mkdir(parents=True)
     (corrupt / "model.safetensors").write_bytes(b"garbage")
     mark_stable(corrupt)
-    other = weights_dir(tmp_path, 2)
-    other.mkdir(parents=True)
-    save_file({"w": __import__("torch").zeros(2)}, other / "model.safetensors")
+    other = perturbed(tiny_model, tmp_path, 2)
     config = json.loads((tiny_model / "config.json").read_text()) | {"hidden_size": 128}
     (other / "config.json").write_text(json.dumps(config))
-    mark_stable(other)
-    for path, message in [(corrupt, "cannot read"), (other, "hidden_size is 128"), (tmp_path / "nope", "not a")]:
+    # Names vLLM's loader would not know (a fused export), and a missing tensor: refused, never half-loaded.
+    fused = perturbed(tiny_model, tmp_path, 4, **{"model.layers.0.mlp.gate_up_proj.weight": torch.zeros(256, 64)})
+    missing = perturbed(tiny_model, tmp_path, 5, **{"model.norm.weight": None})
+    cases = [(corrupt, "cannot read"), (other, "hidden_size is 128"), (tmp_path / "nope", "not a")]
+    cases += [(fused, "unexpected model.layers.0.mlp.gate_up_proj.weight"), (missing, "missing model.norm.weight")]
+    for path, message in cases:
         response = http.post("/update_weights", json={"weight_dir": str(path)}, headers=auth)
         assert response.status_code == 400 and message in response.json()["error"]["message"]
     assert engine.calls == []
     assert http.get("/health").json()["step"] == 0
-
-
-@pytest.mark.gpu
-def test_vllm_backend_serves_and_updates_weights(tiny_model, tmp_path):
-    """On a GPU node with the `vllm` extra: the real server answers chat and takes a weight update."""
-    pytest.importorskip("vllm")
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-
-    from prime_rl.utils.net import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(tiny_model), "--backend", "vllm"]
-    cmd += ["--server.port", str(port), "--output-dir", str(tmp_path), "--gpu-memory-utilization", "0.3"]
-    cmd += ["--max-model-len", "512"]
-    proc = subprocess.Popen(cmd)
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("backend") == "vllm":
-                    break
-            except (httpx.TransportError, ValueError):
-                time.sleep(2)
-        url = f"http://127.0.0.1:{port}"
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
-        data = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
-        assert data["choices"][0]["logprobs"]["content"]
-        from transformers import AutoModelForCausalLM
-
-        step_dir = weights_dir(tmp_path, 1)
-        AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(step_dir)
-        mark_stable(step_dir)
-        response = httpx.post(f"{url}/update_weights", json={"weight_dir": str(step_dir)}, timeout=120)
-        assert response.json()["step"] == 1
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)

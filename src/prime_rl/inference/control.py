@@ -1,0 +1,210 @@
+"""The control plane every inference backend mounts (DESIGN §4), so the two cannot drift.
+
+`ControlPlane` is an ASGI middleware in front of a backend's OpenAI app (our FastAPI app, or vLLM's):
+- the API key on every route but `/health` (constant-time compare), a bounded request body (413);
+- `GET /health` → {"status": "ok", "step", "backend", ...the backend's own counters};
+- `POST /update_weights {"weight_dir"}` and `POST /reload_weights`: the dir is checked and read first
+  (a bad one is a 400 and the old weights keep serving), then the swap waits until the generation requests
+  in flight have finished on the old weights while new ones wait at the gate, and applies;
+- every completion response carries `x-weight-step: n`, the policy that computed all of its tokens: a
+  request enters the gate holding the step it will be served with, and no swap happens while it runs.
+The backend supplies only `ServedModel`: how to check and read a dir, how to apply it, what to report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.responses import JSONResponse
+
+from prime_rl.inference.weights import WeightsError
+
+logger = logging.getLogger("prime_rl")
+
+WEIGHT_STEP_HEADER = "x-weight-step"
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, "/update_weights", "/reload_weights")
+
+
+class ServedModel(Protocol):
+    """What a backend provides to the control plane."""
+
+    backend: str
+
+    async def prepare(self, weight_dir: Path | None) -> tuple[int, Any]:
+        """Check and read `weight_dir` (None: the base weights) without touching the served ones:
+        (step, whatever `apply` needs). Raises WeightsError for a dir that cannot be served."""
+
+    async def apply(self, prepared: Any) -> None:
+        """Serve the prepared weights; called when no generation request is in flight."""
+
+    def health(self) -> dict[str, Any]:
+        """Extra fields of `/health`."""
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weight_dir: str
+
+
+class StepGate:
+    """Generation requests share it (each holding the step it runs with); a weight swap holds it alone.
+
+    A pending swap stops new requests at the gate, so it waits only for those already running.
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._running = 0
+        self._swapping = False
+        self._changed = asyncio.Condition()
+
+    async def enter(self) -> int:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._running += 1
+            return self.step
+
+    async def leave(self) -> None:
+        async with self._changed:
+            self._running -= 1
+            self._changed.notify_all()
+
+    @asynccontextmanager
+    async def swap(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await self._changed.wait_for(lambda: self._running == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()
+
+
+class ControlPlane:
+    """ASGI middleware: auth, body limit, per-route status counts, health, weight swaps, step stamping."""
+
+    def __init__(
+        self,
+        app,
+        served: ServedModel,
+        api_key: str | None,
+        max_body_bytes: int,
+        counts: collections.Counter | None = None,
+    ):
+        self.app, self.served, self.api_key, self.max_body_bytes = app, served, api_key, max_body_bytes
+        self.counts = collections.Counter() if counts is None else counts
+        self.gate = StepGate()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ROUTES else "other"
+        status = {"code": 500}
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, counted_send)
+        finally:
+            self.counts[(path, status["code"])] += 1
+
+    async def _guarded(self, scope, receive, send):
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method == "GET":
+            return await self._health()(scope, receive, send)
+        if self.api_key:
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                message = "missing or wrong API key (send `Authorization: Bearer <key>`)"
+                return await error(401, message, "authentication_error")(scope, receive, send)
+        too_large = error(413, f"request body larger than {self.max_body_bytes} bytes")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await too_large(scope, receive, send)
+        # The body is read here (at most max_body_bytes) and replayed, so an oversized upload is refused
+        # before any route parses it, whether or not it declared a Content-Length.
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await too_large(scope, receive, send)
+        if method == "POST" and path in ("/update_weights", "/reload_weights"):
+            return await (await self._swap(path, bytes(body)))(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # later reads wait for the disconnect
+
+        if path not in GENERATION_ROUTES:
+            return await self.app(scope, replay, send)
+        step = await self.gate.enter()
+
+        async def stamped(message):
+            if message["type"] == "http.response.start":
+                extra = [(WEIGHT_STEP_HEADER.encode(), str(step).encode())]
+                message = message | {"headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, replay, stamped)
+        finally:
+            await self.gate.leave()
+
+    def _health(self) -> JSONResponse:
+        state = {"status": "ok", "step": self.gate.step, "backend": self.served.backend}
+        return JSONResponse(state | self.served.health())
+
+    async def _swap(self, path: str, body: bytes) -> JSONResponse:
+        weight_dir = None
+        if path == "/update_weights":
+            try:
+                weight_dir = UpdateWeightsRequest.model_validate_json(body).weight_dir
+            except ValidationError as e:
+                problems = "; ".join(f"{'.'.join(map(str, ('body', *p['loc'])))}: {p['msg']}" for p in e.errors())
+                return error(400, f"invalid request: {problems}"[:2000])
+        start = time.perf_counter()
+        try:
+            step, prepared = await self.served.prepare(None if weight_dir is None else Path(weight_dir))
+        except WeightsError as e:
+            return error(400, str(e))
+        async with self.gate.swap():
+            await self.served.apply(prepared)
+            self.gate.step = step
+        logger.info(f"now serving weights step {step}")
+        answer = {"step": step, "seconds": round(time.perf_counter() - start, 3)}
+        return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})
+
+
+def error(status: int, message: str, type: str = "invalid_request_error") -> JSONResponse:
+    """An OpenAI-style error response."""
+    return JSONResponse({"error": {"message": message, "type": type, "code": status}}, status_code=status)
+
+
+def weight_step(headers: Any) -> int | None:
+    """The `x-weight-step` a server stamped on a completion response, if any."""
+    value = headers.get(WEIGHT_STEP_HEADER)
+    return int(value) if value is not None and value.isdigit() else None

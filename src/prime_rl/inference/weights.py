@@ -1,0 +1,115 @@
+"""Checking a trainer's `weights/step_n` directory against the served model, for every backend (DESIGN §4).
+
+A dir is servable when it is complete (`STABLE`), its `config.json` (when present) describes the served
+architecture, and its safetensors hold every served tensor under the checkpoint's name, with the served
+shape and a floating dtype where the model's is floating (precision may differ and is cast on load). Only
+the files' headers are read here, so a bad dir is refused before any backend touches its weights: the
+built-in engine compares with its model's state dict, vLLM with the served checkpoint's own headers (its
+loader expects checkpoint names; anything else would fail half-way through a load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prime_rl.protocol import is_stable, step_of
+
+# name -> (shape, is floating point)
+TensorSpecs = dict[str, tuple[tuple[int, ...], bool]]
+
+# Config keys that fix the shapes and the computation of the served model.
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+class WeightsError(ValueError):
+    """A weight directory that cannot be served; the message says why."""
+
+
+def check_weight_dir(weight_dir: Path, served_config: dict, served: TensorSpecs) -> tuple[int, list[Path]]:
+    """(step, safetensors files) of a dir the served model can load, else WeightsError saying what is wrong."""
+    step, files = check_weight_files(weight_dir)
+    check_config(weight_dir, served_config)
+    check_specs(read_specs(files), served, tied=bool(served_config.get("tie_word_embeddings")))
+    return step, files
+
+
+def check_weight_files(weight_dir: Path) -> tuple[int, list[Path]]:
+    """(step, safetensors files) of a complete `weights/step_n` dir, else WeightsError saying what is wrong."""
+    step = step_of(weight_dir)
+    if step is None:
+        raise WeightsError(f"{weight_dir}: not a weights/step_<n> directory")
+    if not weight_dir.is_dir():
+        raise WeightsError(f"{weight_dir}: no such directory")
+    if not is_stable(weight_dir):
+        raise WeightsError(f"{weight_dir}: not complete (no STABLE marker)")
+    files = sorted(weight_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{weight_dir}: no *.safetensors files")
+    return step, files
+
+
+def check_config(weight_dir: Path, ours: dict) -> None:
+    """Raise WeightsError when `weight_dir/config.json` describes another architecture than the served one."""
+    path = weight_dir / "config.json"
+    if not path.is_file():
+        return  # a bare safetensors dir: the tensor check still catches shape mismatches
+    try:
+        theirs = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot read: {e}") from None
+    if not isinstance(theirs, dict):
+        raise WeightsError(f"{path}: not a JSON object")
+    differ = [
+        f"{key} is {theirs[key]!r}, the served model has {ours.get(key)!r}"
+        for key in ARCHITECTURE_KEYS
+        if key in theirs and key in ours and theirs[key] != ours[key]
+    ]
+    if differ:
+        raise WeightsError(f"{path}: another architecture than the served model: " + "; ".join(differ))
+
+
+def read_specs(files: list[Path]) -> TensorSpecs:
+    """Names, shapes and dtype kinds from the safetensors headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    specs: TensorSpecs = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    part = f.get_slice(name)
+                    specs[name] = (tuple(part.get_shape()), part.get_dtype().startswith(("F", "BF")))
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise WeightsError(f"{file}: cannot read: {e}") from None
+    return specs
+
+
+def check_specs(got: TensorSpecs, served: TensorSpecs, tied: bool) -> None:
+    """Raise WeightsError naming the first few missing, unexpected or mis-shaped tensors.
+
+    A tied `lm_head.weight` may be absent (the trainer may save it once) or present (it is the embedding).
+    """
+    problems = []
+    for name, (shape, floating) in served.items():
+        if name not in got:
+            if not (tied and name == "lm_head.weight"):
+                problems.append(f"missing {name}")
+        elif got[name][0] != shape:
+            problems.append(f"{name} has shape {got[name][0]}, the model needs {shape}")
+        elif got[name][1] != floating:
+            problems.append(f"{name} has a {'floating' if got[name][1] else 'non-floating'} dtype, the model's is not")
+    problems += [f"unexpected {name}" for name in got if name not in served and not (tied and name == "lm_head.weight")]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise WeightsError("weights do not match the served model: " + "; ".join(problems[:5]) + more)
