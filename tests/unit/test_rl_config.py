@@ -78,3 +78,10 @@ def test_output_dir_env_is_every_services_default_and_flags_still_win(monkeypatc
     }
     monkeypatch.delenv("OUTPUT_DIR")
     assert str(load_config(TrainerConfig, []).output_dir) == "outputs"
+
+
+def test_rl_sampling_the_trainer_cannot_score_is_refused():
+    """top_p < 1 samples a truncated distribution; the trainer scores the full one, so the ratio would lie."""
+    with pytest.raises(ConfigError, match=r"sampling.top_p = 0.9: RL samples from the full distribution"):
+        load_config(RLConfig, ["--orchestrator.sampling.top-p", "0.9"])
+    assert load_config(RLConfig, ["--orchestrator.sampling.temperature", "0.7"]).orchestrator.sampling.top_p == 1

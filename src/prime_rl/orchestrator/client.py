@@ -10,8 +10,11 @@ on the same server with exponential backoff; when its retries run out the server
 pool (logged) and the request goes to another live server. Only when no server is left does a request
 fail. A removed server is probed (one /health, PROBE_TIMEOUT) at every later step's health check and
 rejoins once it answers; like every live server it then gets weights >= n - async_level with
-/update_weights before it samples (its completions are stamped with the step it holds). Anything else
-(4xx, malformed JSON) raises `InferenceError` naming the URL and the server's answer.
+/update_weights before it samples. Anything else (4xx, malformed JSON) raises `InferenceError` naming the
+URL and the server's answer.
+
+Every completion is stamped with the weight step the server reports for it (`x-weight-step`, the policy
+that computed all of its tokens), never with the client's guess of what the server holds.
 
 Completions come back as token ids (never re-tokenized text): the response's `prompt_token_ids`, each
 choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token_id:<id>`.
@@ -28,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from prime_rl.inference.control import WEIGHT_STEP_HEADER
+from prime_rl.inference.control import weight_step as weight_step_of
 from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
 
 logger = logging.getLogger("prime_rl")
@@ -200,6 +205,12 @@ class InferenceClient:
 
         Raises ServerDown when the retries ran out on transient failures, InferenceError otherwise.
         """
+        return (await self._exchange(method, url, body, server))[0]
+
+    async def _exchange(
+        self, method: str, url: str, body: dict | None = None, server: Server | None = None
+    ) -> tuple[dict, httpx.Headers]:
+        """`_request`, also returning the response headers."""
         attempts = self.config.max_retries + 1
         problem = ""
         for attempt in range(attempts):
@@ -227,7 +238,7 @@ class InferenceClient:
             if response.status_code >= 400:
                 raise InferenceError(f"{method} {url} failed with HTTP {response.status_code}: {response.text[:500]}")
             try:
-                return response.json()
+                return response.json(), response.headers
             except ValueError:
                 raise InferenceError(f"{method} {url} answered non-JSON: {response.text[:300]!r}") from None
         raise ServerDown(f"{method} {url} failed after {attempts} attempt(s): {problem}")
@@ -237,10 +248,9 @@ class InferenceClient:
         while True:
             server = self.pick()
             url = f"{server.base}{path}"
-            weight_step = server.step
             server.requests += 1
             try:
-                data = await self._request("POST", url, body, server)
+                data, headers = await self._exchange("POST", url, body, server)
             except ServerDown as e:
                 self.take_out(server, str(e))
                 if not self.live():
@@ -252,15 +262,27 @@ class InferenceClient:
                 raise InferenceError(f"POST {url} returned a malformed completion: {e}") from None
             if len(choices) != body["n"]:
                 raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={body['n']}")
+            weight_step = weight_step_of(headers)
+            if weight_step is None:
+                raise InferenceError(
+                    f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
+                )
             return [Completion(*choice, weight_step=weight_step) for choice in choices]
 
     def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
+        # Every sampling parameter is sent, neutral ones too, so no server default (vLLM's, or a checkpoint's
+        # generation_config.json) changes the distribution the trainer's logprobs assume.
         body: dict[str, Any] = {
             "model": self.model,
             "n": n,
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
         }

@@ -122,3 +122,14 @@ class OrchestratorConfig(BaseConfig):
                 f"rollouts_per_example ({self.rollouts_per_example})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _trainer_can_score_the_sampling(self) -> OrchestratorConfig:
+        # The trainer scores tokens under log_softmax(logits / temperature) over the whole vocabulary; a
+        # nucleus filter would make the importance ratio compare two different distributions.
+        if self.sampling.top_p < 1:
+            raise ValueError(
+                f"sampling.top_p = {self.sampling.top_p}: RL samples from the full distribution the trainer scores "
+                "(log_softmax(logits / temperature)); use top_p = 1 here (eval may use any top_p)"
+            )
+        return self

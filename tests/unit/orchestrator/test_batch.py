@@ -36,7 +36,7 @@ def handler(request):
                                                        {"token": "token_id:6", "logprob": -1.0}]}}
         for j in range(n)
     ]  # fmt: skip
-    return httpx.Response(200, json={"prompt_token_ids": [1], "choices": choices})
+    return httpx.Response(200, json={"prompt_token_ids": [1], "choices": choices}, headers={"x-weight-step": "0"})
 
 
 class AllRight(OddOnly):

@@ -10,6 +10,7 @@ from prime_rl.orchestrator.client import InferenceClient, InferenceError, parse_
 from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
 
 BASE = "http://127.0.0.1:9/v1"
+STEP_4 = {"x-weight-step": "4"}
 
 
 def chat_response(n: int) -> dict:
@@ -63,10 +64,10 @@ def test_chat_sends_wire_format_and_parses_token_ids_and_logprobs(monkeypatch):
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        return httpx.Response(200, json=chat_response(json.loads(request.content)["n"]))
+        return httpx.Response(200, json=chat_response(json.loads(request.content)["n"]), headers=STEP_4)
 
     client = make_client(handler, api_key_var="MY_KEY")
-    client.servers[0].step = 4
+    client.servers[0].step = 2  # what the client last saw; the server's stamp on the response wins
     messages = [{"role": "user", "content": "abc"}]
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, max_tokens=7)
     completions = asyncio.run(use(client, lambda c: c.chat(messages, 2, sampling)))
@@ -77,6 +78,9 @@ def test_chat_sends_wire_format_and_parses_token_ids_and_logprobs(monkeypatch):
     body = json.loads(request.content)
     assert body["messages"] == messages and body["model"] == "tiny" and body["n"] == 2
     assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.8, 0.9, 7)
+    # Neutral values are sent too, so no server-side default changes the sampled distribution.
+    assert (body["top_k"], body["min_p"], body["repetition_penalty"]) == (0, 0.0, 1.0)
+    assert (body["presence_penalty"], body["frequency_penalty"]) == (0.0, 0.0)
     assert body["logprobs"] and body["return_tokens_as_token_ids"] and body["return_token_ids"]
     assert [c.completion_ids for c in completions] == [[10, 11], [11, 12]]
     assert all(c.prompt_ids == [1, 2, 3] and c.logprobs == [-0.5, -1.5] for c in completions)
@@ -102,7 +106,11 @@ def test_no_auth_header_when_key_var_is_unset(monkeypatch):
 def test_transient_errors_are_retried(monkeypatch):
     monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
     answers = iter(
-        [httpx.ConnectError("refused"), httpx.Response(503, text="busy"), httpx.Response(200, json=chat_response(1))]
+        [
+            httpx.ConnectError("refused"),
+            httpx.Response(503, text="busy"),
+            httpx.Response(200, json=chat_response(1), headers=STEP_4),
+        ]
     )
 
     def handler(request):
@@ -185,11 +193,12 @@ def test_chat_requests_go_round_robin_and_carry_each_servers_weight_step():
 
     def handler(request):
         hosts.append(request.url.host)
-        return httpx.Response(200, json=chat_response(1))
+        return httpx.Response(
+            200, json=chat_response(1), headers={"x-weight-step": "3" if request.url.host == "a" else "4"}
+        )
 
     config = ClientConfig(base_url=["http://a:1/v1", "http://b:2/v1"])
     client = InferenceClient(config, "tiny", transport=httpx.MockTransport(handler))
-    client.steps = {"http://a:1/v1": 3, "http://b:2/v1": 4}
 
     async def four_requests(c):
         return [await c.chat([], 1, SamplingConfig()) for _ in range(4)]
@@ -197,3 +206,9 @@ def test_chat_requests_go_round_robin_and_carry_each_servers_weight_step():
     results = asyncio.run(use(client, four_requests))
     assert hosts == ["a", "b", "a", "b"]
     assert [r[0].weight_step for r in results] == [3, 4, 3, 4]
+
+
+def test_a_completion_without_the_servers_weight_step_is_an_error():
+    client = make_client(lambda request: httpx.Response(200, json=chat_response(1)))
+    with pytest.raises(InferenceError, match="did not report x-weight-step"):
+        asyncio.run(use(client, lambda c: c.chat([], 1, SamplingConfig())))

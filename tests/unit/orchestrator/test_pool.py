@@ -33,6 +33,7 @@ def chat_answer(n: int) -> dict:
 class FakeServer:
     def __init__(self, delay: float = 0.0, port: int = 0):
         self.requests = 0
+        self.step = 0
         self.updates: list[str] = []
         self.delay = delay
         fake = self
@@ -46,16 +47,18 @@ class FakeServer:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
+                self.send_header("x-weight-step", str(fake.step))
                 self.end_headers()
                 self.wfile.write(payload)
 
             def do_GET(self):
-                self.reply({"status": "ok", "step": 0})
+                self.reply({"status": "ok", "step": fake.step})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/update_weights":
                     fake.updates.append(body["weight_dir"])
+                    fake.step = 3
                     return self.reply({"step": 3, "weight_dir": body["weight_dir"], "seconds": 0.0})
                 fake.requests += 1
                 time.sleep(fake.delay)

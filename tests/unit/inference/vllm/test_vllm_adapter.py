@@ -17,11 +17,10 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.vllm.args import CONTROL_PLANE, WORKER_EXTENSION, vllm_serve_args
 from prime_rl.inference.control import ControlPlane
+from prime_rl.inference.vllm.args import CONTROL_PLANE, WORKER_EXTENSION, vllm_serve_args
 from prime_rl.inference.vllm.server import VllmModel
 from prime_rl.protocol import mark_stable, weights_dir
-from prime_rl.utils.config import ModelConfig
 
 
 def flags(args: list[str]) -> dict[str, str | None]:
