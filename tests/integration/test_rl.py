@@ -109,3 +109,27 @@ def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, 
     assert "interrupted; stopped all services" in stderr
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert leftovers == [], "orphan processes left behind"
+
+
+def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
+    vllm_installed, tiny_qwen3_hd32, tmp_path, free_port, monkeypatch
+):
+    """`rl --inference.backend vllm` (vLLM's CPU build): weights reach vLLM through its worker extension every
+    step, and with async_level 0 the trainer's logprobs match vLLM's (mismatch KL < 1e-3 at every step)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for vLLM's KV cache on CPU
+    out = tmp_path / "out"
+    args = [
+        "--model.name", str(tiny_qwen3_hd32), "--output-dir", str(out), "--max-steps", "3", "--async-level", "0",
+        "--inference.backend", "vllm", "--inference.server.port", str(free_port), "--inference.max-model-len", "512",
+        "--orchestrator.batch-size", "8", "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "256",
+        "--orchestrator.sampling.max-tokens", "16", "--orchestrator.sampling.temperature", "0.7",
+        "--trainer.optim.lr", "1e-3",
+    ]  # fmt: skip
+    result = run_rl(args, timeout=900)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
+    assert [m["step"] for m in trainer] == [0, 1, 2]
+    assert [m["weight_step"] for m in orch] == [0, 1, 2]  # on-policy: each step sampled the previous update
+    assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
+    served = (out / "logs" / "inference.log").read_text()
+    assert "backend vllm" in served and "now serving weights step 2" in served

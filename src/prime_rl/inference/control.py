@@ -161,6 +161,8 @@ class ControlPlane:
 
         if path not in GENERATION_ROUTES:
             return await self.app(scope, replay, send)
+        if not body.lstrip().startswith(b"{"):  # vLLM's request models crash (a 500) on other JSON values
+            return await error(400, "invalid request: the body must be a JSON object")(scope, receive, send)
         step = await self.gate.enter()
 
         async def stamped(message):
