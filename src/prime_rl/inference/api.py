@@ -1,5 +1,6 @@
-"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat (plain or streamed), health,
-Prometheus metrics, weight updates.
+"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat (plain or streamed) and
+Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body limit,
+weight updates).
 
 Requests are pydantic models; everything a client can get wrong (bad JSON, wrong types, a prompt too
 long for `max_model_len`, an oversized body, an unusable weight dir) is answered 4xx with an OpenAI-style
@@ -350,9 +351,10 @@ async def _guarded(http: Request, work: Awaitable, timeout: float):
     """Await `work`; cancel it when the client disconnects (answering nothing) or after `timeout` (504)."""
 
     async def disconnected() -> None:
-        # The body was read already (Guard replays it), so the next ASGI message is the disconnect. Awaiting it
-        # costs nothing while the request runs; polling `is_disconnected()` every 0.2 s per request took a
-        # quarter of the event loop's time at 64 requests in flight and competed with the engine for the GIL.
+        # The body was read already (the control plane replays it), so the next ASGI message is the
+        # disconnect. Awaiting it costs nothing while the request runs; polling `is_disconnected()` every
+        # 0.2 s per request took a quarter of the event loop's time at 64 requests in flight and competed
+        # with the engine for the GIL.
         while (await http.receive())["type"] != "http.disconnect":
             pass
 

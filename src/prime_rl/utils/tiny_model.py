@@ -2,8 +2,8 @@
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained (deterministically) on a small
 generated corpus, with ChatML special tokens and a chat template; the model is a randomly
-initialised Qwen3 or Llama of ~0.3M parameters. Both are written with `save_pretrained`, so every
-part of prime-rl loads them exactly like a hub model.
+initialised Qwen3 or Llama of ~0.3M parameters, or a Qwen3-MoE / Mixtral with 4 experts (2 per token).
+Both are written with `save_pretrained`, so every part of prime-rl loads them exactly like a hub model.
 
     uv run tiny-model outputs/tiny-qwen3 --arch qwen3
 """
@@ -14,7 +14,7 @@ import argparse
 import random
 from pathlib import Path
 
-ARCHS = ("qwen3", "llama")
+ARCHS = ("qwen3", "llama", "qwen3_moe", "mixtral")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -64,7 +64,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 
 
 def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 2, max_len: int = 4096):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -81,6 +81,16 @@ def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: 
         return Qwen3Config(head_dim=hidden_size // 4, **common)
     if arch == "llama":
         return LlamaConfig(**common)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            head_dim=hidden_size // 4,
+            num_experts=4,
+            moe_intermediate_size=hidden_size // 2,
+            num_experts_per_tok=2,
+            **common,
+        )
+    if arch == "mixtral":
+        return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
     raise ValueError(f"unknown tiny-model arch {arch!r}; choose from {ARCHS}")
 
 

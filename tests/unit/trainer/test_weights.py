@@ -12,6 +12,7 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.weights import build_model_files, check_export_layout, save_weights, write_safetensors
+from prime_rl.utils.tiny_model import create_tiny_model
 
 
 def test_saved_weights_are_a_loadable_hf_dir_identical_to_the_base(tiny_model, tmp_path, one_rank):
@@ -55,37 +56,9 @@ def test_weights_are_saved_in_the_base_models_dtype(tmp_path):
     assert saved["w"].dtype == torch.bfloat16 and saved["step"].dtype == torch.int64
 
 
-def _tiny_moe(path, arch: str):
-    """A tiny MoE model + tokenizer written by `save_pretrained`: the checkpoint layout inference loads."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
-
-    from prime_rl.utils.tiny_model import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    if arch == "qwen3_moe":
-        config = Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, head_dim=16, **common)
-    else:
-        config = MixtralConfig(num_local_experts=4, **common)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_moes(tmp_path_factory):
-    return {arch: _tiny_moe(tmp_path_factory.mktemp(arch), arch) for arch in ("qwen3_moe", "mixtral")}
+    return {arch: create_tiny_model(tmp_path_factory.mktemp(arch), arch) for arch in ("qwen3_moe", "mixtral")}
 
 
 @pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3", "llama"])
