@@ -42,6 +42,16 @@ def cpu_attention_kernel():
     cpu_kernel()
 
 
+@pytest.fixture(scope="session")
+def one_rank():
+    """A one-rank gloo process group in the test process, for code that runs FSDP collectives."""
+    from prime_rl.trainer.parallel import close_distributed, init_distributed
+
+    d = init_distributed("cpu")
+    yield d
+    close_distributed()
+
+
 @pytest.fixture
 def free_port() -> int:
     """A free loopback port (also importable as prime_rl.utils.net.free_port)."""

@@ -30,12 +30,12 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import mark_stable, weights_dir
 from prime_rl.utils.net import free_port
-from prime_rl.utils.tiny_model import write_perturbed_weights
+from prime_rl.utils.tiny_model import create_tiny_model, write_perturbed_weights
 
 START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}  # vLLM on 2 cores: imports, then a compiled warm-up pass
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
 READY = {
-    "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu, native forward\)"),
+    "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu, \w+ forward\)"),
     "vllm": re.compile(r"Starting vLLM server on http://(\S+):(\d+)"),
 }
 TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -464,8 +464,9 @@ def test_a_client_that_disconnects_cancels_its_generation(server, builtin_only):
         assert server.health()["running"] == 0, f"the abandoned generation is still decoding (stream={stream})"
 
 
-def trainer_logprobs(model_dir: Path, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
-    """The trainer's logprobs of `completion` after `prompt`: its model, its packed forward, its loss positions."""
+def trainer_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """The trainer's logprobs of `completion` after `prompt`: its model (a dir, or one it built), its packed
+    forward, its loss positions."""
     from prime_rl.protocol.records import MicroBatch
     from prime_rl.trainer.model import build_model, forward_logprobs
 
@@ -480,8 +481,10 @@ def trainer_logprobs(model_dir: Path, prompt: list[int], completion: list[int], 
         inference_logprobs=torch.zeros(ids.shape),
         temperature=temperature,
     )
+    if isinstance(model, Path):
+        model = build_model(str(model))
     with torch.no_grad():
-        out = forward_logprobs(build_model(str(model_dir)), mb, torch.device("cpu"), where=mask)
+        out = forward_logprobs(model, mb, torch.device("cpu"), where=mask)
     return out.logprobs[0, len(prompt) :].tolist()
 
 
@@ -530,3 +533,37 @@ def test_completions_carry_the_weight_step_that_computed_them(server, tiny_model
         assert r.headers["x-weight-step"] == "11"
     assert server.post("/reload_weights").json()["step"] == 0
     assert server.post("/v1/completions", json=body).headers["x-weight-step"] == "0"
+
+
+@pytest.fixture(scope="module")
+def moe_server(server, tmp_path_factory):
+    """A server of the same backend serving a tiny Qwen3-MoE (transformers fuses its experts at load)."""
+    root = tmp_path_factory.mktemp(f"moe-{server.backend}")
+    model = create_tiny_model(root / "tiny-qwen3-moe", "qwen3_moe", hidden_size=128)
+    moe = Server(model, root / "serve", server.backend, api_key=server.api_key)
+    try:
+        moe.wait_ready()
+        yield moe, model
+    finally:
+        moe.stop()
+
+
+def test_the_trainers_moe_export_is_served_with_the_trainers_logprobs(moe_server, one_rank):
+    """The trainer's weight export of a MoE model (checkpoint names, per-expert tensors) loads into the server,
+    and what the server then samples at T = 0.7 has the trainer's logprobs."""
+    from prime_rl.trainer.model import build_model
+    from prime_rl.trainer.weights import build_model_files, save_weights
+
+    server, model_dir = moe_server
+    model = build_model(str(model_dir))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    step_dir = save_weights(model, build_model_files(str(model_dir)), server.output_dir, step=1)
+    response = server.post("/update_weights", json={"weight_dir": str(step_dir)})
+    assert response.status_code == 200, response.text
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.7, "seed": 3, "logprobs": 0, "ignore_eos": True}
+    choice = server.post("/v1/completions", json=body | {"return_token_ids": True}).json()["choices"][0]
+    served = choice["logprobs"]["token_logprobs"]
+    assert served == pytest.approx(trainer_logprobs(model, PROMPT, choice["token_ids"], 0.7), abs=1e-4)

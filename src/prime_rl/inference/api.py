@@ -32,7 +32,7 @@ from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.control import ControlPlane, error
 from prime_rl.inference.engine import Engine, SamplingParams
 from prime_rl.inference.engine.engine import Delta, EngineBusy, EngineClosed, Sample
-from prime_rl.inference.engine.weights import LoadedWeights, load_weight_dir
+from prime_rl.inference.engine.weights import LoadedWeights
 
 logger = logging.getLogger("prime_rl")
 MAX_TOP_LOGPROBS = 20
@@ -216,7 +216,7 @@ class BuiltinModel:
     async def prepare(self, weight_dir: Path | None) -> tuple[int, LoadedWeights]:
         if weight_dir is None:
             return 0, LoadedWeights(0, Path(), self.engine.base_weights)
-        loaded = await asyncio.to_thread(load_weight_dir, weight_dir, self.engine.model)
+        loaded = await self.engine.load_weights(weight_dir)
         return loaded.step, loaded
 
     async def apply(self, prepared: LoadedWeights) -> None:

@@ -44,7 +44,8 @@ def convert(checkpoint: Path, output: Path, max_shard_size: str = "5GB") -> Path
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from prime_rl.trainer.ckpt import HF_FILES_DIR, load_hf_state_dict
-    from prime_rl.trainer.weights import checkpoint_state_dict, meta_model, saved_dtype, write_safetensors
+    from prime_rl.trainer.weights import meta_model, saved_dtype, write_safetensors
+    from prime_rl.utils.hf_layout import checkpoint_state_dict
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / HF_FILES_DIR).is_dir() and (checkpoint / "trainer").is_dir():

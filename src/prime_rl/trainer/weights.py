@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from prime_rl.protocol import atomic_write, atomic_write_text, mark_stable, prune_steps, weights_dir, weights_root
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.utils.hf_layout import checkpoint_state_dict
 
 logger = logging.getLogger("prime_rl")
 
@@ -65,18 +66,6 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def checkpoint_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state_dict` (the model's own names) in its HF checkpoint's names and shapes.
-
-    Reverts transformers' load-time weight conversion with the function `save_pretrained` uses: the
-    conversions recorded when `model` was loaded, or, for a model built from its config (e.g. on the
-    meta device), the ones registered for its architecture. A no-op for architectures without any.
-    """
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return revert_weight_conversion(model, state_dict)
 
 
 def meta_model(config) -> torch.nn.Module:

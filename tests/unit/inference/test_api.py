@@ -96,7 +96,7 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
     ("route", "body", "message"),
     [
         ("/v1/completions", b"{not json", "JSON decode error"),
-        ("/v1/completions", b"[1, 2]", "valid dictionary"),
+        ("/v1/completions", b"[1, 2]", "the body must be a JSON object"),
         ("/v1/completions", {"prompt": "hi", "n": 0}, "body.n"),
         ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "body.temperature"),
         ("/v1/completions", {"max_tokens": 3}, "body.prompt: Field required"),

@@ -41,7 +41,7 @@ from prime_rl.inference.config import StartupError
 from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
-from prime_rl.inference.engine.weights import load_weight_dir
+from prime_rl.inference.engine.weights import LoadedWeights, checkpoint_specs, load_weight_dir
 
 logger = logging.getLogger("prime_rl")
 
@@ -147,6 +147,7 @@ class Engine:
         self.generated_tokens = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
         self.base_weights = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+        self.checkpoint_specs = checkpoint_specs(model)  # what a weight dir must hold (the checkpoint's layout)
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._waiting: collections.deque[_Request] = collections.deque()
         self._swap: _Swap | None = None
@@ -240,8 +241,12 @@ class Engine:
     async def update_weights(self, weight_dir: Path) -> int:
         """Serve the weights in a complete `weights/step_n` dir; returns n once new requests see them."""
         async with self._lock():
-            loaded = await asyncio.to_thread(load_weight_dir, weight_dir, self.model)
+            loaded = await self.load_weights(weight_dir)
             return await self.swap(loaded.tensors, loaded.step)
+
+    async def load_weights(self, weight_dir: Path) -> LoadedWeights:
+        """Check and read a weight dir off the event loop and the worker; the served weights are untouched."""
+        return await asyncio.to_thread(load_weight_dir, weight_dir, self.model, self.checkpoint_specs)
 
     async def reload_weights(self) -> int:
         """Serve the base weights again, bit for bit."""

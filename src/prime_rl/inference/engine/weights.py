@@ -1,9 +1,11 @@
 """Reading a trainer's `weights/step_n` directory into tensors for the built-in engine's model.
 
 Loading happens here, off the engine's worker thread, so generation keeps running while the files are read.
-The dir is checked first against the model's state dict (`prime_rl.inference.weights`, shared with vLLM);
-tensors are then cast to the model's device and precision (the trainer may save float32 for a bfloat16
-server). The worker only copies the checked tensors into the model between two iterations.
+The dir is checked first against the served checkpoint's layout (`prime_rl.inference.weights`, shared with
+vLLM): the names and shapes the trainer exports. For an architecture transformers converts at load (MoE
+experts fused into 3-D tensors) transformers loads the dir, so the same conversion applies; for the others
+the files are read as they are. Tensors are then cast to the model's device and precision (the trainer may
+save float32 for a bfloat16 server). The worker only copies the checked tensors in between two iterations.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from prime_rl.inference.weights import TensorSpecs, WeightsError, check_weight_dir
+from prime_rl.utils.hf_layout import checkpoint_state_dict, is_converted
 
 
 @dataclass
@@ -23,22 +26,33 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor]
 
 
-def model_specs(model: torch.nn.Module) -> TensorSpecs:
-    return {name: (tuple(t.shape), t.dtype.is_floating_point) for name, t in model.state_dict().items()}
+def checkpoint_specs(model: torch.nn.Module) -> TensorSpecs:
+    """Names, shapes and dtype kinds of the model's checkpoint layout (computed on meta tensors)."""
+    meta = {name: t.to("meta") for name, t in model.state_dict().items()}
+    return {name: (tuple(t.shape), t.dtype.is_floating_point) for name, t in checkpoint_state_dict(model, meta).items()}
 
 
-def load_weight_dir(weight_dir: Path, model: torch.nn.Module) -> LoadedWeights:
-    """Read every `*.safetensors` under a complete `step_n` dir that fits `model`."""
+def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs) -> LoadedWeights:
+    """Read a complete `step_n` dir in the checkpoint layout `specs` into tensors of `model`'s state dict."""
     from safetensors.torch import load_file
 
     weight_dir = Path(weight_dir)
-    step, files = check_weight_dir(weight_dir, model.config.to_dict(), model_specs(model))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file))
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise WeightsError(f"{file}: cannot read: {e}") from None
+    step, files = check_weight_dir(weight_dir, model.config.to_dict(), specs)
     params = model.state_dict()
+    if is_converted(model):
+        from transformers import AutoModelForCausalLM
+
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(weight_dir, config=model.config, dtype=torch.float32)
+        except Exception as e:  # transformers raises many types for files it cannot use
+            raise WeightsError(f"{weight_dir}: cannot load: {e}") from None
+        tensors = loaded.state_dict()
+    else:
+        tensors = {}
+        for file in files:
+            try:
+                tensors.update(load_file(file))
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                raise WeightsError(f"{file}: cannot read: {e}") from None
     tensors = {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in tensors.items()}
     return LoadedWeights(step=step, weight_dir=weight_dir, tensors=tensors)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, build_engine
 from prime_rl.inference.engine.batch import left_padded_positions
 from prime_rl.inference.engine.engine import EngineBusy, cpu_threads
-from prime_rl.inference.engine.weights import model_specs
+from prime_rl.inference.engine.weights import checkpoint_specs
 from prime_rl.inference.weights import check_specs
 from prime_rl.protocol import mark_stable, weights_dir
 from prime_rl.utils.tiny_model import write_perturbed_weights
@@ -241,8 +241,8 @@ def test_a_tied_lm_head_may_be_missing_from_the_weights(tiny_model):
     tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     specs = {name: (tuple(t.shape), True) for name, t in tensors.items()}
     with pytest.raises(WeightsError, match="missing lm_head.weight"):
-        check_specs(specs, model_specs(model), tied=False)
-    check_specs(specs, model_specs(model), tied=True)
+        check_specs(specs, checkpoint_specs(model), tied=False)
+    check_specs(specs, checkpoint_specs(model), tied=True)
 
 
 @pytest.mark.parametrize(
