@@ -32,7 +32,9 @@ def run(config: InferenceConfig) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
-    backend = resolve_backend(config.backend, vllm_importable(), cuda)
+    # Importing vLLM takes seconds (and its CPU build sets up its own runtime): only when it could be chosen.
+    could_use_vllm = config.backend == "vllm" or (config.backend == "auto" and cuda)
+    backend = resolve_backend(config.backend, could_use_vllm and vllm_importable(), cuda)
     config = fit_max_model_len(config)
     if backend == "vllm":
         from prime_rl.inference.vllm.server import serve_vllm
