@@ -36,6 +36,7 @@ from prime_rl.inference.engine.weights import LoadedWeights
 
 logger = logging.getLogger("prime_rl")
 MAX_TOP_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # vLLM's: temperatures below it sample greedily
 
 
 class APIError(Exception):
@@ -147,7 +148,12 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         _check_model(body.model, model_name)
-        prompts = [_prompt_ids(p, tokenizer, engine.vocab_size) for p in _split_prompts(body.prompt)]
+        # Text prompts are tokenized off the event loop (an 8 MB prompt took ~6 s of it).
+        split = _split_prompts(body.prompt)
+        if any(isinstance(p, str) for p in split):
+            prompts = await asyncio.to_thread(lambda: [_prompt_ids(p, tokenizer, engine.vocab_size) for p in split])
+        else:
+            prompts = [_prompt_ids(p, tokenizer, engine.vocab_size) for p in split]
         params = [_sampling_params(body, len(ids), 16, body.logprobs or 0, config, engine) for ids in prompts]
         meta = {"id": f"cmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
         if body.stream:
@@ -175,7 +181,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(body.model, model_name)
-        ids = _chat_prompt_ids(body, tokenizer)
+        ids = await asyncio.to_thread(_chat_prompt_ids, body, tokenizer, config.trust_request_chat_template)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _sampling_params(body, len(ids), None, top, config, engine)
         meta = {"id": f"chatcmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
@@ -254,12 +260,18 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> lis
     return list(prompt)
 
 
-def _chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def _chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any, trust_template: bool) -> list[int]:
+    kwargs = request.chat_template_kwargs or {}
+    if not trust_template and ("chat_template" in kwargs or request.model_extra.get("chat_template") is not None):
+        # A template is code the server runs; one from a request could loop forever (as vLLM, opt-in only).
+        raise APIError(
+            400, "a chat_template in the request is refused (start the server with --trust-request-chat-template)"
+        )
+    if request.model_extra.get("chat_template") is not None:
+        kwargs = kwargs | {"chat_template": request.model_extra["chat_template"]}
     messages = [_message_dict(m) for m in request.messages]
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(request.chat_template_kwargs or {})
-        )
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # jinja raises its own errors for messages the template rejects
         raise APIError(400, f"cannot apply the chat template: {e}") from None
     if not isinstance(text, str):
@@ -304,7 +316,7 @@ def _sampling_params(
         n=request.n,
         max_tokens=max_tokens,
         min_tokens=min(request.min_tokens, max_tokens),
-        temperature=1.0 if request.temperature is None else request.temperature,
+        temperature=_temperature(request.temperature),
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=-1 if request.top_k is None else request.top_k,
         min_p=request.min_p or 0.0,
@@ -315,6 +327,13 @@ def _sampling_params(
         ignore_eos=request.ignore_eos,
         top_logprobs=top_logprobs,
     )
+
+
+def _temperature(requested: float | None) -> float:
+    """1 when unset; below 1e-5 greedy (0), as vLLM: logits / 1e-39 overflow to inf and the logprobs to NaN."""
+    if requested is None:
+        return 1.0
+    return 0.0 if requested < SAMPLING_EPS else requested
 
 
 def _httperror(e: BaseException) -> BaseException:

@@ -78,6 +78,9 @@ class InferenceConfig(BaseConfig):
     allow_unauthenticated: Annotated[
         bool, Field(description="allow binding a non-loopback address without an API key")
     ] = False
+    trust_request_chat_template: Annotated[
+        bool, Field(description="accept a chat_template sent in a request (it is code the server runs)")
+    ] = False
     max_model_len: Annotated[int, Field(ge=1, description="most prompt + completion tokens per sequence")] = 4096
     gpu_memory_utilization: Annotated[
         float, Field(gt=0, le=1, description="fraction of GPU memory the engine may use (vLLM)")

@@ -17,12 +17,13 @@ import asyncio
 import collections
 import hmac
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from prime_rl.inference.weights import WeightsError
@@ -32,6 +33,35 @@ logger = logging.getLogger("prime_rl")
 WEIGHT_STEP_HEADER = "x-weight-step"
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, "/update_weights", "/reload_weights")
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON body holds a string that is not valid Unicode text (escaped halves of a pair).
+
+    Only run when the raw bytes show a surrogate escape, which paired ones (emoji) also do.
+    """
+    import json
+
+    def bad(value) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, dict):
+            return any(bad(k) or bad(v) for k, v in value.items())
+        if isinstance(value, list):
+            return any(bad(v) for v in value)
+        return False
+
+    try:
+        return bad(json.loads(body))
+    except ValueError:
+        return False  # malformed JSON: the route answers 400 for that
 
 
 class ServedModel(Protocol):
@@ -52,7 +82,7 @@ class ServedModel(Protocol):
 
 class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    weight_dir: str
+    weight_dir: Annotated[str, Field(min_length=1, max_length=4096)]  # PATH_MAX
 
 
 class StepGate:
@@ -163,6 +193,10 @@ class ControlPlane:
             return await self.app(scope, replay, send)
         if not body.lstrip().startswith(b"{"):  # vLLM's request models crash (a 500) on other JSON values
             return await error(400, "invalid request: the body must be a JSON object")(scope, receive, send)
+        if SURROGATE_ESCAPE.search(body) and has_lone_surrogate(bytes(body)):
+            # Valid JSON, but no UTF-8 text: tokenizers and response encoders fail on it (a 500).
+            message = "invalid request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+            return await error(400, message)(scope, receive, send)
         step = await self.gate.enter()
 
         async def stamped(message):

@@ -49,11 +49,18 @@ def check_weight_files(weight_dir: Path) -> tuple[int, list[Path]]:
     step = step_of(weight_dir)
     if step is None:
         raise WeightsError(f"{weight_dir}: not a weights/step_<n> directory")
-    if not weight_dir.is_dir():
-        raise WeightsError(f"{weight_dir}: no such directory")
-    if not is_stable(weight_dir):
-        raise WeightsError(f"{weight_dir}: not complete (no STABLE marker)")
-    files = sorted(weight_dir.glob("*.safetensors"))
+    try:
+        if not weight_dir.is_dir():
+            raise WeightsError(f"{weight_dir}: no such directory")
+        if not is_stable(weight_dir):
+            raise WeightsError(f"{weight_dir}: not complete (no STABLE marker)")
+        files = sorted(weight_dir.glob("*.safetensors"))
+        # A FIFO or device named *.safetensors would block its reader forever.
+        odd = [f.name for f in files if not f.is_file()]
+    except OSError as e:  # a name too long, a permission, an I/O error: the dir cannot be served
+        raise WeightsError(f"{str(weight_dir)[:200]}: cannot read: {e.strerror or e}") from None
+    if odd:
+        raise WeightsError(f"{weight_dir}: not regular files: {', '.join(odd[:5])}")
     if not files:
         raise WeightsError(f"{weight_dir}: no *.safetensors files")
     return step, files

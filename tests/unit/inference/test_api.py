@@ -114,6 +114,22 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
         ("/update_weights", {"weight_dir": "/nonexistent/step_1"}, "no such directory"),
         ("/update_weights", {"path": "x"}, "body.weight_dir"),
+        # Each of these was a 500 (issue: no 5xx): a lone surrogate, a path longer than any the OS takes,
+        # a request-supplied chat template (code the server would run) without the opt-in.
+        ("/v1/completions", b'{"prompt": "hi \\ud800"}', "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "lone UTF-16 surrogate"),
+        ("/update_weights", {"weight_dir": "/x" * 50_000}, "body.weight_dir"),
+        ("/update_weights", {"weight_dir": "/tmp/" + "x" * 300 + "/step_1"}, "File name too long"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+            "--trust-request-chat-template",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{% for i in range(9**9) %}{% endfor %}"},
+            "--trust-request-chat-template",
+        ),
     ],
 )
 def test_bad_requests_get_400_with_a_message(client, route, body, message):
@@ -213,3 +229,24 @@ def test_a_request_past_its_timeout_gets_504_and_stops_decoding(engine, tiny_mod
     with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
         lines = [line for line in streamed.iter_lines() if line]
     assert '"code": 504' in lines[-2] and lines[-1] == "data: [DONE]"
+
+
+def test_paired_surrogates_are_text_and_tiny_temperatures_sample_greedily(client):
+    """An escaped emoji is valid text; temperature 1e-39 with logprobs was NaN (unserialisable, a 500)."""
+    emoji = b'{"prompt": "hi \\ud83d\\ude00", "max_tokens": 2}'
+    assert (
+        client.post("/v1/completions", content=emoji, headers={"content-type": "application/json"}).status_code == 200
+    )
+    tiny = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1e-39, "logprobs": 0}
+    greedy = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    answers = [client.post("/v1/completions", json=body) for body in (tiny, greedy)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json()["choices"][0]["logprobs"] == answers[1].json()["choices"][0]["logprobs"]
+
+
+def test_a_trusted_server_renders_a_request_chat_template(engine, tiny_model):
+    client = make_client(engine, tiny_model, trust_request_chat_template=True)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "return_token_ids": True}
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    data = client.post("/v1/chat/completions", json=body | {"chat_template": template}).json()
+    assert len(data["prompt_token_ids"]) == 1  # just "x", not the model's ChatML wrapping

@@ -54,5 +54,9 @@ def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs
                 tensors.update(load_file(file))
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise WeightsError(f"{file}: cannot read: {e}") from None
+    # NaN or inf weights would be served and make every logprob NaN (unserialisable: each request a 500).
+    broken = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise WeightsError(f"{weight_dir}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
     tensors = {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in tensors.items()}
     return LoadedWeights(step=step, weight_dir=weight_dir, tensors=tensors)

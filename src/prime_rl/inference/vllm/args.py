@@ -32,6 +32,8 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
     dtype = config.engine.dtype if config.engine.dtype != "auto" or cuda else "float32"
     if dtype != "auto":
         args += ["--dtype", dtype]
+    if config.trust_request_chat_template:
+        args.append("--trust-request-chat-template")
     multi_node = {
         "--data-parallel-size-local": config.data_parallel_size_local,
         "--data-parallel-address": config.data_parallel_address,

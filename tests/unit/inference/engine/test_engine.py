@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 
 import pytest
@@ -219,7 +220,17 @@ def test_unusable_weight_dirs_are_refused_and_the_old_weights_keep_serving(engin
     other_arch = write_perturbed_weights(tiny_model, tmp_path, step=5)
     config = json.loads((other_arch / "config.json").read_text())
     (other_arch / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 7}))
+    nan = weights_dir(tmp_path, 6)  # was accepted, and every later logprobs request was a 500
+    nan.mkdir(parents=True)
+    save_file(before | {"model.norm.weight": torch.full((64,), float("nan"))}, nan / "model.safetensors")
+    mark_stable(nan)
+    fifo = weights_dir(tmp_path, 7)  # was read forever (a reader blocks on a FIFO)
+    fifo.mkdir(parents=True)
+    os.mkfifo(fifo / "model.safetensors")
+    mark_stable(fifo)
     cases = {
+        nan: "non-finite values (NaN or inf) in model.norm.weight",
+        fifo: "not regular files: model.safetensors",
         wrong_dtype: "model.norm.weight has a non-floating dtype",
         other_arch: "num_hidden_layers is 7, the served model has 2",
         unstable: "no STABLE marker",
