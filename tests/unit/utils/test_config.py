@@ -123,3 +123,15 @@ def test_every_shipped_toml_parses():
         # configs/sft/ holds `sft` configs whatever their name; elsewhere the name says the entrypoint.
         cls = SFTConfig if "sft" in path.parts else next(c for p, c in by_prefix.items() if path.stem.startswith(p))
         load_config(cls, ["@", str(path)])
+
+
+def test_run_configs_never_hold_the_api_key(tmp_path, monkeypatch):
+    """run/*.toml records the env var's name, never the key (it was written in plain text, mode 0644)."""
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.utils.config import write_run_config
+
+    monkeypatch.setenv("MY_KEY", "s3cr3t-from-env")
+    for config in (InferenceConfig(api_key="s3cr3t-given"), InferenceConfig(api_key_var="MY_KEY")):
+        path = write_run_config(config, "inference", tmp_path)
+        assert "s3cr3t" not in path.read_text()
+    assert 'api_key_var = "MY_KEY"' in path.read_text()
