@@ -44,6 +44,7 @@ def serve_fake(port: int, tokens: int) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
+            self.send_header("x-weight-step", "0")  # the policy that sampled it, as real servers report it
             self.end_headers()
             self.wfile.write(payload)
 

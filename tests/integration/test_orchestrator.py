@@ -50,11 +50,13 @@ class FakeInferenceServer:
             def log_message(self, *args):
                 pass
 
-            def reply(self, status: int, data: dict) -> None:
+            def reply(self, status: int, data: dict, step: int | None = None) -> None:
                 payload = json.dumps(data).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
+                if step is not None:  # the weight step that sampled a completion, as real servers report it
+                    self.send_header("x-weight-step", str(step))
                 self.end_headers()
                 self.wfile.write(payload)
 
@@ -88,7 +90,8 @@ class FakeInferenceServer:
                         return
                     with server.lock:
                         server.events.append("chat")
-                    return self.reply(200, server.chat(body))
+                        step = server.step
+                    return self.reply(200, server.chat(body), step)
                 self.reply(404, {"error": f"no route {self.path}"})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
