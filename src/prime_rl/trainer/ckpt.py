@@ -10,11 +10,17 @@ A checkpoint at step n is the trainer's state after n optimizer steps, shared by
 
 DCP reshards on load, so a checkpoint resumes on any world size. `load_hf_state_dict` reads the model
 weights back without a process group (for conversion on any machine).
+
+Checkpoints live on a shared filesystem, so nothing read from one may run code: DCP's `.metadata` is a
+pickle, which torch's own reader unpickles as is. `SafeReader` unpickles it with only the metadata classes
+DCP writes (like `torch.load(weights_only=True)` for tensors); anything else, or a truncated file, is a
+`CheckpointError` naming the checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
 import warnings
 from dataclasses import asdict, dataclass
@@ -32,10 +38,58 @@ from prime_rl.protocol import (
     trainer_checkpoint_dir,
 )
 from prime_rl.protocol.paths import STABLE
+from prime_rl.trainer.errors import TrainerError
 
 logger = logging.getLogger("prime_rl")
 
 HF_FILES_DIR = "hf"
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint that cannot be loaded safely; the message names it and says why."""
+
+
+# The globals a DCP `.metadata` pickle refers to (torch 2.11): its dataclasses, sizes, dtypes, layouts, paths.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not part of a checkpoint's metadata)")
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata_path = Path(self._get_metadata_path(kwargs.get("rank")))
+            try:
+                with open(metadata_path, "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{metadata_path}: not a readable checkpoint index: {e}") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
 
 
 @dataclass
@@ -90,7 +144,9 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     path = trainer_checkpoint_dir(output_dir, step)
     base_lrs = list(scheduler.base_lrs)
     state = _app_state(model, optimizer, scheduler, Progress())
-    dcp.load(state, checkpoint_id=path)
+    reader = _safe_reader(path)
+    reader.read_metadata()  # here, so a bad index is one clear error (inside dcp.load it is wrapped per rank)
+    dcp.load(state, storage_reader=reader)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     # The schedule follows this run's config (lr, warmup, max_steps may have changed, e.g. a longer run):
@@ -145,5 +201,7 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STABLE} marker)")
     with warnings.catch_warnings():  # "no process group: loading in a single process" is exactly the intent
         warnings.simplefilter("ignore", UserWarning)
-        state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=str(path))
+        reader = _safe_reader(path)
+        reader.read_metadata()
+        state = _load_state_dict_from_keys(keys={"model"}, storage_reader=reader)
     return state["model"]
