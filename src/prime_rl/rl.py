@@ -23,6 +23,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, Section, parse_config, write_run_config
 from prime_rl.utils.logging import logger, setup_logging
+from prime_rl.utils.process import die_with_parent
 
 SERVICES = ("inference", "orchestrator", "trainer")
 # Shared key -> the sub-configs that carry it. A value set at the top goes to all of them;
@@ -197,10 +198,10 @@ class Service:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        # Own process group, so stopping it also stops torchrun's workers.
+        # Own process group, so stopping it also stops torchrun's workers; SIGTERM when `rl` dies, however.
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **env}, start_new_session=True,
+            env={**os.environ, **env}, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
 
     @property

@@ -149,3 +149,98 @@ def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_por
     assert "on http://0.0.0.0:" in (out / "logs" / "inference.log").read_text()
     leaks = [p for p in out.rglob("*") if p.is_file() and b"s3cr3t-key" in p.read_bytes()]
     assert leaks == []
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid → command line of every process below `pid` (read from /proc)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                found[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+def alive(pids) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":  # a zombie has exited; only its reaping is left
+            left.append(pid)
+    return left
+
+
+def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
+    """kill -9 of torchrun takes its worker with it; kill -9 of `rl` takes every service with it
+    (both used to leave processes running forever)."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    args = [
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "500",
+        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8",
+    ]  # fmt: skip
+    rl = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics" / "trainer.jsonl").is_file():  # all three services are up and working
+            assert rl.poll() is None and time.monotonic() < deadline, rl.stderr.read().decode() if rl.poll() else "slow"
+            time.sleep(0.5)
+        family = descendants(rl.pid)
+        torchrun = [p for p, cmd in family.items() if "torch.distributed.run" in cmd]
+        workers = [p for p, cmd in family.items() if "prime_rl.trainer.rl.train" in cmd and p not in torchrun]
+        assert torchrun and workers, family
+        os.kill(torchrun[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(workers) == [], "the trainer worker outlived torchrun"
+        rl.wait(60)  # rl sees the trainer gone and stops the run
+        assert rl.returncode != 0
+
+        # Again, now killing rl itself.
+        rl = subprocess.Popen(
+            [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 180
+        while len(descendants(rl.pid)) < 4 or "serving" not in _read(out / "logs" / "inference.log"):
+            assert rl.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        family = descendants(rl.pid)
+        rl.kill()
+        rl.wait()
+        deadline = time.monotonic() + 30
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(family) == [], {p: family[p] for p in alive(family)}
+    finally:  # whatever happened, leave nothing running for the next tests
+        if rl.poll() is None:
+            rl.kill()
+        for pid in alive(family | descendants(rl.pid)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _read(path) -> str:
+    return path.read_text() if path.is_file() else ""

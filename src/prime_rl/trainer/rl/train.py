@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass
 
@@ -21,11 +22,14 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.process import die_with_parent
 
 logger = logging.getLogger("prime_rl")
 
 
 def main() -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent (it may be SIGKILLed)
+        die_with_parent(signal.SIGKILL)
     config = parse_config(TrainerConfig)
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -25,11 +26,14 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.sft.config import SFTConfig
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.process import die_with_parent
 
 logger = logging.getLogger("prime_rl")
 
 
 def main() -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent (it may be SIGKILLed)
+        die_with_parent(signal.SIGKILL)
     config = parse_config(SFTConfig, prog="sft")
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
