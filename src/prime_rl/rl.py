@@ -8,6 +8,7 @@ logs, and stop everything when one fails or on Ctrl-C (exit non-zero, naming the
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from pydantic import Field, model_validator
 
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.protocol import RunLock, RunLocked
+from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, Section, parse_config, write_run_config
 from prime_rl.utils.logging import logger, setup_logging
@@ -288,10 +291,23 @@ class ServiceFailed(RuntimeError):
 
 
 def run(config: RLConfig) -> None:
+    """Holds the output dir's orchestrator and trainer locks for the whole run (before anything is written or
+    cleared); the services join them with the token in their environment."""
+    token = secrets.token_hex(8)
+    with (
+        RunLock(config.orchestrator.output_dir, "orchestrator", token),
+        RunLock(config.orchestrator.output_dir, "trainer", token),
+    ):
+        _run(config, token)
+
+
+def _run(config: RLConfig, lock_token: str) -> None:
     from prime_rl.protocol import run_dir
 
     output_dir = config.orchestrator.output_dir
     env, trainer_procs = assign_devices(config, count_gpus())
+    for name in ("orchestrator", "trainer"):
+        env[name][LOCK_TOKEN_VAR] = lock_token
     if config.orchestrator.num_train_workers != trainer_procs:
         if "num_train_workers" in config.orchestrator.model_fields_set:
             raise ValueError(
@@ -370,7 +386,7 @@ def main() -> None:
     except KeyboardInterrupt:
         logger.error("interrupted; stopped all services")
         raise SystemExit(130) from None
-    except (ServiceFailed, TimeoutError, ValueError) as e:
+    except (ServiceFailed, TimeoutError, ValueError, RunLocked) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

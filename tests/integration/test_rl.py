@@ -244,3 +244,40 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
 
 def _read(path) -> str:
     return path.read_text() if path.is_file() else ""
+
+
+def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path, free_port):
+    """A second `rl` (or orchestrator) on a live run's dir used to delete the live run's rollouts and weights
+    as "left by an earlier run" and exit 0; now it is refused, naming the holder, and the live run goes on."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    args = [
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "500",
+        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8",
+    ]  # fmt: skip
+    live = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(read_metrics(out, "orchestrator")) < 2:
+            assert live.poll() is None and time.monotonic() < deadline, "the live run did not get going"
+            time.sleep(0.5)
+        second = run_rl(args, timeout=120)
+        assert second.returncode == 1
+        assert f"{out} is in use: its orchestrator runs as pid" in second.stderr
+        orchestrator = [sys.executable, "-m", "prime_rl.orchestrator.orchestrator", "--output-dir", str(out)]
+        stray = subprocess.run([*orchestrator, "--model.name", str(tiny_model)], capture_output=True, text=True)
+        assert stray.returncode == 1 and "is in use" in stray.stderr
+        steps = len(read_metrics(out, "orchestrator"))
+        deadline = time.monotonic() + 60
+        while len(read_metrics(out, "orchestrator")) < steps + 2:  # the live run was not disturbed
+            assert live.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+    finally:
+        live.send_signal(signal.SIGTERM)
+        live.wait(60)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ from prime_rl.orchestrator.rollout import Group, RolloutSource, load_tokenizer
 from prime_rl.orchestrator.sinks import ProgressLine, SinkError, build_wandb
 from prime_rl.protocol import (
     Heartbeat,
+    RunLock,
+    RunLocked,
     WaitTimeout,
     WriterDead,
     clear_previous_run,
@@ -46,6 +49,7 @@ from prime_rl.protocol import (
     weights_dir,
     weights_root,
 )
+from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
@@ -303,10 +307,20 @@ def run(config: OrchestratorConfig) -> None:
 def main() -> None:
     config = parse_config(OrchestratorConfig, prog="orchestrator")
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
-    write_run_config(config, "orchestrator", config.output_dir)
     try:
-        run(config)
-    except (WaitTimeout, WriterDead, InferenceError, EnvError, SampleTooLong, SinkError, CheckpointError) as e:
+        with RunLock(config.output_dir, "orchestrator", token=os.environ.get(LOCK_TOKEN_VAR)):
+            write_run_config(config, "orchestrator", config.output_dir)
+            run(config)
+    except (
+        WaitTimeout,
+        WriterDead,
+        InferenceError,
+        EnvError,
+        SampleTooLong,
+        SinkError,
+        CheckpointError,
+        RunLocked,
+    ) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

@@ -17,6 +17,7 @@ from prime_rl.protocol.files import (
     resolve_resume_step,
     stable_steps,
 )
+from prime_rl.protocol.lock import RunLock, RunLocked
 from prime_rl.protocol.paths import (
     checkpoint_dir,
     checkpoints_root,
@@ -49,6 +50,8 @@ from prime_rl.protocol.wait import (
 
 __all__ = [
     "Heartbeat",
+    "RunLock",
+    "RunLocked",
     "WaitTimeout",
     "WriterDead",
     "atomic_write",

@@ -109,3 +109,15 @@ def all_reduce(values: list[float], device: torch.device, op: Literal["sum", "ma
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_lock(output_dir, role: str, rank: int):
+    """The output dir's lock for this trainer world, held by global rank 0 (see protocol/lock.py)."""
+    import contextlib
+
+    from prime_rl.protocol import RunLock
+    from prime_rl.protocol.lock import TOKEN_VAR
+
+    if rank != 0:
+        return contextlib.nullcontext()
+    return RunLock(output_dir, role, token=os.environ.get(TOKEN_VAR))

@@ -17,8 +17,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-from prime_rl.protocol import WaitTimeout, WriterDead
+from prime_rl.protocol import RunLocked, WaitTimeout, WriterDead
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.parallel import run_lock
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
@@ -34,12 +35,14 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         setup_logging("trainer", config.output_dir, config.log.level, config.log.file)
-        write_run_config(config, "trainer", config.output_dir)
     else:  # one log per service: other ranks only surface problems, on their stderr
         setup_logging(f"trainer-rank{rank}", None, "WARNING", to_file=False)
     try:
-        run(config)
-    except (WaitTimeout, WriterDead, TrainerError) as e:
+        with run_lock(config.output_dir, "trainer", rank):
+            if rank == 0:
+                write_run_config(config, "trainer", config.output_dir)
+            run(config)
+    except (WaitTimeout, WriterDead, TrainerError, RunLocked) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

@@ -22,7 +22,9 @@ import signal
 import time
 from dataclasses import dataclass
 
+from prime_rl.protocol import RunLocked
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.parallel import run_lock
 from prime_rl.trainer.sft.config import SFTConfig
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
@@ -38,12 +40,14 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         setup_logging("sft", config.output_dir, config.log.level, config.log.file)
-        write_run_config(config, "sft", config.output_dir)
     else:
         setup_logging(f"sft-rank{rank}", None, "WARNING", to_file=False)
     try:
-        run(config)
-    except TrainerError as e:
+        with run_lock(config.output_dir, "sft", rank):
+            if rank == 0:
+                write_run_config(config, "sft", config.output_dir)
+            run(config)
+    except (TrainerError, RunLocked) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 
