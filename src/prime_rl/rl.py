@@ -201,6 +201,7 @@ class Service:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
+        self.log_start = self._log.tell()  # a resumed run appends: what came before is an earlier run's
         # Own process group, so stopping it also stops torchrun's workers; SIGTERM when `rl` dies, however.
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -226,8 +227,11 @@ class Service:
         self._log.close()
 
     def tail(self, lines: int = 20) -> str:
+        """The last lines this run wrote (never an earlier run's traceback)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:]) or "(nothing logged)"
         except OSError:
             return "(no log)"
 
@@ -255,6 +259,7 @@ def follow_logs(services: list[Service], stop: threading.Event) -> None:
         for s in services:
             if s.name not in files and s.log_path.exists():
                 files[s.name] = open(s.log_path, errors="replace")
+                files[s.name].seek(s.log_start)  # this run's lines only
             f = files.get(s.name)
             for line in f.readlines() if f else []:
                 if s.name != "inference" or " WARNING " in line or " ERROR " in line or "serving" in line:

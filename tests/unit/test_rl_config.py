@@ -104,3 +104,18 @@ def test_config_mistakes_are_one_line_errors_not_tracebacks(tmp_path):
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "max_steps: Input should be a valid integer" in result.stderr and "[env PRIME_MAX_STEPS]" in result.stderr
+
+
+def test_a_service_reports_only_what_this_run_logged(tmp_path):
+    """On resume the log files are appended to; a failing service's tail used to show an earlier run's traceback."""
+    import sys
+
+    from prime_rl.rl import Service
+
+    log = tmp_path / "logs" / "trainer.log"
+    log.parent.mkdir()
+    log.write_text("Traceback (most recent call last):\nOldError: from the earlier run\n")
+    service = Service("trainer", [sys.executable, "-c", "print('this run')"], log, {})
+    service.proc.wait(30)
+    assert service.tail() == "this run"
+    assert "OldError" in log.read_text()  # the earlier run's lines stay in the file

@@ -256,7 +256,11 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     wandb = build_wandb(config)
     progress = ProgressLine(config.progress, config.max_steps)
     async with InferenceClient(config.client, config.model.name) as client:
-        with closing(MetricsWriter(config.output_dir, "orchestrator")) as metrics, closing(wandb), closing(progress):
+        with (
+            closing(MetricsWriter(config.output_dir, "orchestrator", state.step)) as metrics,
+            closing(wandb),
+            closing(progress),
+        ):
             with Heartbeat(config.output_dir, "orchestrator") as heartbeat:
                 await client.wait_for_servers(config.client.health_timeout)
                 for step in range(state.step, config.max_steps):

@@ -144,17 +144,26 @@ def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: P
         return None
     assert files is not None, "rank 0 needs the base model's files"
     path = weights_dir(output_dir, step)
-    if path.exists():
-        shutil.rmtree(path)  # a leftover without STABLE from an interrupted run
-    path.mkdir(parents=True)
-    files.config.save_pretrained(path)
-    files.generation_config.save_pretrained(path)
-    files.tokenizer.save_pretrained(path)
+    # Written beside, then renamed in: a server may be loading a complete `step_n` of an earlier attempt
+    # (a resumed run redoes steps), which must never be seen half-deleted or half-written.
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a leftover of an interrupted save
+    partial.mkdir(parents=True)
+    files.config.save_pretrained(partial)
+    files.generation_config.save_pretrained(partial)
+    files.tokenizer.save_pretrained(partial)
     state_dict = checkpoint_state_dict(model, state_dict)
-    write_safetensors(state_dict, path, files.dtype, tied=bool(getattr(files.config, "tie_word_embeddings", False)))
-    for f in path.iterdir():
+    write_safetensors(state_dict, partial, files.dtype, tied=bool(getattr(files.config, "tie_word_embeddings", False)))
+    for f in partial.iterdir():
         _fsync(f)
-    mark_stable(path)
+    mark_stable(partial)
+    replaced = path.with_name(path.name + ".replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    if path.exists():
+        os.rename(path, replaced)  # open files of a reader stay valid; new readers see the new dir
+    os.rename(partial, path)
+    _fsync(path.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
     return path
 
 

@@ -1,4 +1,8 @@
-"""Per-step metrics as JSON lines in `OUTPUT_DIR/metrics/<service>.jsonl`, flushed every step."""
+"""Per-step metrics as JSON lines in `OUTPUT_DIR/metrics/<service>.jsonl`, flushed every step.
+
+Each step appears once: a writer that starts (or resumes) at step n first drops the records of steps >= n
+that an earlier run left, since those steps are done again.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,16 @@ import os
 import time
 from pathlib import Path
 
+from prime_rl.protocol.files import atomic_write_text
 from prime_rl.protocol.paths import metrics_file
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, service: str):
+    def __init__(self, output_dir: Path, service: str, first_step: int = 0):
         self.path = metrics_file(output_dir, service)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(output_dir, service) if r.get("step", 0) < first_step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")
 
     def log(self, step: int, metrics: dict) -> None:
@@ -27,7 +34,14 @@ class MetricsWriter:
 
 
 def read_metrics(output_dir: Path, service: str) -> list[dict]:
+    """The records of a metrics file; a line cut short by a crash is skipped."""
     path = metrics_file(output_dir, service)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -39,6 +39,36 @@ def test_saved_weights_are_a_loadable_hf_dir_identical_to_the_base(tiny_model, t
     torch.testing.assert_close(reloaded(ids).logits, original(ids).logits)
 
 
+def test_a_complete_weights_dir_is_replaced_whole_never_deleted_under_a_reader(
+    tiny_model, tmp_path, one_rank, monkeypatch
+):
+    """A resumed trainer redoes a step whose weights a server may be loading: the old files stay readable by
+    whoever opened them, and the path only ever shows a complete dir (it used to be rmtree'd, then rewritten)."""
+    import prime_rl.trainer.weights as weights
+
+    model = build_model(str(tiny_model))
+    files = build_model_files(str(tiny_model))
+    first = save_weights(model, files, tmp_path, step=2)
+    reader = open(first / "model.safetensors", "rb")  # a server in the middle of loading it
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    seen_mid_save = []
+    write = weights.write_safetensors
+
+    def observed_write(*args, **kwargs):
+        seen_mid_save.append(is_stable(first) and (first / "model.safetensors").is_file())
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(weights, "write_safetensors", observed_write)
+    second = save_weights(model, files, tmp_path, step=2)
+    assert seen_mid_save == [True]  # while the new files were written, the old dir was whole
+    assert second == first and is_stable(second)
+    assert torch.equal(load_file(second / "model.safetensors")["model.norm.weight"], model.model.norm.weight)
+    assert len(reader.read()) > 0  # the reader finishes reading the old file
+    reader.close()
+    assert sorted(p.name for p in second.parent.iterdir()) == ["step_2"]  # nothing partial left behind
+
+
 def test_tied_embeddings_are_stored_once_and_load_back(tiny_model, tmp_path):
     config = AutoConfig.from_pretrained(tiny_model, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config)

@@ -65,7 +65,7 @@ def run(config: TrainerConfig) -> None:
             model, optimizer, scheduler = build_sharded(config, d, config.max_steps)
             files = build_model_files(config.model.name) if d.is_main else None
             progress = resume(config, model, optimizer, scheduler, files, d) or Progress()
-            metrics = MetricsWriter(config.output_dir, "trainer") if d.is_main else None
+            metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if d.is_main else None
             logger.info(f"training {config.model.name} on {d.world_size} rank(s), device {d.device.type}")
 
             history = []

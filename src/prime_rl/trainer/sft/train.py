@@ -76,7 +76,7 @@ def run(config: SFTConfig) -> None:
         if resume_step is not None:
             progress = load_checkpoint(config.output_dir, resume_step, model, optimizer, scheduler, d.rank)
             logger.info(f"resumed from checkpoints/step_{resume_step} (epoch {progress.epoch})")
-        metrics = MetricsWriter(config.output_dir, "sft") if d.is_main else None
+        metrics = MetricsWriter(config.output_dir, "sft", progress.step) if d.is_main else None
         logger.info(
             f"sft of {config.model.name} on {len(samples)} samples ({truncated} truncated to {config.seq_len} "
             f"tokens), {max_steps} steps, {d.world_size} rank(s), device {d.device.type}"
