@@ -151,6 +151,16 @@ def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_por
     assert leaks == []
 
 
+def endless_run(model, out, port: int) -> list[str]:
+    """`rl` arguments of a run that goes on until it is stopped (500 small steps)."""
+    return [
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", "500",
+        "--inference.server.port", str(port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8",
+    ]  # fmt: skip
+
+
 def descendants(pid: int) -> dict[int, str]:
     """pid → command line of every process below `pid` (read from /proc)."""
     import os
@@ -194,12 +204,7 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
     import time
 
     out = tmp_path / "out"
-    args = [
-        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "500",
-        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
-        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
-        "--orchestrator.sampling.max-tokens", "8",
-    ]  # fmt: skip
+    args = endless_run(tiny_model, out, free_port)
     rl = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -253,12 +258,7 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path,
     import time
 
     out = tmp_path / "out"
-    args = [
-        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "500",
-        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
-        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
-        "--orchestrator.sampling.max-tokens", "8",
-    ]  # fmt: skip
+    args = endless_run(tiny_model, out, free_port)
     live = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
