@@ -21,6 +21,23 @@ def show_logs(output_dir) -> str:
     return "\n".join(f"===== {p.name}\n{p.read_text()[-4000:]}" for p in logs)
 
 
+def start_rl(args: list[str]) -> subprocess.Popen:
+    """`rl` in the background (its stderr kept for the failure message)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def small_run(model, out, port: int, max_steps: int = 500) -> list[str]:
+    """`rl` arguments of a run of small steps (by default one that goes on until it is stopped)."""
+    return [
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(max_steps),
+        "--inference.server.port", str(port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8",
+    ]  # fmt: skip
+
+
 def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, free_port):
     out = tmp_path / "out"
     args = [
@@ -137,28 +154,13 @@ def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
 
 def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_port):
     out = tmp_path / "out"
-    args = [
-        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "2",
-        "--inference.server.port", str(free_port), "--inference.api-key", "s3cr3t-key",
-        "--orchestrator.batch-size", "8", "--orchestrator.rollouts-per-example", "4",
-        "--orchestrator.seq-len", "128", "--orchestrator.sampling.max-tokens", "8",
-    ]  # fmt: skip
+    args = small_run(tiny_model, out, free_port, max_steps=2) + ["--inference.api-key", "s3cr3t-key"]
     result = run_rl(args)
     assert result.returncode == 0, result.stderr + show_logs(out)
     # The server had the key (it binds all interfaces only then) and the orchestrator sent it.
     assert "on http://0.0.0.0:" in (out / "logs" / "inference.log").read_text()
     leaks = [p for p in out.rglob("*") if p.is_file() and b"s3cr3t-key" in p.read_bytes()]
     assert leaks == []
-
-
-def endless_run(model, out, port: int) -> list[str]:
-    """`rl` arguments of a run that goes on until it is stopped (500 small steps)."""
-    return [
-        "--model.name", str(model), "--output-dir", str(out), "--max-steps", "500",
-        "--inference.server.port", str(port), "--orchestrator.batch-size", "8",
-        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
-        "--orchestrator.sampling.max-tokens", "8",
-    ]  # fmt: skip
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -204,10 +206,8 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
     import time
 
     out = tmp_path / "out"
-    args = endless_run(tiny_model, out, free_port)
-    rl = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    args = small_run(tiny_model, out, free_port)
+    rl = start_rl(args)
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics" / "trainer.jsonl").is_file():  # all three services are up and working
@@ -226,9 +226,7 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
         assert rl.returncode != 0
 
         # Again, now killing rl itself.
-        rl = subprocess.Popen(
-            [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        rl = start_rl(args)
         deadline = time.monotonic() + 180
         while len(descendants(rl.pid)) < 4 or "serving" not in _read(out / "logs" / "inference.log"):
             assert rl.poll() is None and time.monotonic() < deadline
@@ -258,10 +256,8 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path,
     import time
 
     out = tmp_path / "out"
-    args = endless_run(tiny_model, out, free_port)
-    live = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    args = small_run(tiny_model, out, free_port)
+    live = start_rl(args)
     try:
         deadline = time.monotonic() + 180
         while len(read_metrics(out, "orchestrator")) < 2:
