@@ -7,7 +7,9 @@
   (a bad one is a 400 and the old weights keep serving), then the swap waits until the generation requests
   in flight have finished on the old weights while new ones wait at the gate, and applies;
 - every completion response carries `x-weight-step: n`, the policy that computed all of its tokens: a
-  request enters the gate holding the step it will be served with, and no swap happens while it runs.
+  request enters the gate holding the step it will be served with, and no swap happens while it runs;
+- a generation body that is not a JSON object, or holds a lone UTF-16 surrogate, is a 400 before the
+  backend parses it (vLLM answered both with a 500).
 The backend supplies only `ServedModel`: how to check and read a dir, how to apply it, what to report.
 """
 
@@ -39,7 +41,7 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def has_lone_surrogate(body: bytes) -> bool:
-    """Whether a JSON body holds a string that is not valid Unicode text (escaped halves of a pair).
+    """Whether a JSON body holds a string that is not Unicode text (a surrogate escape without its pair).
 
     Only run when the raw bytes show a surrogate escape, which paired ones (emoji) also do.
     """
