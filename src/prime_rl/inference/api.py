@@ -120,7 +120,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     tokenizer = engine.tokenizer
 
     @app.exception_handler(APIError)
-    async def on_apierror(request: Request, e: APIError):
+    async def on_api_error(request: Request, e: APIError):
         return error(e.status, e.message, e.type)
 
     @app.exception_handler(RequestValidationError)
@@ -128,11 +128,11 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
         return error(400, _describe(e))
 
     @app.exception_handler(HTTPException)
-    async def on_httperror(request: Request, e: HTTPException):
+    async def on_http_error(request: Request, e: HTTPException):
         return error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
 
     @app.exception_handler(Exception)
-    async def on_internalerror(request: Request, e: Exception):
+    async def on_internal_error(request: Request, e: Exception):
         logger.exception(f"{request.method} {request.url.path} failed")
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
@@ -336,7 +336,7 @@ def _temperature(requested: float | None) -> float:
     return 0.0 if requested < SAMPLING_EPS else requested
 
 
-def _httperror(e: BaseException) -> BaseException:
+def _http_error(e: BaseException) -> BaseException:
     """The HTTP error for an engine refusal (also inside a TaskGroup's ExceptionGroup); others pass through."""
     while isinstance(e, ExceptionGroup):
         e = e.exceptions[0]
@@ -352,7 +352,7 @@ def _open(fn, *args):
     try:
         return fn(*args)
     except (EngineBusy, EngineClosed) as e:
-        raise _httperror(e) from None
+        raise _http_error(e) from None
 
 
 def _request_id() -> str:
@@ -386,7 +386,7 @@ async def _guarded(http: Request, work: Awaitable, timeout: float):
         try:
             return task.result()
         except (EngineBusy, EngineClosed, ExceptionGroup) as e:
-            raise _httperror(e) from None
+            raise _http_error(e) from None
     task.cancel()
     if watcher in done:
         raise APIError(499, "client disconnected")
