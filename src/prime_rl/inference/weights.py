@@ -14,9 +14,7 @@ import json
 from pathlib import Path
 
 from prime_rl.protocol import is_stable, step_of
-
-# name -> (shape, is floating point)
-TensorSpecs = dict[str, tuple[tuple[int, ...], bool]]
+from prime_rl.utils.hf_layout import TensorSpecs, header_specs
 
 # Config keys that fix the shapes and the computation of the served model.
 ARCHITECTURE_KEYS = (
@@ -88,15 +86,10 @@ def check_config(weight_dir: Path, ours: dict) -> None:
 
 def read_specs(files: list[Path]) -> TensorSpecs:
     """Names, shapes and dtype kinds from the safetensors headers (no tensor data is read)."""
-    from safetensors import safe_open
-
     specs: TensorSpecs = {}
     for file in files:
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    part = f.get_slice(name)
-                    specs[name] = (tuple(part.get_shape()), part.get_dtype().startswith(("F", "BF")))
+            specs |= header_specs(file)
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise WeightsError(f"{file}: cannot read: {e}") from None
     return specs

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from prime_rl.protocol import atomic_write, atomic_write_text, mark_stable, prune_steps, weights_dir, weights_root
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.utils.hf_layout import checkpoint_state_dict
+from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
 
 logger = logging.getLogger("prime_rl")
 
@@ -81,33 +81,6 @@ def drop_tied_head(state_dict: dict[str, torch.Tensor], tied: bool) -> dict[str,
     return {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
 
 
-def checkpoint_layout(name: str) -> dict[str, tuple[int, ...]] | None:
-    """Names and shapes of the tensors in `name`'s safetensors checkpoint (a local dir, or a hub id already
-    in the local cache), read from the file headers only; None when it has no safetensors checkpoint."""
-    from safetensors import safe_open
-
-    index = _checkpoint_file(name, "model.safetensors.index.json")
-    filenames = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
-    files = [_checkpoint_file(name, filename) for filename in filenames]
-    if not all(files):
-        return None
-    layout = {}
-    for file in files:
-        with safe_open(file, "pt") as f:
-            layout.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    return layout
-
-
-def _checkpoint_file(name: str, filename: str) -> Path | None:
-    if Path(name).is_dir():
-        path = Path(name) / filename
-        return path if path.is_file() else None
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name, filename)
-    return Path(cached) if isinstance(cached, str) else None
-
-
 def check_export_layout(model: torch.nn.Module, name: str) -> None:
     """Refuse a model whose exported weights would not carry the names and shapes of its checkpoint `name`.
 
@@ -124,9 +97,10 @@ def check_export_layout(model: torch.nn.Module, name: str) -> None:
             f"{arch}: transformers converts the weights of {name!r} at load and has no reverse conversion, "
             "so the trainer could not write them back in the checkpoint's layout that inference loads"
         ) from None
-    stored = checkpoint_layout(name)
-    if stored is None:
+    files = checkpoint_files(name)
+    if files is None:
         return  # no safetensors headers to compare with (e.g. a .bin checkpoint)
+    stored = {k: shape for file in files for k, (shape, _) in header_specs(file).items()}
     exported = drop_tied_head(exported, bool(getattr(model.config, "tie_word_embeddings", False)))
     wrong = sorted(k for k, v in exported.items() if stored.get(k) != tuple(v.shape))
     if wrong:

@@ -8,7 +8,13 @@ checkpoint's names and shapes (vLLM's loader expects them).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+# name -> (shape, is floating point), as read from safetensors headers
+TensorSpecs = dict[str, tuple[tuple[int, ...], bool]]
 
 
 def checkpoint_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -23,7 +29,29 @@ def checkpoint_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Te
     return revert_weight_conversion(model, state_dict)
 
 
-def is_converted(model: torch.nn.Module) -> bool:
-    """Whether the model's state dict differs from its checkpoint's layout (checked on meta tensors)."""
-    names = {name: t.to("meta") for name, t in model.state_dict().items()}
-    return set(checkpoint_state_dict(model, names)) != set(names)
+def checkpoint_files(name: str) -> list[Path] | None:
+    """The safetensors files of `name`'s checkpoint (a local dir, or a hub id already in the local cache),
+    following its index when sharded; None when it has no (complete) safetensors checkpoint."""
+    index = _checkpoint_file(name, "model.safetensors.index.json")
+    filenames = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
+    files = [_checkpoint_file(name, filename) for filename in filenames]
+    return files if all(files) else None
+
+
+def _checkpoint_file(name: str, filename: str) -> Path | None:
+    if Path(name).is_dir():
+        path = Path(name) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, filename)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def header_specs(file: Path) -> TensorSpecs:
+    """Names, shapes and dtype kinds in one safetensors file, from its header only (no tensor data read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        parts = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        return {name: (tuple(p.get_shape()), p.get_dtype().startswith(("F", "BF"))) for name, p in parts.items()}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from prime_rl.inference.weights import TensorSpecs, WeightsError, check_weight_dir
-from prime_rl.utils.hf_layout import checkpoint_state_dict, is_converted
+from prime_rl.inference.weights import WeightsError, check_weight_dir
+from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict
 
 
 @dataclass
@@ -39,7 +39,7 @@ def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs
     weight_dir = Path(weight_dir)
     step, files = check_weight_dir(weight_dir, model.config.to_dict(), specs)
     params = model.state_dict()
-    if is_converted(model):
+    if set(specs) != set(params):  # transformers converts this architecture at load
         from transformers import AutoModelForCausalLM
 
         try:

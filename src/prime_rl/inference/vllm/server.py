@@ -19,7 +19,8 @@ from typing import Any
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.control import ControlPlane
 from prime_rl.inference.vllm.args import vllm_serve_args
-from prime_rl.inference.weights import TensorSpecs, check_weight_dir, read_specs
+from prime_rl.inference.weights import WeightsError, check_weight_dir, read_specs
+from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
 logger = logging.getLogger("prime_rl")
 
@@ -65,7 +66,10 @@ class VllmModel:
     def served_specs(self) -> TensorSpecs:
         """Names and shapes of the served checkpoint, which vLLM's loader expects (read once)."""
         if self._specs is None:
-            self._specs = read_specs(sorted(checkpoint_dir(self.model).glob("*.safetensors")))
+            files = checkpoint_files(self.model)
+            if files is None:
+                raise WeightsError(f"{self.model}: no safetensors checkpoint to check weight dirs against")
+            self._specs = read_specs(files)
         return self._specs
 
     async def prepare(self, weight_dir: Path | None) -> tuple[int, Path | None]:
@@ -87,12 +91,3 @@ class VllmModel:
 
     def health(self) -> dict[str, Any]:
         return {}
-
-
-def checkpoint_dir(model: str) -> Path:
-    """The local dir of a served model: the path itself, or its snapshot in the HF cache (vLLM fetched it)."""
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, local_files_only=True))
