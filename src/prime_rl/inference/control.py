@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import json
 import logging
 import re
 import time
@@ -45,7 +46,6 @@ def has_lone_surrogate(body: bytes) -> bool:
 
     Only run when the raw bytes show a surrogate escape, which paired ones (emoji) also do.
     """
-    import json
 
     def bad(value) -> bool:
         if isinstance(value, str):
@@ -171,31 +171,33 @@ class ControlPlane:
             return await too_large(scope, receive, send)
         # The body is read here (at most max_body_bytes) and replayed, so an oversized upload is refused
         # before any route parses it, whether or not it declared a Content-Length.
-        body, more = bytearray(), True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client left before sending its body
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
+            if size > self.max_body_bytes:
                 return await too_large(scope, receive, send)
+        body = b"".join(chunks)
         if method == "POST" and path in ("/update_weights", "/reload_weights"):
-            return await (await self._swap(path, bytes(body)))(scope, receive, send)
+            return await (await self._swap(path, body))(scope, receive, send)
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later reads wait for the disconnect
 
         if path not in GENERATION_ROUTES:
             return await self.app(scope, replay, send)
         if not body.lstrip().startswith(b"{"):  # vLLM's request models crash (a 500) on other JSON values
             return await error(400, "invalid request: the body must be a JSON object")(scope, receive, send)
-        if SURROGATE_ESCAPE.search(body) and has_lone_surrogate(bytes(body)):
+        if SURROGATE_ESCAPE.search(body) and has_lone_surrogate(body):
             # Valid JSON, but no UTF-8 text: tokenizers and response encoders fail on it (a 500).
             message = "invalid request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
             return await error(400, message)(scope, receive, send)

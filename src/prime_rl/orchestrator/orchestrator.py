@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -49,7 +48,6 @@ from prime_rl.protocol import (
     weights_dir,
     weights_root,
 )
-from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
@@ -312,7 +310,7 @@ def main() -> None:
     config = parse_config(OrchestratorConfig, prog="orchestrator")
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
     try:
-        with RunLock(config.output_dir, "orchestrator", token=os.environ.get(LOCK_TOKEN_VAR)):
+        with RunLock(config.output_dir, "orchestrator"):
             write_run_config(config, "orchestrator", config.output_dir)
             run(config)
     except (

@@ -34,7 +34,8 @@ class RunLock:
                  stale_after: float = 60.0):  # fmt: skip
         self.path = run_dir(output_dir) / f"{role}.lock"
         self.role, self.interval, self.stale_after = role, interval, stale_after
-        self.token = token or secrets.token_hex(8)
+        # A child of `rl` joins its lock with the token in its environment; anyone else gets a fresh one.
+        self.token = token or os.environ.get(TOKEN_VAR) or secrets.token_hex(8)
         self.joined = False  # a child of the holder (same token): it neither refreshes nor removes the lock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -116,8 +116,5 @@ def run_lock(output_dir, role: str, rank: int):
     import contextlib
 
     from prime_rl.protocol import RunLock
-    from prime_rl.protocol.lock import TOKEN_VAR
 
-    if rank != 0:
-        return contextlib.nullcontext()
-    return RunLock(output_dir, role, token=os.environ.get(TOKEN_VAR))
+    return RunLock(output_dir, role) if rank == 0 else contextlib.nullcontext()
