@@ -73,6 +73,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _safe_reader(path: Path):
+    """A DCP reader of `path` whose index was read once already: a bad one is one clear CheckpointError here
+    (inside dcp.load it would be wrapped per rank)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -89,7 +91,9 @@ def _safe_reader(path: Path):
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return SafeReader(path)
+    reader = SafeReader(path)
+    reader.read_metadata()
+    return reader
 
 
 @dataclass
@@ -144,9 +148,7 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     path = trainer_checkpoint_dir(output_dir, step)
     base_lrs = list(scheduler.base_lrs)
     state = _app_state(model, optimizer, scheduler, Progress())
-    reader = _safe_reader(path)
-    reader.read_metadata()  # here, so a bad index is one clear error (inside dcp.load it is wrapped per rank)
-    dcp.load(state, storage_reader=reader)
+    dcp.load(state, storage_reader=_safe_reader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     # The schedule follows this run's config (lr, warmup, max_steps may have changed, e.g. a longer run):
@@ -201,7 +203,5 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STABLE} marker)")
     with warnings.catch_warnings():  # "no process group: loading in a single process" is exactly the intent
         warnings.simplefilter("ignore", UserWarning)
-        reader = _safe_reader(path)
-        reader.read_metadata()
-        state = _load_state_dict_from_keys(keys={"model"}, storage_reader=reader)
+        state = _load_state_dict_from_keys(keys={"model"}, storage_reader=_safe_reader(path))
     return state["model"]
