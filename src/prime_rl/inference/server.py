@@ -35,9 +35,13 @@ def run(config: InferenceConfig) -> None:
     # Importing vLLM takes seconds (and its CPU build sets up its own runtime): only when it could be chosen.
     could_use_vllm = config.backend == "vllm" or (config.backend == "auto" and cuda)
     backend = resolve_backend(config.backend, could_use_vllm and vllm_importable(), cuda)
-    config = fit_max_model_len(config)
+    model_config = load_model_config(config.model.name)
+    config = fit_max_model_len(config, model_config)
     if backend == "vllm":
         from prime_rl.inference.vllm.server import serve_vllm
+
+        if not cuda:
+            check_vllm_cpu_supports(config.model.name, model_config)
 
         return serve_vllm(config, bind_host(config), cuda)
 
@@ -70,15 +74,28 @@ def resolve_backend(requested: str, has_vllm: bool, has_cuda: bool) -> str:
     return requested
 
 
-def fit_max_model_len(config: InferenceConfig) -> InferenceConfig:
-    """`max_model_len` capped at the model's `max_position_embeddings`, with a log line, on every backend
-    (vLLM refuses a longer one; the built-in engine would serve positions the model was never trained on)."""
+def load_model_config(name: str):
     from transformers import AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(config.model.name)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise StartupError(f"cannot load the config of model {config.model.name!r}: {e}") from None
+        raise StartupError(f"cannot load the config of model {name!r}: {e}") from None
+
+
+def check_vllm_cpu_supports(name: str, model_config) -> None:
+    """vLLM's CPU attention needs head_dim >= 32; said here in one line rather than by vLLM minutes later."""
+    heads = getattr(model_config, "num_attention_heads", None)
+    head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim < 32:
+        raise StartupError(
+            f"vLLM's CPU build needs head_dim >= 32, and {name} has {head_dim}; use --backend builtin on CPU"
+        )
+
+
+def fit_max_model_len(config: InferenceConfig, model_config) -> InferenceConfig:
+    """`max_model_len` capped at the model's `max_position_embeddings`, with a log line, on every backend
+    (vLLM refuses a longer one; the built-in engine would serve positions the model was never trained on)."""
     limit = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(limit, int) or config.max_model_len <= limit:
         return config

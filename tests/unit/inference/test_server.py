@@ -54,3 +54,15 @@ def test_serving_on_a_busy_port_is_a_clear_error():
         port = busy.getsockname()[1]
         with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
             server.serve(app=None, host="127.0.0.1", port=port, ready_message="")
+
+
+def test_vllm_on_cpu_refuses_a_head_dim_its_attention_cannot_run(monkeypatch, tiny_model, tmp_path, capsys):
+    """The tiny model has head_dim 16: one line and exit 1 up front, not vLLM's error minutes into start-up."""
+    monkeypatch.setattr(server, "vllm_importable", lambda: True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = ["inference", "--backend", "vllm", "--model.name", str(tiny_model), "--output-dir", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", [*argv, "--no-log.file"])
+    with pytest.raises(SystemExit) as exit_info:
+        server.main()
+    assert exit_info.value.code == 1
+    assert "vLLM's CPU build needs head_dim >= 32, and" in capsys.readouterr().err
