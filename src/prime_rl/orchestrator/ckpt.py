@@ -4,7 +4,7 @@ The file holds the progress when the orchestrator is about to produce rollouts f
 running totals, the data position (how many examples it has drawn from the environment's stream) and the
 state of its RNG. Resuming rebuilds the stream from the same seed and skips the examples already drawn,
 so step n continues with exactly the examples an uninterrupted run would have used.
-Saved at steps where n % ckpt.interval == 0 (n > 0) and at the end (n = max_steps), like the trainer.
+Written at every step when checkpointing is on (it is a few KB); `protocol.checkpoints` says which are kept.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from pathlib import Path
 
 from prime_rl.protocol import (
     atomic_write,
-    checkpoint_dir,
-    checkpoint_steps,
     checkpoints_root,
     orchestrator_checkpoint_file,
+    prune_checkpoints,
     resolve_resume_step,
 )
 from prime_rl.utils.config import CkptConfig
@@ -42,34 +41,14 @@ class Progress:
     extra: dict = field(default_factory=dict)
 
 
-def should_save(ckpt: CkptConfig | None, step: int, max_steps: int) -> bool:
-    if ckpt is None or step == 0:
-        return False
-    return step == max_steps or (ckpt.interval is not None and step % ckpt.interval == 0)
-
-
-def save_checkpoint(output_dir: Path, progress: Progress, keep: int | None) -> Path:
+def save_checkpoint(output_dir: Path, progress: Progress, ckpt: CkptConfig, max_steps: int) -> Path:
     import torch
 
     record = {"version": VERSION, **asdict(progress)}
     path = atomic_write(orchestrator_checkpoint_file(output_dir, progress.step), lambda f: torch.save(record, f))
-    if keep is not None:
-        prune_checkpoints(output_dir, keep)
-    logger.info(f"saved orchestrator checkpoint {path}")
+    prune_checkpoints(output_dir, "orchestrator", ckpt.keep, max_steps, ckpt.interval)
+    logger.debug(f"saved orchestrator checkpoint {path}")
     return path
-
-
-def prune_checkpoints(output_dir: Path, keep: int) -> list[int]:
-    """Delete all but the `keep` newest orchestrator.pt files; a step dir goes only once it is empty."""
-    steps = checkpoint_steps(output_dir, ("orchestrator",))
-    removed = steps[:-keep] if keep > 0 else steps
-    for step in removed:
-        orchestrator_checkpoint_file(output_dir, step).unlink(missing_ok=True)
-        try:
-            checkpoint_dir(output_dir, step).rmdir()  # only if the trainer's part is gone too
-        except OSError:
-            pass
-    return removed
 
 
 def load_checkpoint(output_dir: Path, resume_step: int | str | None) -> Progress | None:

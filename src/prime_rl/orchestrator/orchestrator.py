@@ -1,7 +1,7 @@
 """The `orchestrator` entrypoint: environment → rollouts → advantages → packed rank files (DESIGN §3, §6).
 
 For each step n:
-1. `save_checkpoint` at checkpoint steps (progress when about to produce step n, with the trainer's cadence).
+1. `save_checkpoint`: the progress when about to produce step n (every step; see protocol.checkpoints).
 2. `wait_for_policy`: every live server must sample from weights no older than n - async_level (waiting
    for the trainer's `weights/step_k/STABLE` and relaying it with POST /update_weights to every server
    before any of the step's requests start). So the orchestrator runs up to async_level steps ahead of
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_rl.orchestrator.advantage import apply_truncation, group_advantages, is_zero
-from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint, should_save
+from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError, Environment, Example, load_environment
@@ -224,10 +224,10 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
 def checkpoint(
     config: OrchestratorConfig, state: Progress, step: int, data: DataStream, rng, resumed: Progress | None
 ) -> None:
-    """Record the progress before producing `step`; saved at checkpoint steps (not the one resumed from)."""
+    """Record the progress before producing `step` (not again for the step resumed from)."""
     state.step, state.examples_drawn, state.rng_state = step, data.drawn, rng.getstate()
-    if should_save(config.ckpt, step, config.max_steps) and (resumed is None or step != resumed.step):
-        save_checkpoint(config.output_dir, state, config.ckpt.keep)
+    if config.ckpt is not None and (resumed is None or step != resumed.step):
+        save_checkpoint(config.output_dir, state, config.ckpt, config.max_steps)
 
 
 def drop_stale_rollouts(config: OrchestratorConfig, start: int) -> None:

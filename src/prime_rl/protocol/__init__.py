@@ -4,17 +4,22 @@ Both sides of every exchange import from here; nothing else formats these paths 
 `records` (the rank-file format) needs torch and is imported explicitly where used.
 """
 
+from prime_rl.protocol.checkpoints import (
+    checkpoint_due,
+    checkpoint_steps,
+    prune_checkpoints,
+    prune_rollouts,
+    resolve_resume_step,
+)
 from prime_rl.protocol.files import (
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
-    checkpoint_steps,
     clear_previous_run,
     is_stable,
     mark_stable,
     prune_steps,
-    resolve_resume_step,
     stable_steps,
 )
 from prime_rl.protocol.lock import RunLock, RunLocked
@@ -59,6 +64,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "checkpoint_dir",
+    "checkpoint_due",
     "checkpoint_steps",
     "clear_previous_run",
     "checkpoints_root",
@@ -72,6 +78,8 @@ __all__ = [
     "mark_stable",
     "metrics_file",
     "orchestrator_checkpoint_file",
+    "prune_checkpoints",
+    "prune_rollouts",
     "prune_steps",
     "resolve_resume_step",
     "rank_file",

@@ -103,35 +103,3 @@ def clear_previous_run(output_dir: Path) -> str:
         if steps := prune_steps(parent, keep=0):
             removed.append(f"{parent.name}/step_{steps[0]}..{steps[-1]}")
     return f"fresh start: removed {', '.join(removed)} left in {output_dir} by an earlier run" if removed else ""
-
-
-def checkpoint_steps(output_dir: Path, parts: Iterable[str] = ("trainer", "orchestrator")) -> list[int]:
-    """Steps under checkpoints/ whose requested parts are all complete (trainer: STABLE, orchestrator: file)."""
-    from prime_rl.protocol.paths import checkpoints_root, orchestrator_checkpoint_file, trainer_checkpoint_dir
-
-    parts = tuple(parts)
-    complete = []
-    for step in list_steps(checkpoints_root(output_dir)):
-        if "trainer" in parts and not is_stable(trainer_checkpoint_dir(output_dir, step)):
-            continue
-        if "orchestrator" in parts and not orchestrator_checkpoint_file(output_dir, step).is_file():
-            continue
-        complete.append(step)
-    return complete
-
-
-def resolve_resume_step(output_dir: Path, resume_step: int | str | None, part: str) -> int | None:
-    """The checkpoint step `part` should resume from, or None to start fresh; ValueError if it is missing."""
-    if resume_step is None:
-        return None
-    steps = checkpoint_steps(output_dir, (part,))
-    if resume_step == "latest":
-        if not steps:
-            raise ValueError(f"--ckpt.resume-step latest: no complete {part} checkpoint under {output_dir}/checkpoints")
-        return steps[-1]
-    if int(resume_step) not in steps:
-        raise ValueError(
-            f"--ckpt.resume-step {resume_step}: no complete {part} checkpoint at "
-            f"{output_dir}/checkpoints/step_{resume_step} (complete: {steps or 'none'})"
-        )
-    return int(resume_step)

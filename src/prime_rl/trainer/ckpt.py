@@ -29,14 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prime_rl.protocol import (
-    atomic_write,
-    checkpoint_dir,
-    checkpoint_steps,
-    is_stable,
-    mark_stable,
-    trainer_checkpoint_dir,
-)
+from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir
 from prime_rl.protocol.paths import STABLE
 from prime_rl.trainer.errors import TrainerError
 
@@ -166,33 +159,6 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     else:
         logger.warning(f"{rng_file} missing (resuming on a different world size?): RNG state not restored")
     return Progress(**state["progress"])
-
-
-def should_save(step: int, max_steps: int, interval: int | None) -> bool:
-    """Save after `step` optimizer steps? At every `interval` steps and at the end of the run."""
-    return step == max_steps or (interval is not None and step % interval == 0)
-
-
-def prune_checkpoints(output_dir: Path, keep: int | None) -> list[int]:
-    """Delete the trainer part of all but the `keep` newest complete trainer checkpoints.
-
-    Only `trainer/` is ours: the orchestrator's `orchestrator.pt` beside it is left alone, and the step
-    directory goes only once it is empty.
-    """
-    if keep is None:
-        return []
-    steps = checkpoint_steps(output_dir, ("trainer",))
-    removed = []
-    for step in steps[:-keep] if keep > 0 else steps:
-        target = trainer_checkpoint_dir(output_dir, step)
-        (target / STABLE).unlink(missing_ok=True)  # never let a reader take a half-deleted dir as complete
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            checkpoint_dir(output_dir, step).rmdir()
-        except OSError:
-            pass  # the orchestrator's checkpoint is still there
-        removed.append(step)
-    return removed
 
 
 def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:

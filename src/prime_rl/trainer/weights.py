@@ -164,8 +164,12 @@ def write_safetensors(
         atomic_write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
 
 
-def prune_weights(output_dir: Path, keep: int, protect: list[int] = ()) -> list[int]:
-    return prune_steps(weights_root(output_dir), keep=keep, protect=protect)
+def prune_weights(output_dir: Path, keep: int) -> list[int]:
+    """All but the `keep` newest weight steps; those of trainer checkpoints stay (a resume at step N serves
+    weights/step_N)."""
+    from prime_rl.protocol import checkpoint_steps
+
+    return prune_steps(weights_root(output_dir), keep=keep, protect=checkpoint_steps(output_dir, ("trainer",)))
 
 
 def _fsync(path: Path) -> None:

@@ -1,15 +1,18 @@
-"""Learning-rate schedule values and checkpoint pruning that leaves the orchestrator's files alone."""
+"""Learning-rate schedule values; checkpoint cadence and pruning (protocol.checkpoints) for both services."""
 
 import pytest
 
 from prime_rl.protocol import (
     checkpoint_dir,
+    checkpoint_due,
     list_steps,
     mark_stable,
     orchestrator_checkpoint_file,
+    prune_checkpoints,
+    prune_rollouts,
+    rollout_step_dir,
     trainer_checkpoint_dir,
 )
-from prime_rl.trainer.ckpt import prune_checkpoints, should_save
 from prime_rl.trainer.config import OptimConfig
 from prime_rl.trainer.optim import lr_factor
 
@@ -22,8 +25,8 @@ def test_linear_schedule_with_warmup_docstring_example():
 
 
 def test_checkpoints_at_every_interval_and_at_the_end():
-    assert [s for s in range(1, 8) if should_save(s, 7, 3)] == [3, 6, 7]
-    assert [s for s in range(1, 8) if should_save(s, 7, None)] == [7]
+    assert [s for s in range(0, 8) if checkpoint_due(s, 7, 3)] == [3, 6, 7]
+    assert [s for s in range(0, 8) if checkpoint_due(s, 7, None)] == [7]
 
 
 def test_prune_keeps_newest_trainer_checkpoints_and_the_orchestrators_files(tmp_path):
@@ -31,7 +34,26 @@ def test_prune_keeps_newest_trainer_checkpoints_and_the_orchestrators_files(tmp_
         trainer_checkpoint_dir(tmp_path, step).mkdir(parents=True)
         mark_stable(trainer_checkpoint_dir(tmp_path, step))
     orchestrator_checkpoint_file(tmp_path, 2).write_bytes(b"x")
-    assert prune_checkpoints(tmp_path, keep=1) == [2, 4]
+    assert prune_checkpoints(tmp_path, "trainer", keep=1, max_steps=6, interval=2) == [2, 4]
     assert list_steps(checkpoint_dir(tmp_path, 0).parent) == [2, 6]  # step_4 was empty and went
     assert orchestrator_checkpoint_file(tmp_path, 2).is_file() and not trainer_checkpoint_dir(tmp_path, 2).exists()
-    assert prune_checkpoints(tmp_path, keep=None) == []
+    assert prune_checkpoints(tmp_path, "trainer", keep=None, max_steps=6, interval=2) == []
+
+
+def test_orchestrator_records_off_cadence_only_the_newest(tmp_path):
+    """The orchestrator records its progress every step; of the off-cadence records only the newest stays."""
+    for step in range(8):
+        orchestrator_checkpoint_file(tmp_path, step).parent.mkdir(parents=True, exist_ok=True)
+        orchestrator_checkpoint_file(tmp_path, step).write_bytes(b"x")
+        prune_checkpoints(tmp_path, "orchestrator", keep=2, max_steps=10, interval=3)
+    assert list_steps(checkpoint_dir(tmp_path, 0).parent) == [3, 6, 7]
+
+
+def test_rollouts_from_the_newest_trainer_checkpoint_on_stay_for_a_resume(tmp_path):
+    for step in range(6):
+        rollout_step_dir(tmp_path, step).mkdir(parents=True)
+    trainer_checkpoint_dir(tmp_path, 2).mkdir(parents=True)
+    mark_stable(trainer_checkpoint_dir(tmp_path, 2))
+    # The trainer read through step 4; a restart from checkpoint 2 reads steps 2.. again.
+    assert prune_rollouts(tmp_path, read_through=4, keep=1) == [0, 1]
+    assert list_steps(rollout_step_dir(tmp_path, 0).parent) == [2, 3, 4, 5]

@@ -122,17 +122,19 @@ def resume(config: TrainerConfig, model, optimizer, scheduler, files, d):
 
 def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files, d, times: dict) -> None:
     """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more."""
-    from prime_rl.trainer.ckpt import prune_checkpoints, save_checkpoint, should_save
+    from prime_rl.protocol import checkpoint_due, prune_checkpoints
+    from prime_rl.trainer.ckpt import save_checkpoint
     from prime_rl.trainer.weights import save_weights
     from prime_rl.utils.timer import timer
 
     with timer(times, "save_weights"):
         save_weights(model, files, config.output_dir, progress.step)
-    if config.ckpt is not None and should_save(progress.step, config.max_steps, config.ckpt.interval):
+    ckpt = config.ckpt
+    if ckpt is not None and checkpoint_due(progress.step, config.max_steps, ckpt.interval):
         with timer(times, "save_ckpt"):
             save_checkpoint(config.output_dir, progress.step, model, optimizer, scheduler, progress, files, d.rank)
         if d.is_main:
-            prune_checkpoints(config.output_dir, config.ckpt.keep)
+            prune_checkpoints(config.output_dir, "trainer", ckpt.keep, config.max_steps, ckpt.interval)
     if d.is_main:
         prune_old_steps(config, progress.step - 1)
 
@@ -272,15 +274,11 @@ def _peak_memory_gib(device) -> float:
 
 def prune_old_steps(config: TrainerConfig, step: int) -> None:
     """Drop weights no reader can still need, and rollouts every rank has read (all are past step `step`)."""
-    from prime_rl.protocol import checkpoint_steps, list_steps, prune_steps, rollouts_dir
+    from prime_rl.protocol import prune_rollouts
     from prime_rl.trainer.weights import prune_weights
 
-    # Weights of checkpoint steps stay: an orchestrator resuming at step N needs weights/step_N.
-    keep = config.keep_weights or config.async_level + 1
-    prune_weights(config.output_dir, keep=keep, protect=checkpoint_steps(config.output_dir, ("trainer",)))
-    # The orchestrator may already have written later steps; those are unread and must survive.
-    unread = [s for s in list_steps(rollouts_dir(config.output_dir)) if s > step]
-    prune_steps(rollouts_dir(config.output_dir), keep=config.data.keep_rollouts, protect=unread)
+    prune_weights(config.output_dir, keep=config.keep_weights or config.async_level + 1)
+    prune_rollouts(config.output_dir, read_through=step, keep=config.data.keep_rollouts)
 
 
 def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress) -> dict:

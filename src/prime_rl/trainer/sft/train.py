@@ -184,24 +184,22 @@ def sft_step(model, optimizer, micro_batches: list, config: SFTConfig, d) -> SFT
 
 def publish(config: SFTConfig, max_steps: int, model, optimizer, scheduler, progress, files, d, times) -> None:
     """Weights every `weights_interval` steps and at the end; checkpoints per `ckpt`; pruning of both."""
-    from prime_rl.protocol import checkpoint_steps
-    from prime_rl.trainer.ckpt import prune_checkpoints, save_checkpoint, should_save
+    from prime_rl.protocol import checkpoint_due, prune_checkpoints
+    from prime_rl.trainer.ckpt import save_checkpoint
     from prime_rl.trainer.weights import prune_weights, save_weights
     from prime_rl.utils.timer import timer
 
-    step = progress.step
-    if should_save(step, max_steps, config.weights_interval):
+    step, ckpt = progress.step, config.ckpt
+    if checkpoint_due(step, max_steps, config.weights_interval):
         with timer(times, "save_weights"):
             save_weights(model, files, config.output_dir, step)
         if d.is_main and config.keep_weights:
-            prune_weights(
-                config.output_dir, config.keep_weights, protect=checkpoint_steps(config.output_dir, ("trainer",))
-            )
-    if config.ckpt is not None and should_save(step, max_steps, config.ckpt.interval):
+            prune_weights(config.output_dir, config.keep_weights)
+    if ckpt is not None and checkpoint_due(step, max_steps, ckpt.interval):
         with timer(times, "save_ckpt"):
             save_checkpoint(config.output_dir, step, model, optimizer, scheduler, progress, files, d.rank)
         if d.is_main:
-            prune_checkpoints(config.output_dir, config.ckpt.keep)
+            prune_checkpoints(config.output_dir, "trainer", ckpt.keep, max_steps, ckpt.interval)
 
 
 def step_metrics(stats: SFTStats, times: dict[str, float], lr: float, progress) -> dict:
