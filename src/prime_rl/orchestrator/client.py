@@ -8,13 +8,16 @@ average: with weights a=2, b=1, c=1 every four requests go a, b, a, c.
 Each server takes at most `max_concurrency` requests at once. Connection errors, 5xx and 429 are retried
 on the same server with exponential backoff; when its retries run out the server is taken out of the
 pool (logged) and the request goes to another live server. Only when no server is left does a request
-fail. A removed server is probed (one /health, PROBE_TIMEOUT) at every later step's health check and
-rejoins once it answers; like every live server it then gets weights >= n - async_level with
-/update_weights before it samples. Anything else (4xx, malformed JSON) raises `InferenceError` naming the
-URL and the server's answer.
+fail... unless one comes back: with every server out (all down, or one restarted), requests wait up to
+`client.health_timeout` for any server to answer /health again. A removed server is probed (one /health,
+PROBE_TIMEOUT) then and at every later step's health check, and rejoins once it answers, after it was
+given the weights the pool serves (a restarted server starts from the base model). Anything else (4xx,
+malformed JSON) raises `InferenceError` naming the URL and the server's answer.
 
 Every completion is stamped with the weight step the server reports for it (`x-weight-step`, the policy
-that computed all of its tokens), never with the client's guess of what the server holds.
+that computed all of its tokens), never with the client's guess of what the server holds. One below
+`floor` (the oldest policy the current step may use) is thrown away: that server gets the pool's weights
+again and the request is retried.
 
 Completions come back as token ids (never re-tokenized text): the response's `prompt_token_ids`, each
 choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token_id:<id>`.
@@ -148,6 +151,9 @@ class InferenceClient:
             transport=transport,
             limits=httpx.Limits(max_connections=config.max_concurrency * len(self.servers)),
         )
+        self.weight_dir: str | None = None  # what the pool serves (the last update_weights)
+        self.floor = 0  # the oldest weight step a completion may come from (set per step by the orchestrator)
+        self._revival = asyncio.Lock()
 
     # ---- pool bookkeeping -------------------------------------------------------------------------
 
@@ -253,8 +259,7 @@ class InferenceClient:
                 data, headers = await self._exchange("POST", url, body, server)
             except ServerDown as e:
                 self.take_out(server, str(e))
-                if not self.live():
-                    raise InferenceError(f"{e}; no live inference server left") from None
+                await self.revive(str(e))
                 continue
             try:
                 choices = parse(data)
@@ -267,6 +272,10 @@ class InferenceClient:
                 raise InferenceError(
                     f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
                 )
+            if weight_step < self.floor:  # e.g. a restarted server that answered before it was given weights
+                logger.warning(f"{url} sampled from weight step {weight_step} < {self.floor}; reloading its weights")
+                await self._load(server)
+                continue
             return [Completion(*choice, weight_step=weight_step) for choice in choices]
 
     def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
@@ -343,16 +352,37 @@ class InferenceClient:
         return self.steps
 
     async def _probe(self, server: Server) -> None:
-        """One quick /health of a removed server; it rejoins the pool if it answers."""
+        """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
         try:
             response = await self._http.get(f"{server_root(server.base)}/health", timeout=PROBE_TIMEOUT)
-            if response.status_code == 200:
-                server.step = int(response.json().get("step", 0))
-                server.alive = True
-                server.current = 0.0
-                logger.info(f"inference server {server.base} answers again; back in the pool (step {server.step})")
-        except (httpx.TransportError, ValueError):
-            pass
+            if response.status_code != 200:
+                return
+            server.step = int(response.json().get("step", 0))
+            await self._load(server)
+        except (httpx.TransportError, ValueError, ServerDown):
+            return
+        server.alive = True
+        server.current = 0.0
+        logger.info(f"inference server {server.base} answers again; back in the pool (step {server.step})")
+
+    async def revive(self, problem: str) -> None:
+        """With no live server left, wait up to client.health_timeout for one to answer again (a server that
+        restarts, e.g. under `rl --restart`); InferenceError naming the servers if none does."""
+        async with self._revival:  # every request that lost its server lands here; one of them probes
+            timeout = self.config.health_timeout
+            deadline, next_note = time.monotonic() + timeout, 0.0
+            while not self.live():
+                if time.monotonic() > deadline:
+                    raise InferenceError(
+                        f"no live inference server left ({problem}); none of {self.base_urls} answered /health "
+                        f"within {timeout:.0f}s"
+                    )
+                if time.monotonic() >= next_note:
+                    logger.warning(f"no inference server is up ({problem}); waiting up to {timeout:.0f}s for one")
+                    next_note = time.monotonic() + 30
+                await asyncio.gather(*(self._probe(s) for s in self.servers))
+                if not self.live():
+                    await asyncio.sleep(1.0)
 
     async def server_step(self) -> int:
         """The oldest weight step any live server holds (every server is asked; dead ones are probed)."""
@@ -366,29 +396,36 @@ class InferenceClient:
                 self.take_out(server, str(e))
 
         await asyncio.gather(*(check(s) for s in self.servers))
-        live = self.live()
-        if not live:
-            raise InferenceError(f"no live inference server left (all of {self.base_urls} failed /health)")
-        return min(s.step for s in live)
+        if not self.live():
+            await self.revive(f"all of {self.base_urls} failed /health")
+        return min(s.step for s in self.live())
+
+    async def _load(self, server: Server) -> None:
+        """Give one server the weights the pool serves (nothing to do before the first update)."""
+        if self.weight_dir is not None:
+            data = await self._request(
+                "POST", f"{server_root(server.base)}/update_weights", {"weight_dir": self.weight_dir}
+            )
+            server.step = int(data["step"])
 
     async def update_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` on every live server; return the step they now serve.
 
-        A server that is down is taken out (the others carry on); any other failure is an error.
+        A server that is down is taken out (the others carry on; it gets these weights when it rejoins);
+        any other failure is an error.
         """
+        self.weight_dir = weight_dir
 
         async def one(server: Server) -> None:
             try:
-                url = f"{server_root(server.base)}/update_weights"
-                data = await self._request("POST", url, {"weight_dir": weight_dir})
+                await self._load(server)
             except ServerDown as e:
-                return self.take_out(server, str(e))
-            server.step = int(data["step"])
+                self.take_out(server, str(e))
 
         await asyncio.gather(*(one(s) for s in self.live()))
+        if not self.live():
+            await self.revive(f"all of {self.base_urls} failed to load {weight_dir}")
         steps = [s.step for s in self.live()]
-        if not steps:
-            raise InferenceError(f"no live inference server left to load {weight_dir}")
         if len(set(steps)) != 1:
             raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
         return steps[0]

@@ -92,7 +92,7 @@ class Batch:
 
 async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int) -> int:
     """Ensure every live server holds weights step >= step - async_level; return the oldest step held."""
-    need = max(0, step - config.async_level)
+    need = client.floor = max(0, step - config.async_level)
     current = await client.server_step()
     if current >= need:
         return current
@@ -100,8 +100,11 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     # A plain blocking wait: nothing else is in flight between steps, and unlike a worker thread it stops
     # at once on Ctrl-C.
     wait_for_weights(config.output_dir, need, config.weights_timeout, config.heartbeat_timeout)
-    # The trainer may have moved on while we waited: take the newest complete weights, never older than need.
-    newest = max(s for s in stable_steps(weights_root(config.output_dir)) if s >= need)
+    # The trainer may have moved on while we waited: take the newest complete weights, never older than need,
+    # and not newer than `step` where there is a choice (an orchestrator redoing a step after a restart
+    # samples from the policy an uninterrupted run would have had).
+    usable = [s for s in stable_steps(weights_root(config.output_dir)) if s >= need]
+    newest = max([s for s in usable if s <= step] or usable)
     weight_dir = weights_dir(config.output_dir, newest)
     loaded = await client.update_weights(str(weight_dir))
     if loaded != newest:
@@ -221,12 +224,10 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
     return metrics
 
 
-def checkpoint(
-    config: OrchestratorConfig, state: Progress, step: int, data: DataStream, rng, resumed: Progress | None
-) -> None:
-    """Record the progress before producing `step` (not again for the step resumed from)."""
+def checkpoint(config: OrchestratorConfig, state: Progress, step: int, data: DataStream, rng) -> None:
+    """Record the progress when about to produce `step` (right after step - 1's rollouts are written)."""
     state.step, state.examples_drawn, state.rng_state = step, data.drawn, rng.getstate()
-    if config.ckpt is not None and (resumed is None or step != resumed.step):
+    if config.ckpt is not None:
         save_checkpoint(config.output_dir, state, config.ckpt, config.max_steps)
 
 
@@ -261,9 +262,10 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         ):
             with Heartbeat(config.output_dir, "orchestrator") as heartbeat:
                 await client.wait_for_servers(config.client.health_timeout)
+                if resumed is None:
+                    checkpoint(config, state, 0, data, rng)
                 for step in range(state.step, config.max_steps):
                     heartbeat.step = progress.step = step
-                    checkpoint(config, state, step, data, rng, resumed)
                     times: dict[str, float] = {}
                     start = time.perf_counter()
 
@@ -280,11 +282,12 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                         )
                     with timer(times, "write"):
                         write_rank_files(config, step, per_rank)
-
                     times["step"] = time.perf_counter() - start
                     m = step_metrics(batch, times, step)
                     state.total_samples += m["samples"]
                     state.total_tokens += m["tokens"]
+                    # At once: a restart must not redo a step whose rollouts the trainer may have read.
+                    checkpoint(config, state, step + 1, data, rng)
                     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}
                     metrics.log(step, m)
                     wandb.log(step, m)
@@ -295,7 +298,6 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                         f"gen {times['generate']:.2f}s wait {times['wait_weights']:.2f}s | {times['step']:.2f}s"
                     )
                     logger.debug(f"step {step} metrics: {m}")
-                checkpoint(config, state, config.max_steps, data, rng, resumed)
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
 
 

@@ -91,13 +91,12 @@ def prune_checkpoints(output_dir: Path, part: str, keep: int | None, max_steps: 
     return removed
 
 
-def prune_rollouts(output_dir: Path, read_through: int, keep: int) -> list[int]:
+def prune_rollouts(output_dir: Path, read_through: int, keep: int, resumable: bool) -> list[int]:
     """Delete rollout steps the trainer has read (all ranks are past `read_through`), keeping the `keep` newest.
 
-    Never deleted: unread steps, and the steps from the newest trainer checkpoint on, which a trainer
-    resuming (or restarted) from that checkpoint reads again.
+    Never deleted: unread steps and, when the trainer checkpoints (`resumable`), the steps from its newest
+    checkpoint on (from step 0 before the first), which a trainer resumed or restarted from there reads again.
     """
     root = rollouts_dir(output_dir)
-    newest = checkpoint_steps(output_dir, ("trainer",))[-1:]
-    needed = [s for s in list_steps(root) if s > read_through or (newest and s >= newest[0])]
-    return prune_steps(root, keep=keep, protect=needed)
+    start = (checkpoint_steps(output_dir, ("trainer",)) or [0])[-1] if resumable else read_through + 1
+    return prune_steps(root, keep=keep, protect=[s for s in list_steps(root) if s > read_through or s >= start])

@@ -132,10 +132,10 @@ def test_persistent_5xx_gives_up_naming_the_url(monkeypatch):
         calls.append(request)
         return httpx.Response(500, text="boom")
 
-    client = make_client(handler)
+    client = make_client(handler, health_timeout=0.5)
     with pytest.raises(InferenceError, match=r"POST http://127.0.0.1:9/v1/chat/completions failed after 3 attempt"):
         asyncio.run(use(client, lambda c: c.chat([], 1, SamplingConfig())))
-    assert len(calls) == 3
+    assert len(calls) == 3 + 1  # and one /health probe while no server was left
 
 
 def test_client_error_is_not_retried_and_shows_the_server_message():

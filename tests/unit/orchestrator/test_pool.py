@@ -158,9 +158,9 @@ def test_a_removed_server_rejoins_at_the_next_health_check_once_it_answers_again
     assert servers[0].requests + servers[2].requests == 10
 
 
-def test_every_server_dead_fails_with_a_clear_error(servers, monkeypatch):
+def test_every_server_dead_fails_with_a_clear_error_after_health_timeout(servers, monkeypatch):
     monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
-    config = ClientConfig(base_url=[s.url for s in servers], max_retries=0)
+    config = ClientConfig(base_url=[s.url for s in servers], max_retries=0, health_timeout=1.5)
     for s in servers:
         s.kill()
 
@@ -168,8 +168,46 @@ def test_every_server_dead_fails_with_a_clear_error(servers, monkeypatch):
         async with InferenceClient(config, "m") as client:
             await client.chat([], 1, SamplingConfig())
 
-    with pytest.raises(InferenceError, match="no live inference server left"):
+    start = time.monotonic()
+    with pytest.raises(InferenceError, match=r"no live inference server left .* answered /health within 2s"):
         asyncio.run(go())
+    assert 1.5 <= time.monotonic() - start < 10
+
+
+def test_requests_ride_through_a_restart_of_the_only_server_which_gets_the_weights_first(monkeypatch, caplog):
+    """As under `rl --restart`: the one server dies mid-step and comes back on its port with the base model.
+    The step's requests wait for it, it is given the pool's weights before it samples again, and no answer
+    comes from a policy older than the step's floor."""
+    monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
+    first = FakeServer(delay=0.05)
+    port = int(first.url.rsplit(":", 1)[1].removesuffix("/v1"))
+    config = ClientConfig(base_url=[first.url], max_retries=1, health_timeout=30)
+    restarted: list[FakeServer] = []
+
+    async def go():
+        async with InferenceClient(config, "m") as client:
+            assert await client.update_weights("/w/step_3") == 3
+            client.floor = 3
+            first.kill()
+
+            async def come_back():
+                await asyncio.sleep(1.0)
+                restarted.append(FakeServer(port=port))  # step 0 until it is given weights
+
+            results, _ = await asyncio.gather(
+                asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(8))), come_back()
+            )
+            return results
+
+    try:
+        with caplog.at_level(logging.INFO, logger="prime_rl"):
+            results = asyncio.run(go())
+    finally:
+        for s in restarted:
+            s.kill()
+    assert len(results) == 8 and all(r[0].weight_step == 3 for r in results)
+    assert restarted[0].updates == ["/w/step_3"] and restarted[0].requests == 8
+    assert "no inference server is up" in caplog.text and "answers again; back in the pool (step 3)" in caplog.text
 
 
 def test_weights_must_match_base_urls():

@@ -55,5 +55,12 @@ def test_rollouts_from_the_newest_trainer_checkpoint_on_stay_for_a_resume(tmp_pa
     trainer_checkpoint_dir(tmp_path, 2).mkdir(parents=True)
     mark_stable(trainer_checkpoint_dir(tmp_path, 2))
     # The trainer read through step 4; a restart from checkpoint 2 reads steps 2.. again.
-    assert prune_rollouts(tmp_path, read_through=4, keep=1) == [0, 1]
+    assert prune_rollouts(tmp_path, read_through=4, keep=1, resumable=True) == [0, 1]
     assert list_steps(rollout_step_dir(tmp_path, 0).parent) == [2, 3, 4, 5]
+    assert prune_rollouts(tmp_path, read_through=4, keep=1, resumable=False) == [2, 3, 4]
+
+
+def test_before_the_first_trainer_checkpoint_every_rollout_stays_for_a_restart(tmp_path):
+    for step in range(4):
+        rollout_step_dir(tmp_path, step).mkdir(parents=True)
+    assert prune_rollouts(tmp_path, read_through=2, keep=1, resumable=True) == []

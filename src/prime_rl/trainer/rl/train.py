@@ -278,7 +278,7 @@ def prune_old_steps(config: TrainerConfig, step: int) -> None:
     from prime_rl.trainer.weights import prune_weights
 
     prune_weights(config.output_dir, keep=config.keep_weights or config.async_level + 1)
-    prune_rollouts(config.output_dir, read_through=step, keep=config.data.keep_rollouts)
+    prune_rollouts(config.output_dir, step, config.data.keep_rollouts, resumable=config.ckpt is not None)
 
 
 def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress) -> dict:
