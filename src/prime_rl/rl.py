@@ -3,6 +3,10 @@
 Launcher only: resolve the three configs (copying the shared keys into each), write them to
 OUTPUT_DIR/run/, spawn the services with their output captured in OUTPUT_DIR/logs/, follow their
 logs, and stop everything when one fails or on Ctrl-C (exit non-zero, naming the failed service).
+
+With `--restart N`, a service that dies is restarted alone, up to N times in all, while the others keep
+running: the trainer and the orchestrator from their newest checkpoint (`--ckpt.resume-step latest`), the
+inference server as it was started (the orchestrator waits for it and gives it the current weights).
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class RLConfig(BaseConfig):
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
     startup_timeout: Annotated[float, Field(gt=0, description="seconds to wait for the inference server")] = 600.0
+    restart: Annotated[
+        int, Field(ge=0, description="restart a service that dies, alone, up to this many times in all (needs ckpt)")
+    ] = 0
     log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
 
     @classmethod
@@ -89,6 +96,8 @@ class RLConfig(BaseConfig):
         dirs = {str(getattr(self, s).output_dir) for s in SERVICES}
         if len(dirs) > 1:
             raise ValueError(f"the services' output_dir differ ({sorted(dirs)}); set --output-dir once")
+        if self.restart and self.trainer.ckpt is None:
+            raise ValueError("--restart resumes a dead service from its checkpoint: also set --ckpt.interval N")
         return self
 
 
@@ -215,6 +224,11 @@ class Service:
     def terminate(self) -> None:
         if self.proc.poll() is None:
             _signal_group(self.proc, signal.SIGTERM)
+
+    def reap(self) -> None:
+        """After the process died: kill whatever of its group is left (e.g. a child that outlived it)."""
+        _signal_group(self.proc, signal.SIGKILL)
+        self._log.close()
 
     def wait_or_kill(self, deadline: float) -> None:
         """Wait for the exit until `deadline` (monotonic), then SIGKILL the whole group."""
@@ -354,7 +368,7 @@ def _run(config: RLConfig, lock_token: str) -> None:
         logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
         services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
                                 env["orchestrator"]))  # fmt: skip
-        watch(services)
+        watch(services, Restarter(config, commands, env))
         logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
     finally:
         stop_all(services)
@@ -363,16 +377,48 @@ def _run(config: RLConfig, lock_token: str) -> None:
         follower.join(timeout=2)
 
 
-def watch(services: list[Service]) -> None:
-    """Return when orchestrator and trainer both exit 0; raise ServiceFailed as soon as any service fails."""
-    workers = [s for s in services if s.name != "inference"]
+class Restarter:
+    """Restarts a dead service in place, up to `--restart` times in all (0: never, a death ends the run)."""
+
+    def __init__(self, config: RLConfig, commands: dict[str, list[str]], env: dict[str, dict[str, str]]):
+        self.left, self.total = config.restart, config.restart
+        self.output_dir, self.commands, self.env = config.orchestrator.output_dir, commands, env
+
+    def command(self, name: str) -> tuple[list[str], str]:
+        from prime_rl.protocol import checkpoint_steps
+
+        if name == "inference":
+            return self.commands[name], "as started"
+        steps = checkpoint_steps(self.output_dir, (name,))
+        if not steps:  # none written yet: it starts over (the rollouts and weights it needs are all kept)
+            return self.commands[name], "from the start (no checkpoint yet)"
+        return [*self.commands[name], "--ckpt.resume-step", "latest"], f"from checkpoints/step_{steps[-1]}"
+
+    def __call__(self, services: list[Service], dead: Service) -> Service:
+        """Replace `dead` in `services` with a fresh process; raise ServiceFailed when no restart is left."""
+        if self.left == 0:
+            raise ServiceFailed(dead)
+        self.left -= 1
+        dead.reap()
+        cmd, origin = self.command(dead.name)
+        logger.warning(
+            f"{dead.name} died (exit {dead.returncode}); restarting it {origin}, restart "
+            f"{self.total - self.left} of {self.total}; its last lines:\n{dead.tail(8)}"
+        )
+        fresh = Service(dead.name, cmd, dead.log_path, self.env[dead.name])
+        services[services.index(dead)] = fresh
+        return fresh
+
+
+def watch(services: list[Service], restart: Restarter) -> None:
+    """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service fails."""
     while True:
-        for service in services:
+        if all(s.returncode == 0 for s in services if s.name != "inference"):
+            return
+        for service in list(services):
             rc = service.returncode
             if rc is not None and (rc != 0 or service.name == "inference"):
-                raise ServiceFailed(service)
-        if all(s.returncode == 0 for s in workers):
-            return
+                restart(services, service)
         time.sleep(0.2)
 
 

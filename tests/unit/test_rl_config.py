@@ -119,3 +119,10 @@ def test_a_service_reports_only_what_this_run_logged(tmp_path):
     service.proc.wait(30)
     assert service.tail() == "this run"
     assert "OldError" in log.read_text()  # the earlier run's lines stay in the file
+
+
+def test_restart_needs_checkpoints_to_restart_from():
+    with pytest.raises(ConfigError, match="--restart resumes a dead service from its checkpoint: also set --ckpt"):
+        load_config(RLConfig, ["--restart", "2"])
+    config = load_config(RLConfig, ["--restart", "2", "--ckpt.interval", "5"])
+    assert config.restart == 2 and config.trainer.ckpt.interval == config.orchestrator.ckpt.interval == 5
