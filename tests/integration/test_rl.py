@@ -318,7 +318,7 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
     seen: dict[int, str] = {}
     killed_at = 0.0
     try:
-        for name, marker, step in victims:
+        for _, marker, step in victims:
             deadline = time.monotonic() + 240
             # Trainer step `step` done, after the previous victim's restart (a restarted trainer redoes steps).
             while not any(m["step"] >= step and m["time"] > killed_at for m in read_metrics(out, "trainer")):
