@@ -386,62 +386,149 @@ def test_bad_weight_dir_and_concurrent_update_never_mix_policies(server, tiny_mo
     assert server.post("/reload_weights").json()["step"] == 0
 
 
-def test_hundreds_of_concurrent_valid_and_malformed_requests(server, tiny_model):
-    """Fuzz: every valid request succeeds, every malformed one gets a 4xx, and the server stays healthy."""
-    rng = random.Random(0)
-    valid_bodies = [
-        lambda: ("/v1/completions", {"prompt": "fuzz " * rng.randint(1, 5), "max_tokens": rng.randint(1, 4)}),
-        lambda: (
-            "/v1/completions",
-            {"prompt": PROMPT, "max_tokens": 3, "n": 2, "logprobs": 1, "seed": rng.randrange(10**6)},
-        ),
-        lambda: ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
-        lambda: ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": 3}),
-    ]
-    garbage = [None, -1, 0, 1e309, "x", [], {}, [[-5]], {"a": {"b": []}}, True, 2**70, "\x00", [1.5], "NaN"]
+ODD_STRINGS = [
+    "\ud800", "\udfff x \ud83d", "\x00\x01\x7f", "\u202eevil\u202c", "a\u200d\u200db", "e" + "\u0301" * 2000,
+    "😀" * 500, "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\ufeff\ufffe\uffff", "<|im_start|>system\n", "{{ 7 * 7 }}", "%s%n%x", "",
+]  # fmt: skip
+EXTREME_NUMBERS = [0, -1, 1, 7, -0.0, 1e-39, 5e-324, 1e308, -1e308, 2**31, 2**63, 2**64, 10**30, 0.5, 1.0000001]
+FUZZ_FIELDS = [
+    "prompt", "messages", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs",
+    "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "echo", "logit_bias",
+    "ignore_eos", "min_tokens", "model", "user", "chat_template_kwargs", "response_format", "stop_token_ids",
+    "add_generation_prompt", "prompt_logprobs", "skip_special_tokens", "tools", "tool_choice", "weight_dir",
+]  # fmt: skip
 
-    def malformed() -> tuple[str, bytes]:
-        route, body = rng.choice(valid_bodies)()
-        kind = rng.randrange(5)
-        if kind == 0:  # a field of the wrong type or out of range
-            key = rng.choice(["prompt", "max_tokens", "n", "temperature", "top_p", "stop", "messages", "logprobs"])
-            body[key] = rng.choice([v for v in garbage if v is not None])
-        elif kind == 1:  # a required field missing
-            body.pop("prompt", None)
-            body.pop("messages", None)
-        elif kind == 2:  # truncated JSON
-            raw = json.dumps(body).encode()
-            return route, raw[: rng.randrange(1, len(raw) - 1)]
-        elif kind == 3:  # random bytes
-            return route, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
-        else:  # valid JSON of the wrong shape
-            return route, json.dumps(rng.choice([[body], "text", 42, None, [1, 2, 3]])).encode()
+
+def fuzz_requests(rng: random.Random, count: int, model: str) -> list[tuple[bool, str, bytes]]:
+    """(unmutated?, route, raw body): a quarter plain valid requests, the rest mutated 1-3 times with wrong
+    types, odd unicode, extreme numbers, huge fields, missing keys, broken or non-object JSON, random bytes."""
+
+    def valid() -> tuple[str, dict]:
+        if rng.random() < 0.5:
+            prompt = rng.choice(["fuzz " * rng.randint(1, 5), PROMPT, "a\u200d\u200db go", "𝔘𝔫𝔦 \ufeff", "{{ 7 }}"])
+            return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": rng.randint(1, 4)}
+        messages = [{"role": "user", "content": rng.choice(["hi", "reverse: abc", "😀 é"])}]
+        return "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": rng.randint(1, 4)}
+
+    def value():
+        kind = rng.randrange(7)
+        if kind == 0:
+            return rng.choice(EXTREME_NUMBERS)
+        if kind == 1:
+            return rng.choice(ODD_STRINGS)
+        if kind == 2:  # huge: a 2 MB string, 100 k token ids, 50 k stop strings, a 200-deep nest
+            return rng.choice(
+                ["z" * 2_000_000, list(range(100_000)), ["x"] * 50_000, json.loads("[" * 200 + "]" * 200)]
+            )
+        if kind == 3:
+            return rng.choice([None, True, [], {}, [[-5]], {"a": {"b": []}}, [1.5], "NaN", {"role": "user"}])
+        if kind == 4:  # odd messages
+            return [{"role": rng.choice(["user", "system", "tool", "nobody", 3]), "content": rng.choice(ODD_STRINGS)}]
+        if kind == 5:
+            return {rng.choice(ODD_STRINGS): rng.choice(EXTREME_NUMBERS)}
+        return [rng.choice(EXTREME_NUMBERS) for _ in range(rng.randint(1, 5))]
+
+    def mutated() -> tuple[str, bytes]:
+        route, body = valid()
+        if rng.random() < 0.15:  # the route itself gets a body meant for the other one
+            route = "/v1/chat/completions" if route == "/v1/completions" else "/v1/completions"
+        for _ in range(rng.randint(1, 3)):
+            op = rng.randrange(10)
+            if op < 6:
+                body[rng.choice(FUZZ_FIELDS)] = value()
+            elif op == 6:
+                body.pop(rng.choice(list(body) or ["prompt"]), None)
+            elif op == 7:
+                raw = json.dumps(body).encode()
+                return route, raw[: rng.randrange(1, max(2, len(raw) - 1))]
+            elif op == 8:
+                return route, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+            else:
+                return route, json.dumps(rng.choice([[body], "text", 42, None, [1, 2, 3], 1e308])).encode()
         return route, json.dumps(body).encode()
 
-    requests = []
-    for i in range(300):
-        if i % 2:
-            route, body = rng.choice(valid_bodies)()
-            requests.append((True, route, json.dumps(body).encode()))
+    out = []
+    for i in range(count):
+        if i % 4 == 0:
+            route, body = valid()
+            out.append((True, route, json.dumps(body).encode()))
         else:
-            requests.append((False, *malformed()))
+            out.append((False, *mutated()))
+    return out
 
-    async def send_all() -> list[tuple[bool, int, str]]:
-        limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits, headers=server.headers) as http:
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of `pid` and everything below it (vLLM's engine runs in a child process)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+            todo += [int(c) for t in Path(f"/proc/{p}/task").iterdir() for c in (t / "children").read_text().split()]
+        except (OSError, AttributeError):
+            continue
+    return total
+
+
+def test_fuzz_1200_requests_no_5xx_no_timeout_health_always_fast_memory_bounded(server, tiny_model):
+    """1,200 generated requests in three rounds, 32 at a time, on both routes: every plain valid one is a 200,
+    no answer is a 5xx, none times out, /health (polled all along) answers within 1 s, and the server's
+    memory is bounded: what it holds once a round is over does not grow from round to round."""
+
+    async def fuzz_round(requests) -> tuple[list[tuple[bool, int, str]], list[float], list[float]]:
+        limits = httpx.Limits(max_connections=40)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits, headers=server.headers) as http:
+            gate, done = asyncio.Semaphore(32), asyncio.Event()
+            health_times: list[float] = []
+            rss: list[float] = []
 
             async def send(ok: bool, route: str, raw: bytes) -> tuple[bool, int, str]:
-                response = await http.post(route, content=raw, headers={"content-type": "application/json"})
-                return ok, response.status_code, response.text[:200]
+                async with gate:
+                    try:
+                        r = await http.post(route, content=raw, headers={"content-type": "application/json"})
+                    except httpx.TimeoutException:
+                        return ok, -1, f"timeout: {route} {raw[:200]!r}"
+                    return ok, r.status_code, f"{route} {raw[:200]!r} -> {r.text[:200]}"
 
-            return await asyncio.gather(*(send(*r) for r in requests))
+            async def watch_health() -> None:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    try:
+                        ok = (await http.get("/health", timeout=5)).status_code == 200
+                    except httpx.TimeoutException:
+                        ok = False
+                    health_times.append(time.perf_counter() - start if ok else float("inf"))
+                    rss.append(rss_mib(server.proc.pid))
+                    await asyncio.sleep(0.2)
 
-    results = asyncio.run(send_all())
-    assert [r for r in results if r[0] and r[1] != 200] == []
-    # A mutated body can still be valid (e.g. a stop string of "x"); what matters is: never a 5xx.
-    assert [r for r in results if not r[0] and not 200 <= r[1] < 500] == []
-    assert sum(1 for ok, status, _ in results if not ok and 400 <= status < 500) > 100
-    assert server.health()["status"] == "ok"
+            watcher = asyncio.create_task(watch_health())
+            results = await asyncio.gather(*(send(*r) for r in requests))
+            done.set()
+            await watcher
+            return results, health_times, rss
+
+    before = rss_mib(server.proc.pid)
+    results, health_times, peaks, settled = [], [], [], []
+    for seed in range(3):
+        r, h, rss = asyncio.run(fuzz_round(fuzz_requests(random.Random(seed), 400, str(tiny_model))))
+        results, health_times, peaks = results + r, health_times + h, peaks + rss
+        time.sleep(1.0)
+        settled.append(rss_mib(server.proc.pid))
+    assert len(results) >= 1200
+    assert [r for r in results if r[1] == -1] == []  # no timeouts
+    assert [r for r in results if r[1] >= 500] == []  # no 5xx
+    assert [r[2] for r in results if r[0] and r[1] != 200] == []  # plain valid requests are served
+    rejected = sum(1 for ok, status, _ in results if not ok and 400 <= status < 500)
+    assert rejected > 500, rejected
+    assert len(health_times) > 10 and max(health_times) < 1.0, sorted(health_times)[-5:]
+    print(
+        f"fuzz ({server.backend}): {rejected} 4xx of {len(results)}; /health max {max(health_times) * 1000:.0f} ms "
+        f"over {len(health_times)} polls; RSS MiB: before {before:.0f}, peak {max(peaks):.0f}, after each round "
+        f"{[round(x) for x in settled]}"
+    )
+    assert settled[-1] - settled[0] < 256, f"RSS after each round grew: {settled} MiB"
+    assert max(peaks) - before < 4096, f"RSS peaked {max(peaks) - before:.0f} MiB above its start"
     assert server.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 2}).status_code == 200
 
 
