@@ -25,7 +25,7 @@ from pydantic import Field, model_validator
 
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.protocol import RunLock, RunLocked
+from prime_rl.protocol import DiskFull, RunLock, RunLocked
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, Section, parse_config, write_run_config
@@ -437,7 +437,7 @@ def main() -> None:
     except KeyboardInterrupt:
         logger.error("interrupted; stopped all services")
         raise SystemExit(130) from None
-    except (ServiceFailed, TimeoutError, ValueError, RunLocked) as e:
+    except (ServiceFailed, TimeoutError, ValueError, RunLocked, DiskFull) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

@@ -212,3 +212,29 @@ def test_bench_on_fake_data_prints_the_table_and_writes_no_weights(tiny_model, t
     assert [r["step"] for r in read_metrics(tmp_path, "trainer")] == [0, 1, 2]
     assert not (tmp_path / "weights").exists()
     assert "benchmark, no weights written" in proc.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.2 MB tmpfs: room for one weights step of the tiny model, not two."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_leaves_nothing_half_written(tiny_model, small_disk):
+    cmd = [str(TRAINER), "--model.name", str(tiny_model), "--output-dir", str(small_disk), "--data.fake",
+           "--max-steps", "4", "--data.fake-seq-len", "64", "--data.fake-max-len", "32"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "no space left on the device of" in errors[0], result.stderr
+    assert f"{small_disk}/weights/step_" in errors[0] or f"{small_disk}/metrics" in errors[0], errors
+    # What was written before is complete; what failed left no partial directory behind.
+    assert is_stable(weights_dir(small_disk, 1))
+    assert not list((small_disk / "weights").glob("*.partial"))

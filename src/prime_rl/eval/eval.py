@@ -24,7 +24,7 @@ from prime_rl.eval.config import EvalConfig
 from prime_rl.orchestrator.client import InferenceClient, InferenceError, server_root
 from prime_rl.orchestrator.envs import EnvError, load_environment
 from prime_rl.orchestrator.rollout import Group, RolloutSource, load_tokenizer
-from prime_rl.protocol import atomic_write_text, eval_samples_file, eval_summary_file, stable_steps, step_dir
+from prime_rl.protocol import DiskFull, atomic_write_text, eval_samples_file, eval_summary_file, stable_steps, step_dir
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 
@@ -162,7 +162,7 @@ def main() -> None:
     write_run_config(config, "eval", config.output_dir)
     try:
         print_table(asyncio.run(evaluate(config)))
-    except (EvalError, EnvError, InferenceError) as e:
+    except (EvalError, EnvError, InferenceError, DiskFull) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

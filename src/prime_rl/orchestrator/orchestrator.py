@@ -34,6 +34,7 @@ from prime_rl.orchestrator.packing import SampleTooLong, make_sample, pack_micro
 from prime_rl.orchestrator.rollout import Group, RolloutSource, load_tokenizer
 from prime_rl.orchestrator.sinks import ProgressLine, SinkError, build_wandb
 from prime_rl.protocol import (
+    DiskFull,
     Heartbeat,
     RunLock,
     RunLocked,
@@ -324,6 +325,7 @@ def main() -> None:
         SinkError,
         CheckpointError,
         RunLocked,
+        DiskFull,
     ) as e:
         logger.error(str(e))
         raise SystemExit(1) from None

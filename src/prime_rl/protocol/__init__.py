@@ -12,6 +12,7 @@ from prime_rl.protocol.checkpoints import (
     resolve_resume_step,
 )
 from prime_rl.protocol.files import (
+    DiskFull,
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
@@ -21,6 +22,7 @@ from prime_rl.protocol.files import (
     mark_stable,
     prune_steps,
     stable_steps,
+    writing,
 )
 from prime_rl.protocol.lock import RunLock, RunLocked
 from prime_rl.protocol.paths import (
@@ -54,6 +56,7 @@ from prime_rl.protocol.wait import (
 )
 
 __all__ = [
+    "DiskFull",
     "Heartbeat",
     "RunLock",
     "RunLocked",
@@ -81,6 +84,7 @@ __all__ = [
     "prune_checkpoints",
     "prune_rollouts",
     "prune_steps",
+    "writing",
     "resolve_resume_step",
     "rank_file",
     "rollout_step_dir",

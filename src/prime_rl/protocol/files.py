@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -26,21 +28,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DiskFull(OSError):
+    """The filesystem under the output dir is full (or over quota); the message names what was being written."""
+
+
+def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch.distributed.checkpoint raises one exception holding each rank's (exception, traceback)
+    failures = getattr(error, "failures", None)
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        if _out_of_space(failure[0] if isinstance(failure, tuple) else failure, depth + 1):
+            return True
+    return _out_of_space(error.__cause__ or error.__context__, depth + 1)
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn running out of disk space while writing `path` (however deep the error) into one DiskFull line."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as e:
+        if _out_of_space(e):
+            raise DiskFull(f"no space left on the device of {path} while writing it; free space there") from None
+        raise
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
     """Write `path` via `write(fileobj)` so readers see either nothing or the whole file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; other users on a shared filesystem must read our files
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp makes 0600; other users on a shared filesystem must read our files
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     _fsync_dir(path.parent)
     return path
 

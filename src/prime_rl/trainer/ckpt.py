@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir
+from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir, writing
 from prime_rl.protocol.paths import STABLE
 from prime_rl.trainer.errors import TrainerError
 
@@ -117,16 +117,17 @@ def save_checkpoint(
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # an incomplete leftover (or an older run's): DCP must not mix its files in
     dist.barrier()
-    dcp.save(_app_state(model, optimizer, scheduler, progress), checkpoint_id=path)
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    atomic_write(path / f"rng_rank{rank}.pt", lambda f: torch.save(rng, f))
-    if rank == 0:
-        hf = path / HF_FILES_DIR
-        files.config.save_pretrained(hf)
-        files.generation_config.save_pretrained(hf)
-        files.tokenizer.save_pretrained(hf)
+    with writing(path):
+        dcp.save(_app_state(model, optimizer, scheduler, progress), checkpoint_id=path)
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        atomic_write(path / f"rng_rank{rank}.pt", lambda f: torch.save(rng, f))
+        if rank == 0:
+            hf = path / HF_FILES_DIR
+            files.config.save_pretrained(hf)
+            files.generation_config.save_pretrained(hf)
+            files.tokenizer.save_pretrained(hf)
     dist.barrier()
     if rank == 0:
         mark_stable(path)

@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from prime_rl.protocol import DiskFull
 from prime_rl.trainer.errors import TrainerError
 
 logger = logging.getLogger("prime_rl")
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("convert", None, "INFO", to_file=False)
     try:
         out = convert(args.checkpoint, args.output, args.max_shard_size)
-    except (FileNotFoundError, FileExistsError, ValueError, TrainerError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, TrainerError, DiskFull) as e:
         print(f"convert-checkpoint: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     logger.info(f"wrote {out}")

@@ -25,7 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prime_rl.protocol import atomic_write, atomic_write_text, mark_stable, prune_steps, weights_dir, weights_root
+from prime_rl.protocol import (
+    atomic_write,
+    atomic_write_text,
+    mark_stable,
+    prune_steps,
+    weights_dir,
+    weights_root,
+    writing,
+)
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
 
@@ -122,15 +130,21 @@ def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: P
     # (a resumed run redoes steps), which must never be seen half-deleted or half-written.
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # a leftover of an interrupted save
-    partial.mkdir(parents=True)
-    files.config.save_pretrained(partial)
-    files.generation_config.save_pretrained(partial)
-    files.tokenizer.save_pretrained(partial)
-    state_dict = checkpoint_state_dict(model, state_dict)
-    write_safetensors(state_dict, partial, files.dtype, tied=bool(getattr(files.config, "tie_word_embeddings", False)))
-    for f in partial.iterdir():
-        _fsync(f)
-    mark_stable(partial)
+    try:
+        with writing(path):
+            partial.mkdir(parents=True)
+            files.config.save_pretrained(partial)
+            files.generation_config.save_pretrained(partial)
+            files.tokenizer.save_pretrained(partial)
+            state_dict = checkpoint_state_dict(model, state_dict)
+            tied = bool(getattr(files.config, "tie_word_embeddings", False))
+            write_safetensors(state_dict, partial, files.dtype, tied=tied)
+            for f in partial.iterdir():
+                _fsync(f)
+            mark_stable(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # give the space back
+        raise
     replaced = path.with_name(path.name + ".replaced")
     shutil.rmtree(replaced, ignore_errors=True)
     if path.exists():

@@ -23,7 +23,16 @@ def setup_logging(service: str, output_dir: Path | None, level: str = "INFO", to
     if to_file and output_dir is not None:
         path = log_file(output_dir, service)
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(path)
+        handler = _FileHandler(path)
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     return logger
+
+
+class _FileHandler(logging.FileHandler):
+    """A log file that cannot be written (a full disk) is given up with one line on the console, instead of
+    logging's traceback for every record."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        logger.removeHandler(self)
+        logger.warning(f"cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); console only from now")

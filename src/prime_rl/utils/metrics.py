@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from prime_rl.protocol.files import atomic_write_text
+from prime_rl.protocol.files import atomic_write_text, writing
 from prime_rl.protocol.paths import metrics_file
 
 
@@ -25,9 +25,10 @@ class MetricsWriter:
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, "time": time.time(), **metrics}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        with writing(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()

@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from prime_rl.protocol import RunLocked, WaitTimeout, WriterDead
+from prime_rl.protocol import DiskFull, RunLocked, WaitTimeout, WriterDead
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.parallel import run_lock
 from prime_rl.trainer.rl.config import TrainerConfig
@@ -42,7 +42,7 @@ def main() -> None:
             if rank == 0:
                 write_run_config(config, "trainer", config.output_dir)
             run(config)
-    except (WaitTimeout, WriterDead, TrainerError, RunLocked) as e:
+    except (WaitTimeout, WriterDead, TrainerError, RunLocked, DiskFull) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 

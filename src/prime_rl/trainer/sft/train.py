@@ -22,7 +22,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from prime_rl.protocol import RunLocked
+from prime_rl.protocol import DiskFull, RunLocked
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.parallel import run_lock
 from prime_rl.trainer.sft.config import SFTConfig
@@ -47,7 +47,7 @@ def main() -> None:
             if rank == 0:
                 write_run_config(config, "sft", config.output_dir)
             run(config)
-    except (TrainerError, RunLocked) as e:
+    except (TrainerError, RunLocked, DiskFull) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
 
