@@ -69,12 +69,15 @@ def resolve_resume_step(output_dir: Path, resume_step: int | str | None, part: s
 
 
 def prune_checkpoints(output_dir: Path, part: str, keep: int | None, max_steps: int, interval: int | None) -> list[int]:
-    """Delete `part` of all but the `keep` newest due checkpoints, and every off-cadence record but the newest.
+    """Delete `part` of all but the `keep` newest checkpoints, and every off-cadence record but the newest.
 
+    Off-cadence records are the orchestrator's per-step ones: not due at this run's cadence and with no trainer
+    checkpoint beside them (one an earlier run saved at its end pairs with the trainer's and stays).
     Only `part` is touched: the other service's part beside it stays, and a step dir goes once it is empty.
     """
     steps = checkpoint_steps(output_dir, (part,))
-    due = [s for s in steps if checkpoint_due(s, max_steps, interval)]
+    paired = set(checkpoint_steps(output_dir, ("trainer",)))
+    due = [s for s in steps if s in paired or checkpoint_due(s, max_steps, interval)]
     kept = set(due if keep is None else due[-keep:]) | set(steps[-1:])
     removed = [s for s in steps if s not in kept]
     for step in removed:

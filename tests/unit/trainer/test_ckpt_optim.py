@@ -64,3 +64,16 @@ def test_before_the_first_trainer_checkpoint_every_rollout_stays_for_a_restart(t
     for step in range(4):
         rollout_step_dir(tmp_path, step).mkdir(parents=True)
     assert prune_rollouts(tmp_path, read_through=2, keep=1, resumable=True) == []
+
+
+def test_a_checkpoint_an_earlier_shorter_run_saved_at_its_end_is_kept(tmp_path):
+    """Resumed with a longer max_steps, step 2 is no longer on this run's cadence; it is a checkpoint all the same."""
+    for step in (2, 4):
+        trainer_checkpoint_dir(tmp_path, step).mkdir(parents=True)
+        mark_stable(trainer_checkpoint_dir(tmp_path, step))
+        orchestrator_checkpoint_file(tmp_path, step).write_bytes(b"x")
+    orchestrator_checkpoint_file(tmp_path, 3).write_bytes(b"x")
+    assert prune_checkpoints(tmp_path, "trainer", keep=None, max_steps=4, interval=None) == []
+    orchestrator_checkpoint_file(tmp_path, 5).parent.mkdir(parents=True)
+    orchestrator_checkpoint_file(tmp_path, 5).write_bytes(b"x")
+    assert prune_checkpoints(tmp_path, "orchestrator", keep=None, max_steps=6, interval=None) == [3]
