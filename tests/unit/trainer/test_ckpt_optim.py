@@ -72,6 +72,7 @@ def test_a_checkpoint_an_earlier_shorter_run_saved_at_its_end_is_kept(tmp_path):
         trainer_checkpoint_dir(tmp_path, step).mkdir(parents=True)
         mark_stable(trainer_checkpoint_dir(tmp_path, step))
         orchestrator_checkpoint_file(tmp_path, step).write_bytes(b"x")
+    orchestrator_checkpoint_file(tmp_path, 3).parent.mkdir(parents=True)
     orchestrator_checkpoint_file(tmp_path, 3).write_bytes(b"x")
     assert prune_checkpoints(tmp_path, "trainer", keep=None, max_steps=4, interval=None) == []
     orchestrator_checkpoint_file(tmp_path, 5).parent.mkdir(parents=True)
