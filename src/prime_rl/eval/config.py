@@ -36,4 +36,8 @@ class EvalConfig(BaseConfig):
     steps: Annotated[list[int] | None, Field(description="only these steps of --weights-dir (0 = the base model)")] = (
         None
     )
+    serve: Annotated[
+        bool,
+        Field(description="start a local inference server for model.name (built-in engine on CPU) and stop it after"),
+    ] = False
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()

@@ -18,6 +18,10 @@ import logging
 import math
 import shutil
 import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from prime_rl.eval.config import EvalConfig
@@ -156,12 +160,41 @@ async def evaluate(config: EvalConfig) -> list[dict]:
     return rows
 
 
+@contextmanager
+def local_server(config: EvalConfig) -> Iterator[None]:
+    """`--serve`: an `inference` process for model.name on a free loopback port, its log in OUTPUT_DIR/logs;
+    the client is pointed at it. Stopped (and waited for) on the way out."""
+    from prime_rl.protocol import log_file
+    from prime_rl.utils.net import free_port
+    from prime_rl.utils.process import die_with_parent
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", config.model.name,
+           "--server.port", str(port), "--output-dir", str(config.output_dir), "--no-log.file"]  # fmt: skip
+    log = log_file(config.output_dir, "inference")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    config.client.base_url = [f"http://127.0.0.1:{port}/v1"]
+    logger.info(f"serving {config.model.name} for this eval on port {port} (log: {log})")
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> None:
     config = parse_config(EvalConfig, prog="eval")
     setup_logging("eval", config.output_dir, config.log.level, config.log.file)
     write_run_config(config, "eval", config.output_dir)
     try:
-        print_table(asyncio.run(evaluate(config)))
+        with local_server(config) if config.serve else nullcontext():
+            print_table(asyncio.run(evaluate(config)))
     except (EvalError, EnvError, InferenceError, DiskFull) as e:
         logger.error(str(e))
         raise SystemExit(1) from None

@@ -14,6 +14,13 @@ from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig
 class SFTDataConfig(Section):
     path: Annotated[Path | None, Field(description="local .jsonl or .parquet file of training rows")] = None
     name: Annotated[str | None, Field(description="Hugging Face datasets name (used when path is unset)")] = None
+    env_id: Annotated[
+        str | None,
+        Field(description="an environment (as the orchestrator's env.id): its prompts with their reference answers"),
+    ] = None
+    env_args: Annotated[dict, Field(description="keyword arguments of the environment")] = {}
+    env_examples: Annotated[int, Field(ge=1, description="rows drawn from the environment")] = 1000
+    env_seed: Annotated[int, Field(description="seed of the environment's examples (not the RL or eval seed)")] = 1
     split: Annotated[str, Field(description="datasets split (with name)")] = "train"
     prompt_column: Annotated[str, Field(description="column with the prompt: a string or a list of messages")] = (
         "prompt"
@@ -32,8 +39,11 @@ class SFTDataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.path is None) == (self.name is None):
-            raise ValueError("set exactly one of data.path (local file) and data.name (HF datasets name)")
+        if sum(x is not None for x in (self.path, self.name, self.env_id)) != 1:
+            raise ValueError(
+                "set exactly one of data.path (local file), data.name (HF datasets name) and data.env-id "
+                "(an environment's reference answers)"
+            )
         return self
 
 

@@ -35,6 +35,8 @@ class Sample:
 
 def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
     """The rows and, for each, where it came from ("data.jsonl:12") for error messages."""
+    if cfg.env_id is not None:
+        return _environment_rows(cfg)
     if cfg.path is not None:
         path = Path(cfg.path)
         if not path.is_file():
@@ -54,6 +56,23 @@ def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
     except Exception as e:  # datasets raises many types (network, missing split, bad name)
         raise TrainerError(f"cannot load dataset {cfg.name!r} split {cfg.split!r}: {e}") from None
     return list(ds), [f"{cfg.name}[{cfg.split}] row {i}" for i in range(len(ds))]
+
+
+def _environment_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
+    """`env_examples` prompts of an environment with its reference answers as the assistant's completion."""
+    import itertools
+
+    from prime_rl.orchestrator.envs import EnvError, load_environment
+
+    try:
+        env = load_environment(cfg.env_id, **cfg.env_args)
+        examples = list(itertools.islice(env.examples(cfg.env_seed), cfg.env_examples))
+    except (EnvError, TypeError, ValueError) as e:
+        raise TrainerError(f"data.env-id {cfg.env_id!r}: {e}") from None
+    if missing := [i for i, ex in enumerate(examples) if not ex.answer]:
+        raise TrainerError(f"data.env-id {cfg.env_id!r} gives no reference answer for example {missing[0]}")
+    rows = [{"prompt": ex.prompt, "completion": ex.answer} for ex in examples]
+    return rows, [f"{cfg.env_id} example {i}" for i in range(len(rows))]
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
