@@ -78,6 +78,10 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     served = (out / "logs" / "inference.log").read_text()
     for step in sorted(set(weight_steps) - {0}):
         assert f"now serving weights step {step}" in served
+    # The run ends with its pictures, and says where they are.
+    for suffix in ("png", "svg"):
+        assert (out / "plots" / f"run.{suffix}").stat().st_size > 10_000
+    assert f"plots of the run: {out}/plots/run.png" in result.stderr
 
     # The same command again starts fresh: the first run's rollouts and weights are removed up front (kept,
     # they were served as this run's policy, and their newer step numbers got this run's weights pruned).

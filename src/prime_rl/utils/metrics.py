@@ -37,10 +37,24 @@ class MetricsWriter:
 def read_metrics(output_dir: Path, service: str) -> list[dict]:
     """The records of a metrics file; a line cut short by a crash is skipped."""
     path = metrics_file(output_dir, service)
-    if not path.is_file():
+    return _parse(path.read_text().splitlines()) if path.is_file() else []
+
+
+def tail_metrics(output_dir: Path, service: str, nbytes: int = 65536) -> list[dict]:
+    """The newest records of a metrics file (those in its last `nbytes`): cheap on a long run's file."""
+    try:
+        with open(metrics_file(output_dir, service), "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - nbytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
         return []
+    return _parse(lines[1:] if size > nbytes else lines)  # the first line read is cut
+
+
+def _parse(lines: list[str]) -> list[dict]:
     records = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             records.append(json.loads(line))
         except ValueError:

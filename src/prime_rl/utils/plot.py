@@ -26,7 +26,7 @@ def _series(records: list[dict], key: str) -> Series:
     return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), int | float)]
 
 
-def _eval_rewards(output_dir: Path) -> Series:
+def eval_rewards(output_dir: Path) -> Series:
     """Mean eval reward per weight step, averaged over environments."""
     path = eval_summary_file(output_dir)
     by_step: dict[int, list[float]] = {}
@@ -75,7 +75,7 @@ def _handoff(m: dict) -> Series:
 
 def load_run(output_dir: Path) -> dict:
     run = {service: read_metrics(output_dir, service) for service in ("orchestrator", "trainer", "sft")}
-    run["eval"] = _eval_rewards(output_dir)
+    run["eval"] = eval_rewards(output_dir)
     return run
 
 
