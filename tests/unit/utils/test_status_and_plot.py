@@ -12,8 +12,8 @@ from prime_rl.utils.metrics import MetricsWriter, read_metrics, tail_metrics
 def write_run(out, steps: int) -> None:
     orchestrator, trainer = MetricsWriter(out, "orchestrator"), MetricsWriter(out, "trainer")
     for step in range(steps):
-        orchestrator.log(step, {"reward_mean": 0.1 * step, "tokens_per_s": 5120.0, "time/generate": 1.0,
-                                "completion_len_mean": 10.0, "truncated_fraction": 0.0, "off_policy_gap": 1})  # fmt: skip
+        shape = {"completion_len_mean": 10.0, "truncated_fraction": 0.0, "off_policy_gap": 1}
+        orchestrator.log(step, {"reward_mean": 0.1 * step, "tokens_per_s": 5120.0, "time/generate": 1.0, **shape})
         trainer.log(step, {"loss": 1.0, "mismatch_kl": 1e-3, "time/step": 5.0, "time/train": 2.0, "tokens_per_s": 9.0})
     orchestrator.close()
     trainer.close()
