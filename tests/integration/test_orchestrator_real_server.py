@@ -135,3 +135,29 @@ def test_eval_with_missing_step_exits_1_naming_it(tiny_model, server_url, tmp_pa
         "--weights-dir", str(tmp_path), "--steps", "5", "--output-dir", str(tmp_path / "o"),
     )  # fmt: skip
     assert result.returncode == 1 and "steps [5] not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_serve_starts_its_own_server_and_stops_it(tiny_model, tmp_path):
+    """`eval --serve`: one command, no server to start first; nothing is left running afterwards."""
+    import os
+
+    out = tmp_path / "eval"
+    result = run(
+        "prime_rl.eval.eval", "--model.name", str(tiny_model), "--serve", "--env-ids", "reverse-text",
+        "--num-examples", "4", "--sampling.max-tokens", "4", "--output-dir", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = [json.loads(line) for line in (out / "eval" / "summary.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["env"], r["samples"]) for r in summary] == [(0, "reverse-text", 4)]
+    log = (out / "logs" / "inference.log").read_text()
+    assert "serving" in log
+    port = re.search(r"on port (\d+)", result.stderr).group(1)
+    servers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"--server.port {port} ")]
+    assert servers == []
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""

@@ -73,3 +73,18 @@ def test_first_fit_decreasing_example():
     assert first_fit_decreasing([5, 3, 4, 2], 8) == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="does not fit seq_len 8"):
         first_fit_decreasing([9], 8)
+
+
+def test_rows_from_an_environment_are_its_prompts_with_their_reference_answers():
+    from prime_rl.trainer.sft.data import load_rows
+
+    cfg = SFTDataConfig(env_id="reverse-text", env_args={"min_chars": 4, "max_chars": 8}, env_examples=5, env_seed=3)
+    rows, where = load_rows(cfg)
+    assert len(rows) == 5 and where[0] == "reverse-text example 0"
+    for row in rows:
+        assert row["completion"] == row["prompt"][-1]["content"][::-1] and 4 <= len(row["completion"]) <= 8
+    assert load_rows(cfg)[0] == rows  # the same seed, the same rows
+    with pytest.raises(TrainerError, match="data.env-id 'nowhere': unknown environment"):
+        load_rows(SFTDataConfig(env_id="nowhere"))
+    with pytest.raises(ValueError, match="set exactly one of data.path"):
+        SFTDataConfig(env_id="reverse-text", path="x.jsonl")
