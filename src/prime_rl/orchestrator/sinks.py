@@ -1,7 +1,10 @@
 """Where the orchestrator's per-step numbers go besides metrics/orchestrator.jsonl: W&B and the terminal.
 
 W&B is an optional extra (`uv sync --extra wandb`), imported only when `[wandb]` is configured; asking for
-it without the package installed is a clear error at start, not a crash at the first step.
+it without the package installed is a clear error at start, not a crash at the first step. The run is the
+whole RL run's: with its own metrics the orchestrator forwards the trainer's (metrics/trainer.jsonl) and the
+evals' (eval/summary.jsonl) as they appear, each series on its own step axis (`trainer/step`, ...), so one
+process owns the W&B run and the trainer ranks never talk to W&B.
 The progress line is a single self-overwriting terminal line (`step 3/20 | groups 12/32 | 41.2 groups/s`)
 shown only on a terminal, so log files and CI output stay clean.
 """
@@ -12,6 +15,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -30,13 +34,35 @@ class NoSink:
 
 
 class WandbSink:
-    def __init__(self, run: Any):
-        self.run = run
+    def __init__(self, run: Any, output_dir: Path):
+        self.run, self.output_dir = run, output_dir
+        self.logged = {"trainer": -1, "eval": -1}  # newest step forwarded per series
+        for series in ("orchestrator", "trainer", "eval"):
+            run.define_metric(f"{series}/step")
+            run.define_metric(f"{series}/*", step_metric=f"{series}/step")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.run.log({f"orchestrator/{k}": v for k, v in metrics.items()}, step=step)
+        self.run.log({"orchestrator/step": step, **{f"orchestrator/{k}": v for k, v in metrics.items()}})
+        self.forward()
+
+    def forward(self) -> None:
+        """The trainer's and the evals' records newer than those already sent."""
+        from prime_rl.utils.metrics import tail_metrics
+        from prime_rl.utils.plot import eval_rewards
+
+        for record in tail_metrics(self.output_dir, "trainer"):
+            step = record.get("step")
+            if isinstance(step, int) and step > self.logged["trainer"]:
+                values = {f"trainer/{k}": v for k, v in record.items() if k not in ("step", "time")}
+                self.run.log({"trainer/step": step, **values})
+                self.logged["trainer"] = step
+        for step, reward in eval_rewards(self.output_dir):
+            if step > self.logged["eval"]:
+                self.run.log({"eval/step": step, "eval/reward_mean": reward})
+                self.logged["eval"] = step
 
     def close(self) -> None:
+        self.forward()
         self.run.finish()
 
 
@@ -55,7 +81,7 @@ def build_wandb(config: OrchestratorConfig) -> NoSink | WandbSink:
         project=w.project, name=w.name, entity=w.entity, mode="offline" if w.offline else "online",
         config=config.model_dump(mode="json"), dir=str(config.output_dir),
     )  # fmt: skip
-    return WandbSink(run)
+    return WandbSink(run, config.output_dir)
 
 
 class ProgressLine:

@@ -109,3 +109,48 @@ def test_wandb_enabled_without_the_package_is_a_clear_error():
     with pytest.raises(SinkError, match="uv sync --extra wandb"):
         build_wandb(OrchestratorConfig(wandb={}))
     assert build_wandb(OrchestratorConfig()).log(0, {}) is None  # off by default: a no-op sink
+
+
+class RecordingRun:
+    """Stands in for a W&B run: its server cannot exist here. Records what would be sent."""
+
+    def __init__(self):
+        self.metrics, self.logged, self.finished = {}, [], False
+
+    def define_metric(self, name, step_metric=None):
+        self.metrics[name] = step_metric
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self):
+        self.finished = True
+
+
+def test_one_wandb_run_carries_orchestrator_trainer_and_eval_metrics_each_on_its_own_axis(tmp_path):
+    import json
+
+    from prime_rl.orchestrator.sinks import WandbSink
+    from prime_rl.protocol import eval_summary_file
+    from prime_rl.utils.metrics import MetricsWriter
+
+    run = RecordingRun()
+    sink = WandbSink(run, tmp_path)
+    assert run.metrics["trainer/*"] == "trainer/step" and run.metrics["orchestrator/*"] == "orchestrator/step"
+    trainer = MetricsWriter(tmp_path, "trainer")
+    sink.log(0, {"reward_mean": 0.1})
+    trainer.log(0, {"loss": 0.5})
+    sink.log(1, {"reward_mean": 0.2})
+    trainer.log(1, {"loss": 0.4})
+    eval_summary_file(tmp_path).parent.mkdir(parents=True)
+    eval_summary_file(tmp_path).write_text(json.dumps({"step": 1, "env": "e", "reward_mean": 0.3}) + "\n")
+    sink.close()
+    trainer.close()
+    assert run.logged == [
+        {"orchestrator/step": 0, "orchestrator/reward_mean": 0.1},
+        {"orchestrator/step": 1, "orchestrator/reward_mean": 0.2},
+        {"trainer/step": 0, "trainer/loss": 0.5},
+        {"trainer/step": 1, "trainer/loss": 0.4},
+        {"eval/step": 1, "eval/reward_mean": 0.3},
+    ]
+    assert run.finished
