@@ -101,17 +101,19 @@ def create_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     vocab_size: int | None = None,
+    tokenizer_vocab_size: int = 1024,
 ) -> Path:
     """Write a tiny model + tokenizer to `path` (an HF model dir) and return it. Deterministic in `seed`.
 
     `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as real models pad theirs; the extra
     rows are never sampled by the tokenizer but cost what a large vocabulary costs in the lm_head and loss.
+    `tokenizer_vocab_size` 259 (the 256 bytes + 3 specials) leaves BPE no merges: one token per character.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
-    tokenizer = build_tokenizer(seed=seed)
+    tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed)
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
     config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers)
@@ -170,8 +172,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="259: one token per character")
     args = parser.parse_args()
-    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers)
+    create_tiny_model(
+        args.path, args.arch, args.seed, args.hidden_size, args.num_layers, tokenizer_vocab_size=args.tokenizer_vocab_size
+    )
     print(f"wrote tiny {args.arch} model to {args.path}")
 
 
