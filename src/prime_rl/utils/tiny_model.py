@@ -174,9 +174,8 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="259: one token per character")
     args = parser.parse_args()
-    create_tiny_model(
-        args.path, args.arch, args.seed, args.hidden_size, args.num_layers, tokenizer_vocab_size=args.tokenizer_vocab_size
-    )
+    vocab = args.tokenizer_vocab_size
+    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, tokenizer_vocab_size=vocab)
     print(f"wrote tiny {args.arch} model to {args.path}")
 
 
