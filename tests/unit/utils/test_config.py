@@ -116,7 +116,7 @@ def test_every_shipped_toml_parses():
     from prime_rl.trainer.sft.config import SFTConfig
 
     by_prefix = {"rl": RLConfig, "infer": InferenceConfig, "orch": OrchestratorConfig, "train": TrainerConfig,
-                 "eval": EvalConfig}  # fmt: skip
+                 "eval": EvalConfig, "sft": SFTConfig}  # fmt: skip
     files = sorted(Path(__file__).parents[3].joinpath("configs").rglob("*.toml"))
     assert files
     for path in files:
