@@ -161,3 +161,16 @@ def _cmdline(pid: str) -> str:
         return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
     except OSError:
         return ""
+
+
+def test_eval_serve_with_a_model_that_cannot_load_fails_at_once_naming_it(tmp_path):
+    """It used to wait client.health_timeout (600 s) for a server that had already died."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "prime_rl.eval.eval", "--model.name", str(tmp_path / "missing"), "--serve",
+         "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--serve: inference failed (exit 1)" in result.stderr and "cannot load the config of model" in result.stderr
+    assert time.monotonic() - start < 60

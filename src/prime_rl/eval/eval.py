@@ -18,7 +18,6 @@ import logging
 import math
 import shutil
 import statistics
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -162,30 +161,26 @@ async def evaluate(config: EvalConfig) -> list[dict]:
 
 @contextmanager
 def local_server(config: EvalConfig) -> Iterator[None]:
-    """`--serve`: an `inference` process for model.name on a free loopback port, its log in OUTPUT_DIR/logs;
-    the client is pointed at it. Stopped (and waited for) on the way out."""
+    """`--serve`: an `inference` process for model.name on a free loopback port (started and stopped like `rl`
+    starts its services, its log in OUTPUT_DIR/logs); the client is pointed at it once it is healthy."""
     from prime_rl.protocol import log_file
+    from prime_rl.rl import Service, ServiceFailed, stop_all, wait_for_inference
     from prime_rl.utils.net import free_port
-    from prime_rl.utils.process import die_with_parent
 
     port = free_port()
     cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", config.model.name,
            "--server.port", str(port), "--output-dir", str(config.output_dir), "--no-log.file"]  # fmt: skip
-    log = log_file(config.output_dir, "inference")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-    config.client.base_url = [f"http://127.0.0.1:{port}/v1"]
-    logger.info(f"serving {config.model.name} for this eval on port {port} (log: {log})")
+    server = Service("inference", cmd, log_file(config.output_dir, "inference"), {})
     try:
+        try:  # a server that dies at start (a bad model path) is reported at once, with its last lines
+            wait_for_inference([server], f"http://127.0.0.1:{port}/health", config.client.health_timeout)
+        except (ServiceFailed, TimeoutError) as e:
+            raise EvalError(f"--serve: {e}") from None
+        config.client.base_url = [f"http://127.0.0.1:{port}/v1"]
+        logger.info(f"serving {config.model.name} for this eval on port {port} (log: {server.log_path})")
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_all([server])
 
 
 def main() -> None:
