@@ -257,7 +257,14 @@ class InferenceClient:
             server.requests += 1
             try:
                 data, headers = await self._exchange("POST", url, body, server)
-            except ServerDown as e:
+                weight_step = weight_step_of(headers)
+                if weight_step is not None and weight_step < self.floor:  # e.g. a restarted server that
+                    logger.warning(  # answered before it was given weights: thrown away, asked again
+                        f"{url} sampled from weight step {weight_step} < {self.floor}; reloading its weights"
+                    )
+                    await self._load(server)
+                    continue
+            except ServerDown as e:  # the request, or the reload, found the server down
                 self.take_out(server, str(e))
                 await self.revive(str(e))
                 continue
@@ -267,15 +274,10 @@ class InferenceClient:
                 raise InferenceError(f"POST {url} returned a malformed completion: {e}") from None
             if len(choices) != body["n"]:
                 raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={body['n']}")
-            weight_step = weight_step_of(headers)
             if weight_step is None:
                 raise InferenceError(
                     f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
                 )
-            if weight_step < self.floor:  # e.g. a restarted server that answered before it was given weights
-                logger.warning(f"{url} sampled from weight step {weight_step} < {self.floor}; reloading its weights")
-                await self._load(server)
-                continue
             return [Completion(*choice, weight_step=weight_step) for choice in choices]
 
     def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
