@@ -461,7 +461,7 @@ class Restarter:
             return self.commands[name], "from the start (no checkpoint yet)"
         return [*self.commands[name], "--ckpt.resume-step", "latest"], f"from checkpoints/step_{steps[-1]}"
 
-    def __call__(self, services: list[Service], dead: Service) -> Service:
+    def __call__(self, services: list[Service], dead: Service) -> None:
         """Replace `dead` in `services` with a fresh process; raise ServiceFailed when no restart is left."""
         if self.left == 0:
             raise ServiceFailed(dead)
@@ -472,9 +472,7 @@ class Restarter:
             f"{dead.name} died (exit {dead.returncode}); restarting it {origin}, restart "
             f"{self.total - self.left} of {self.total}; its last lines:\n{dead.tail(8)}"
         )
-        fresh = Service(dead.name, cmd, dead.log_path, self.env[dead.name])
-        services[services.index(dead)] = fresh
-        return fresh
+        services[services.index(dead)] = Service(dead.name, cmd, dead.log_path, self.env[dead.name])
 
 
 def watch(services: list[Service], restart: Restarter) -> None:
