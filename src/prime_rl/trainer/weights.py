@@ -28,6 +28,7 @@ import torch.distributed as dist
 from prime_rl.protocol import (
     atomic_write,
     atomic_write_text,
+    checkpoint_steps,
     mark_stable,
     prune_steps,
     weights_dir,
@@ -181,8 +182,6 @@ def write_safetensors(
 def prune_weights(output_dir: Path, keep: int) -> list[int]:
     """All but the `keep` newest weight steps; those of trainer checkpoints stay (a resume at step N serves
     weights/step_N)."""
-    from prime_rl.protocol import checkpoint_steps
-
     return prune_steps(weights_root(output_dir), keep=keep, protect=checkpoint_steps(output_dir, ("trainer",)))
 
 
