@@ -91,8 +91,10 @@ class Batch:
         return [r for g in self.groups for r in g.rollouts]
 
 
-async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int) -> int:
-    """Ensure every live server holds weights step >= step - async_level; return the oldest step held."""
+async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict) -> int:
+    """Ensure every live server holds weights step >= step - async_level; return the oldest step held.
+
+    `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them)."""
     need = client.floor = max(0, step - config.async_level)
     current = await client.server_step()
     if current >= need:
@@ -100,14 +102,16 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     logger.info(f"step {step}: servers hold weights step {current}, need >= {need}; waiting for the trainer")
     # A plain blocking wait: nothing else is in flight between steps, and unlike a worker thread it stops
     # at once on Ctrl-C.
-    wait_for_weights(config.output_dir, need, config.weights_timeout, config.heartbeat_timeout)
+    with timer(times, "wait_weights"):
+        wait_for_weights(config.output_dir, need, config.weights_timeout, config.heartbeat_timeout)
     # The trainer may have moved on while we waited: take the newest complete weights, never older than need,
     # and not newer than `step` where there is a choice (an orchestrator redoing a step after a restart
     # samples from the policy an uninterrupted run would have had).
     usable = [s for s in stable_steps(weights_root(config.output_dir)) if s >= need]
     newest = max([s for s in usable if s <= step] or usable)
     weight_dir = weights_dir(config.output_dir, newest)
-    loaded = await client.update_weights(str(weight_dir))
+    with timer(times, "update_weights"):
+        loaded = await client.update_weights(str(weight_dir))
     if loaded != newest:
         raise InferenceError(f"servers report weights step {loaded} after loading {weight_dir}")
     logger.info(f"step {step}: servers now serve weights step {loaded}")
@@ -194,7 +198,7 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
     gaps = [step - w for w in weight_steps]
     tokens = sum(seq_lens)
     # Scoring overlaps generation (see generate_batch), so time/score is not part of this sum.
-    generation = times.get("generate", 0.0) + times.get("wait_weights", 0.0)
+    generation = sum(times.get(k, 0.0) for k in ("generate", "wait_weights", "update_weights"))
     metrics: dict[str, Any] = {
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
@@ -270,8 +274,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                     times: dict[str, float] = {}
                     start = time.perf_counter()
 
-                    with timer(times, "wait_weights"):
-                        await wait_for_policy(client, config, step)
+                    await wait_for_policy(client, config, step, times)
                     batch = await generate_batch(client, source, data, config, rng, progress)
                     times |= batch.times
                     with timer(times, "pack"):
@@ -296,7 +299,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                     logger.info(
                         f"step {step} | reward {m['reward_mean']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
                         f"weight_step {m['weight_step']} (gap {m['off_policy_gap']}) | "
-                        f"gen {times['generate']:.2f}s wait {times['wait_weights']:.2f}s | {times['step']:.2f}s"
+                        f"gen {times['generate']:.2f}s wait {times.get('wait_weights', 0):.2f}s | {times['step']:.2f}s"
                     )
                     logger.debug(f"step {step} metrics: {m}")
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")

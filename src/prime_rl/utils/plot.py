@@ -64,10 +64,10 @@ PANELS: dict[str, Panel] = {
 
 
 def _handoff(m: dict) -> Series:
-    """Per step: the orchestrator's wait for weights plus the trainer's wait for rollouts and weight save."""
+    """Per step: the waits of both sides plus the weight transfer (trainer save, servers load)."""
     total: dict[int, float] = {}
     for service, key in (("orchestrator", "time/wait_weights"), ("trainer", "time/wait"),
-                         ("trainer", "time/save_weights")):  # fmt: skip
+                         ("trainer", "time/save_weights"), ("orchestrator", "time/update_weights")):  # fmt: skip
         for step, value in _series(m[service], key):
             total[step] = total.get(step, 0.0) + value
     return sorted(total.items())

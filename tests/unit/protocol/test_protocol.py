@@ -113,7 +113,7 @@ def test_a_long_wait_is_never_silent():
     logger.setLevel(logging.INFO)
     try:
         with pytest.raises(WaitTimeout, match="the rank file"):
-            wait_until(lambda: False, "the rank file", timeout=0.5, poll=0.02, max_poll=0.02, note_every=0.2)
+            wait_until(lambda: False, "the rank file", timeout=0.5, poll=0.02, note_every=0.2)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
@@ -134,3 +134,32 @@ def test_clear_previous_run_removes_rollouts_and_weights_but_keeps_checkpoints(t
     assert list_steps(tmp_path / "rollouts") == [] and list_steps(weights_root(tmp_path)) == []
     assert (tmp_path / "checkpoints" / "step_2").is_dir()
     assert clear_previous_run(tmp_path) == ""
+
+
+@pytest.mark.parametrize("poll", [0.01, 60.0])  # 60: only an inotify wake-up can be prompt
+def test_a_waiter_notices_a_rank_file_within_milliseconds(tmp_path, poll):
+    """Hand-offs must not idle: the reader wakes when the writer's rename lands, not at its next backoff tick.
+
+    The writer is another process, as in a run (a thread would share the GIL and its 5 ms switch interval).
+    """
+    import subprocess
+    import sys
+
+    from prime_rl.protocol.wait import DirWatch, wait_until
+
+    if poll > 1 and DirWatch().fd < 0:
+        pytest.skip("no inotify on this platform: waits fall back to short polls")
+    lags = []
+    for step in range(5):
+        target = rank_file(tmp_path, step, 0)
+        code = (
+            "import sys, time; from pathlib import Path; from prime_rl.protocol import atomic_write_text; "
+            "time.sleep(0.3); p = Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); "
+            "atomic_write_text(p, 'x'); print(time.monotonic())"
+        )
+        writer = subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True)
+        wait_until(target.is_file, "a rank file", timeout=10, watch=target, poll=poll)
+        noticed = time.monotonic()
+        lags.append(noticed - float(writer.communicate(timeout=10)[0]))
+    # The writer's clock stops after its directory fsync, so the reader may even be first (a negative lag).
+    assert sorted(lags)[2] < 0.01, lags  # median under 10 ms (was up to 1 s with the growing backoff)

@@ -73,8 +73,7 @@ def run(config: TrainerConfig) -> None:
                 heartbeat.step = step
                 times: dict[str, float] = {}
                 start = time.perf_counter()
-                with timer(times, "wait"):
-                    micro_batches = load_micro_batches(config, step, d)
+                micro_batches = load_micro_batches(config, step, d, times)
                 with timer(times, "train"):
                     stats = train_step(model, optimizer, micro_batches, config, d)
                     lr = scheduler.get_last_lr()[0]
@@ -139,15 +138,26 @@ def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files,
         prune_old_steps(config, progress.step - 1)
 
 
-def load_micro_batches(config: TrainerConfig, step: int, d) -> list:
-    """This rank's micro batches of `step`; every rank must hold the same number (checked, not hung on)."""
-    from prime_rl.protocol import rank_file, wait_for_rank_file
-    from prime_rl.protocol.records import read_rank_file
-    from prime_rl.trainer.parallel import all_reduce
+def load_micro_batches(config: TrainerConfig, step: int, d, times: dict) -> list:
+    """This rank's micro batches of `step`; every rank must hold the same number (checked, not hung on).
+
+    `times` gets `wait` (for the orchestrator's rank file) and `load_data` (reading and checking it)."""
+    from prime_rl.protocol import wait_for_rank_file
+    from prime_rl.utils.timer import timer
 
     if config.data.fake:
         return generated_micro_batches(config, step, d)
-    path = wait_for_rank_file(config.output_dir, step, d.rank, config.data.timeout, config.data.heartbeat_timeout)
+    with timer(times, "wait"):
+        path = wait_for_rank_file(config.output_dir, step, d.rank, config.data.timeout, config.data.heartbeat_timeout)
+    with timer(times, "load_data"):
+        return _read_micro_batches(config, step, d, path)
+
+
+def _read_micro_batches(config: TrainerConfig, step: int, d, path) -> list:
+    from prime_rl.protocol import rank_file
+    from prime_rl.protocol.records import read_rank_file
+    from prime_rl.trainer.parallel import all_reduce
+
     try:
         micro_batches = read_rank_file(path, step, d.rank)
     except (ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as e:

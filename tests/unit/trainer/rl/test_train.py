@@ -59,7 +59,7 @@ def test_load_micro_batches_refuses_rollouts_split_over_more_ranks(tiny_model, t
     write_rank_file(tmp_path, 0, 0, [mb])
     write_rank_file(tmp_path, 0, 1, [mb])
     with pytest.raises(TrainerError, match="num_train_workers must equal the trainer world size"):
-        load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank)
+        load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank, {})
 
 
 def test_load_micro_batches_reports_an_unreadable_rank_file(tiny_model, tmp_path, one_rank):
@@ -67,7 +67,7 @@ def test_load_micro_batches_reports_an_unreadable_rank_file(tiny_model, tmp_path
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a torch file")
     with pytest.raises(TrainerError, match="unreadable rank file .*rank_0.pt"):
-        load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank)
+        load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank, {})
 
 
 def test_pruning_keeps_newest_weights_and_every_unread_rollout_step(tiny_model, tmp_path):

@@ -1,0 +1,138 @@
+"""The whole RL loop end to end: where a step's time goes, and how much of it is hand-offs between services.
+
+    uv run python benchmarks/rl.py                                   # both models, sync and async_level 1
+    uv run python benchmarks/rl.py --models tiny --modes sync --transfers filesystem,broadcast
+
+Each case is one real `rl` run (built-in engine, orchestrator, 1-rank trainer on this machine's CPU, fp32)
+on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the services' own metrics files:
+- generate: the orchestrator's generation requests (and scoring, which overlaps them);
+- train: the trainer's forward/backward/optimizer step;
+- transfer: the trainer writing/sending the weights plus the servers loading/receiving them;
+- work: all of the above plus packing, writing and reading rank files;
+- step: wall time between the ends of two orchestrator steps;
+- hand-offs: step - work. With async_level 0 the services alternate, so every instant of a step is one
+  side's work or waiting for the other to notice something (bookkeeping outside the timers, such as
+  metrics lines and the orchestrator's progress record, counts here too). With async_level 1 they overlap,
+  and a negative figure is the overlap.
+Medians over the steps after `--warmup`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prime_rl.utils.metrics import read_metrics  # noqa: E402
+from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
+
+MODELS = {  # name: (hidden, layers); both with the char-level tokenizer reverse-text wants
+    "tiny": (128, 4),  # 0.8 M parameters
+    "10m": (384, 6),  # 10 M parameters
+}
+ORCH_WORK = ("generate", "pack", "write", "update_weights")
+TRAINER_WORK = ("load_data", "train", "save_weights", "broadcast_weights")
+
+
+def config_text(model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int) -> str:
+    return f"""
+output_dir = "{output_dir}"
+max_steps = {steps}
+async_level = {async_level}
+{"" if transfer == "filesystem" else f'weight_transfer = "{transfer}"'}
+
+[model]
+name = "{model}"
+
+[inference]
+server.port = {port}
+max_model_len = 256
+
+[orchestrator]
+batch_size = 64
+rollouts_per_example = 8
+seq_len = 256
+sampling.max_tokens = 32
+sampling.temperature = 1.0
+env.id = "reverse-text"
+
+[trainer]
+optim.lr = 1e-4
+"""
+
+
+def run_case(model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int) -> dict:
+    output_dir = work / f"{model.name}-a{async_level}-{transfer}"
+    cfg = work / f"{output_dir.name}.toml"
+    cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "prime_rl.rl", "@", str(cfg)], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode != 0:
+        sys.exit(f"rl failed for {cfg}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    orch = {r["step"]: r for r in read_metrics(output_dir, "orchestrator")}
+    trainer = {r["step"]: r for r in read_metrics(output_dir, "trainer")}
+    rows = []
+    for step in range(1, steps):
+        o, prev, t = orch[step], orch[step - 1], trainer[step - 1]  # step's weights come from trainer step - 1
+        generate = o["time/generate"]
+        transfer_s = sum(t.get(f"time/{k}", 0.0) for k in ("save_weights", "broadcast_weights"))
+        transfer_s += o.get("time/update_weights", 0.0)
+        busy = sum(o.get(f"time/{k}", 0.0) for k in ORCH_WORK) + sum(t.get(f"time/{k}", 0.0) for k in TRAINER_WORK)
+        wall = o["time"] - prev["time"]
+        rows.append({"generate": generate, "train": t["time/train"], "transfer": transfer_s, "work": busy,
+                     "step": wall, "handoffs": wall - busy})  # fmt: skip
+    return {"rows": rows, "seconds": time.perf_counter() - start}
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,10m")
+    parser.add_argument("--modes", default="sync,async", help="sync = async_level 0, async = async_level 1")
+    parser.add_argument("--transfers", default="filesystem,broadcast")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8791)
+    parser.add_argument("--json", type=Path, help="also write the per-step rows here")
+    args = parser.parse_args()
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
+        work = Path(tmp)
+        for name in args.models.split(","):
+            hidden, layers = MODELS[name]
+            model = create_tiny_model(work / name, hidden_size=hidden, num_layers=layers, tokenizer_vocab_size=259)
+            for mode in args.modes.split(","):
+                for transfer in args.transfers.split(","):
+                    level = {"sync": 0, "async": 1}[mode]
+                    case = run_case(model, work, args.steps + args.warmup + 1, level, transfer, args.port)
+                    rows = case["rows"][args.warmup :]
+                    results[f"{name}/{mode}/{transfer}"] = rows
+                    print(f"{name:>5} {mode:>5} {transfer:>10}: {len(rows)} steps measured, run {case['seconds']:.0f}s",
+                          file=sys.stderr)  # fmt: skip
+
+    print("| model | mode | transfer | generate | train | transfer | step | hand-offs | share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key, rows in results.items():
+        name, mode, transfer = key.split("/")
+        step, handoffs = median(rows, "step"), median(rows, "handoffs")
+        cells = [f"{median(rows, k):.3f} s" for k in ("generate", "train", "transfer", "step")]
+        print(f"| {name} | {mode} | {transfer} | {' | '.join(cells)} | {handoffs:.3f} s | {handoffs / step:.1%} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
