@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -28,7 +28,15 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.protocol import DiskFull, RunLock, RunLocked
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, Section, parse_config, write_run_config
+from prime_rl.utils.config import (
+    BaseConfig,
+    CkptConfig,
+    LogConfig,
+    Section,
+    WeightBroadcastConfig,
+    parse_config,
+    write_run_config,
+)
 from prime_rl.utils.logging import logger, setup_logging
 from prime_rl.utils.process import die_with_parent
 
@@ -41,6 +49,8 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("max_steps",): ("orchestrator", "trainer"),
     ("async_level",): ("orchestrator", "trainer"),
     ("ckpt",): ("orchestrator", "trainer"),
+    ("weight_transfer",): SERVICES,
+    ("weight_broadcast",): ("orchestrator", "trainer"),
 }
 
 
@@ -63,6 +73,12 @@ class RLConfig(BaseConfig):
     max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
     async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing of trainer and orchestrator")] = None
+    weight_transfer: Annotated[
+        Literal["filesystem", "broadcast"] | None, Field(description="how weights reach inference (all services)")
+    ] = None
+    weight_broadcast: Annotated[
+        WeightBroadcastConfig | None, Field(description="trainer rendezvous for weight_transfer = broadcast")
+    ] = None
     inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.control import ControlPlane, error
+from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.engine import Engine, SamplingParams
 from prime_rl.inference.engine.engine import Delta, EngineBusy, EngineClosed, Sample
 from prime_rl.inference.engine.weights import LoadedWeights
@@ -208,21 +208,26 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
         return JSONResponse(response)
 
     served = BuiltinModel(engine)
-    return ControlPlane(app, served, config.api_key, config.max_body_bytes, http_counts)
+    broadcast = config.weight_transfer == "broadcast"
+    return ControlPlane(app, served, config.api_key, config.max_body_bytes, http_counts, broadcast=broadcast)
 
 
 class BuiltinModel:
     """The built-in engine as the control plane sees it."""
 
     backend = "builtin"
+    receivers = 1  # seats in a weight broadcast group
 
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    async def prepare(self, weight_dir: Path | None) -> tuple[int, LoadedWeights]:
-        if weight_dir is None:
+    async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, LoadedWeights]:
+        if source is None:
             return 0, LoadedWeights(0, Path(), self.engine.base_weights)
-        loaded = await self.engine.load_weights(weight_dir)
+        if isinstance(source, BroadcastRequest):
+            loaded = await self.engine.receive_weights(source)
+        else:
+            loaded = await self.engine.load_weights(source)
         return loaded.step, loaded
 
     async def apply(self, prepared: LoadedWeights) -> None:

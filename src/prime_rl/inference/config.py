@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, OutputDir, Section
+from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransfer
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -107,6 +107,7 @@ class InferenceConfig(BaseConfig):
     headless: Annotated[
         bool, Field(description="vLLM multi-node DP: run engines only, no API server (secondary nodes)")
     ] = False
+    weight_transfer: WeightTransfer = "filesystem"
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
 
     @model_validator(mode="after")

@@ -24,9 +24,9 @@ import re
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.responses import JSONResponse
 
 from prime_rl.inference.weights import WeightsError
@@ -70,10 +70,12 @@ class ServedModel(Protocol):
     """What a backend provides to the control plane."""
 
     backend: str
+    receivers: int  # seats it takes in a weight broadcast group (one per worker holding the weights)
 
-    async def prepare(self, weight_dir: Path | None) -> tuple[int, Any]:
-        """Check and read `weight_dir` (None: the base weights) without touching the served ones:
-        (step, whatever `apply` needs). Raises WeightsError for a dir that cannot be served."""
+    async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Any]:
+        """Check and read a weight dir, or receive a broadcast step (None: the base weights), without
+        touching the served ones: (step, whatever `apply` needs). Raises WeightsError for weights that
+        cannot be served."""
 
     async def apply(self, prepared: Any) -> None:
         """Serve the prepared weights; called when no generation request is in flight."""
@@ -82,9 +84,38 @@ class ServedModel(Protocol):
         """Extra fields of `/health`."""
 
 
-class UpdateWeightsRequest(BaseModel):
+class BroadcastRequest(BaseModel):
+    """Receive weight step `step` over the trainer's broadcast group (protocol.broadcast), as `rank` (the
+    server's first; its workers take rank, rank + 1, ...)."""
+
     model_config = ConfigDict(extra="forbid")
-    weight_dir: Annotated[str, Field(min_length=1, max_length=4096)]  # PATH_MAX
+    host: Annotated[str, Field(min_length=1, max_length=253)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+    group: Annotated[str, Field(min_length=1, max_length=64)]
+    world_size: Annotated[int, Field(ge=2, le=65536)]
+    rank: Annotated[int, Field(ge=1)]
+    step: Annotated[int, Field(ge=1)]
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout: Annotated[float, Field(gt=0, le=86400)] = 600.0
+
+    def rendezvous(self):
+        from prime_rl.protocol.broadcast import Rendezvous
+
+        return Rendezvous(self.host, self.port, self.group, self.world_size, self.backend, self.timeout)
+
+
+class UpdateWeightsRequest(BaseModel):
+    """Exactly one source: a `weights/step_n` dir, or a step sent over the broadcast group."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight_dir: Annotated[str | None, Field(min_length=1, max_length=4096)] = None  # PATH_MAX
+    broadcast: BroadcastRequest | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpdateWeightsRequest:
+        if (self.weight_dir is None) == (self.broadcast is None):
+            raise ValueError("give exactly one of weight_dir and broadcast")
+        return self
 
 
 class StepGate:
@@ -134,10 +165,14 @@ class ControlPlane:
         api_key: str | None,
         max_body_bytes: int,
         counts: collections.Counter | None = None,
+        broadcast: bool = False,
     ):
         self.app, self.served, self.api_key, self.max_body_bytes = app, served, api_key, max_body_bytes
+        # Joining a process group connects to the address a request names: only when the server opted in.
+        self.broadcast = broadcast
         self.counts = collections.Counter() if counts is None else counts
         self.gate = StepGate()
+        self.updating = asyncio.Lock()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -216,24 +251,32 @@ class ControlPlane:
 
     def _health(self) -> JSONResponse:
         state = {"status": "ok", "step": self.gate.step, "backend": self.served.backend}
+        if self.broadcast:
+            state["weight_receivers"] = self.served.receivers
         return JSONResponse(state | self.served.health())
 
     async def _swap(self, path: str, body: bytes) -> JSONResponse:
-        weight_dir = None
+        weight_dir = source = None
         if path == "/update_weights":
             try:
-                weight_dir = UpdateWeightsRequest.model_validate_json(body).weight_dir
+                request = UpdateWeightsRequest.model_validate_json(body)
             except ValidationError as e:
                 problems = "; ".join(f"{'.'.join(map(str, ('body', *p['loc'])))}: {p['msg']}" for p in e.errors())
                 return error(400, f"invalid request: {problems}"[:2000])
+            weight_dir = request.weight_dir
+            source = request.broadcast or Path(weight_dir)
+            if request.broadcast is not None and not self.broadcast:
+                message = "this server takes no weights over a process group; start it with --weight-transfer broadcast"
+                return error(400, message)
         start = time.perf_counter()
-        try:
-            step, prepared = await self.served.prepare(None if weight_dir is None else Path(weight_dir))
-        except WeightsError as e:
-            return error(400, str(e))
-        async with self.gate.swap():
-            await self.served.apply(prepared)
-            self.gate.step = step
+        async with self.updating:  # one update at a time: a broadcast receiver takes one stream
+            try:
+                step, prepared = await self.served.prepare(source)
+            except WeightsError as e:
+                return error(400, str(e))
+            async with self.gate.swap():
+                await self.served.apply(prepared)
+                self.gate.step = step
         logger.info(f"now serving weights step {step}")
         answer = {"step": step, "seconds": round(time.perf_counter() - start, 3)}
         return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})

@@ -113,3 +113,52 @@ def check_specs(got: TensorSpecs, served: TensorSpecs, tied: bool) -> None:
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise WeightsError("weights do not match the served model: " + "; ".join(problems[:5]) + more)
+
+
+class BroadcastReceiver:
+    """One inference worker's seat in the trainer's weight broadcast group (protocol.broadcast).
+
+    Kept across steps (forming a group costs a round of connections, and seconds with nccl); a request for
+    another group (a restarted trainer) or a failed transfer leaves the old one, so the next request joins
+    afresh. Only one transfer runs at a time (the control plane serializes weight swaps).
+    """
+
+    def __init__(self) -> None:
+        self.rdv = None
+        self.store = None
+        self.pg = None
+
+    def receive(self, rdv, rank: int, step: int, device, served: TensorSpecs, tied: bool) -> dict:
+        """Step `step`'s tensors in the sender's dtypes on `device`, checked against `served`; the served
+        weights are untouched. Raises WeightsError naming the trainer when the transfer fails."""
+        from prime_rl.protocol.broadcast import BroadcastError, connect_store, join_group, ready_key, receive_step
+
+        def check(got_step: int, specs: dict) -> None:
+            if got_step != step:
+                raise WeightsError(f"the trainer sent weight step {got_step}, the request named {step}")
+            check_specs({n: (shape, dtype.is_floating_point) for n, (shape, dtype) in specs.items()}, served, tied)
+
+        try:
+            if self.rdv != rdv:
+                self.leave()
+                self.store = connect_store(rdv, master=False)
+                self.rdv = rdv
+            self.store.add(ready_key(rdv, step), 1)
+            if self.pg is None:
+                self.pg = join_group(self.store, rdv, rank)
+            stream = receive_step(self.pg, device, check)
+            next(stream)  # the checked header
+            return dict(stream)
+        except BroadcastError as e:
+            self.leave()
+            raise WeightsError(
+                f"weight broadcast of step {step} from the trainer at {rdv.where} failed ({e}); "
+                "is the trainer alive? The previous weights keep serving"
+            ) from None
+        except (RuntimeError, OSError) as e:  # the store client: the trainer went away
+            self.leave()
+            message = f"weight broadcast of step {step}: lost the trainer's rendezvous at {rdv.where}: {e}"
+            raise WeightsError(message) from None
+
+    def leave(self) -> None:
+        self.rdv = self.store = self.pg = None  # dropping the handles closes the connections

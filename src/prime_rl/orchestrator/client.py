@@ -69,6 +69,7 @@ class Server:
     weight: float
     slots: asyncio.Semaphore
     step: int = 0  # the weight step it holds, from /health and /update_weights
+    receivers: int = 0  # its seats in a weight broadcast group, from /health (0: it takes no broadcasts)
     alive: bool = True
     current: float = 0.0  # smooth weighted round-robin state
     requests: int = 0  # generation requests sent (for metrics and tests)
@@ -322,6 +323,7 @@ class InferenceClient:
     async def _health(self, server: Server) -> int:
         data = await self._request("GET", f"{server_root(server.base)}/health")
         server.step = int(data.get("step", 0))
+        server.receivers = int(data.get("weight_receivers", 0))
         return server.step
 
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
@@ -431,3 +433,49 @@ class InferenceClient:
         if len(set(steps)) != 1:
             raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
         return steps[0]
+
+    async def broadcast_weights(self, step: int, rendezvous: dict) -> int:
+        """Have every server receive weight step `step` over the trainer's broadcast group; return the step.
+
+        The trainer sends to all seats at once, so every server must take part: one that is down or
+        refuses is an error naming it (never retried: a second join would take a seat twice). `rendezvous`:
+        host, port, group, world_size, backend, timeout (protocol.broadcast.Rendezvous)."""
+        await self.server_step()
+        down = [s.base for s in self.servers if not s.alive]
+        if down:
+            raise InferenceError(f"weight broadcast of step {step} needs every inference server; down: {down}")
+        unable = [s.base for s in self.servers if s.receivers == 0]
+        if unable:
+            message = "take no weights over a process group; start them with --weight-transfer broadcast"
+            raise InferenceError(f"{unable} {message}")
+        seats = sum(s.receivers for s in self.servers)
+        if seats != rendezvous["world_size"] - 1:
+            raise InferenceError(
+                f"the trainer's weight broadcast has {rendezvous['world_size'] - 1} receiver seat(s) "
+                f"(weight_broadcast.receivers) but the servers hold {seats} ({[s.receivers for s in self.servers]}); "
+                "make them equal"
+            )
+
+        async def one(server: Server, rank: int) -> None:
+            body = {"broadcast": rendezvous | {"rank": rank, "step": step}}
+            url = f"{server_root(server.base)}/update_weights"
+            try:
+                response = await self._http.post(url, json=body, timeout=rendezvous["timeout"] + 30)
+            except httpx.TransportError as e:
+                problem = f"{type(e).__name__}: {e}"
+                raise InferenceError(f"{server.base}: weight broadcast of step {step}: {problem}") from None
+            if response.status_code != 200:
+                try:
+                    message = response.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = f"HTTP {response.status_code}: {response.text[:500]}"
+                raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
+            server.step = int(response.json()["step"])
+
+        ranks = [1 + sum(s.receivers for s in self.servers[:i]) for i in range(len(self.servers))]
+        sends = (one(s, r) for s, r in zip(self.servers, ranks, strict=True))
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        return min(s.step for s in self.servers)

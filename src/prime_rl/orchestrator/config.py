@@ -6,7 +6,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, OutputDir, Section
+from prime_rl.utils.config import (
+    BaseConfig,
+    CkptConfig,
+    LogConfig,
+    ModelConfig,
+    OutputDir,
+    Section,
+    WeightBroadcastConfig,
+    WeightTransfer,
+)
 
 
 class ClientConfig(Section):
@@ -106,6 +115,10 @@ class OrchestratorConfig(BaseConfig):
         float, Field(gt=0, description="a trainer heartbeat older than this means the trainer is dead")
     ] = 120.0
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
+    weight_transfer: WeightTransfer = "filesystem"
+    weight_broadcast: Annotated[
+        WeightBroadcastConfig, Field(description="weight_transfer = broadcast: the rendezvous servers are sent to")
+    ] = WeightBroadcastConfig()
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
     wandb: Annotated[
         WandbConfig | None, Field(description="also log metrics to W&B (needs `uv sync --extra wandb`)")

@@ -41,14 +41,17 @@ from prime_rl.protocol import (
     WaitTimeout,
     WriterDead,
     clear_previous_run,
+    is_stable,
     list_steps,
     rollout_step_dir,
     rollouts_dir,
     stable_steps,
     wait_for_weights,
+    wait_until,
     weights_dir,
     weights_root,
 )
+from prime_rl.protocol.broadcast import marker_file, read_marker
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
@@ -97,6 +100,8 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them)."""
     need = client.floor = max(0, step - config.async_level)
     current = await client.server_step()
+    if config.weight_transfer == "broadcast":
+        current = await relay_broadcasts(client, config, current, need, times)
     if current >= need:
         return current
     logger.info(f"step {step}: servers hold weights step {current}, need >= {need}; waiting for the trainer")
@@ -116,6 +121,36 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
         raise InferenceError(f"servers report weights step {loaded} after loading {weight_dir}")
     logger.info(f"step {step}: servers now serve weights step {loaded}")
     return loaded
+
+
+async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, current: int, need: int,
+                           times: dict) -> int:  # fmt: skip
+    """weight_transfer = broadcast: relay every step the trainer announces (it waits for all servers to
+    ask), and wait for announcements until the servers hold `need` or its weights are on disk (a resumed
+    run: checkpoint steps are written there). Returns the step the servers hold."""
+    out = config.output_dir
+    b = config.weight_broadcast
+    while True:
+        announced = read_marker(out)
+        if announced is not None and announced["step"] > current:
+            rendezvous = {"host": b.host, "port": b.port, "world_size": b.receivers + 1, "timeout": b.timeout}
+            rendezvous |= {"group": announced["group"], "backend": announced["backend"]}
+            with timer(times, "update_weights"):
+                current = await client.broadcast_weights(announced["step"], rendezvous)
+            logger.info(f"servers now serve weights step {current} (broadcast)")
+            continue
+        if current >= need or is_stable(weights_dir(out, need)):
+            return current
+        with timer(times, "wait_weights"):
+            wait_until(
+                lambda: (read_marker(out) or {"step": -1})["step"] >= need or is_stable(weights_dir(out, need)),
+                f"the trainer's weight step {need} ({marker_file(out, need)} or {weights_dir(out, need)})",
+                config.weights_timeout,
+                watch=marker_file(out, need),
+                output_dir=out,
+                writer="trainer-rank0",
+                heartbeat_timeout=config.heartbeat_timeout,
+            )
 
 
 async def generate_batch(
@@ -302,6 +337,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                         f"gen {times['generate']:.2f}s wait {times.get('wait_weights', 0):.2f}s | {times['step']:.2f}s"
                     )
                     logger.debug(f"step {step} metrics: {m}")
+                if config.weight_transfer == "broadcast":  # the trainer sends up to max_steps - 1: take them all
+                    await relay_broadcasts(client, config, await client.server_step(), config.max_steps - 1, {})
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
 
 

@@ -41,6 +41,11 @@ def weights_dir(output_dir: Path, step: int) -> Path:
     return weights_root(output_dir) / f"step_{step}"
 
 
+def broadcast_root(output_dir: Path) -> Path:
+    """`step_n.json`: the trainer is about to send weight step n over the broadcast group (protocol.broadcast)."""
+    return Path(output_dir) / "broadcast"
+
+
 def checkpoints_root(output_dir: Path) -> Path:
     return Path(output_dir) / "checkpoints"
 

@@ -414,6 +414,29 @@ def write_run_config(config: BaseModel, service: str, output_dir: Path) -> Path:
     return atomic_write_text(run_dir(output_dir) / f"{service}.toml", tomli_w.dumps(to_toml_dict(config)))
 
 
+WeightTransfer = Annotated[
+    Literal["filesystem", "broadcast"],
+    Field(
+        description="how new weights reach inference: filesystem = the trainer writes weights/step_n every step "
+        "and servers read it; broadcast = the trainer sends them over a process group the servers join "
+        "(nccl on CUDA, gloo on CPU; weights/step_n only at checkpoint steps and the last)"
+    ),
+]
+
+
+class WeightBroadcastConfig(Section):
+    """The trainer's broadcast rendezvous, shared by trainer and orchestrator (which tells the servers)."""
+
+    host: Annotated[str, Field(description="address of trainer rank 0 that inference workers can reach")] = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535, description="TCP port trainer rank 0 hosts the rendezvous on")] = 29600
+    receivers: Annotated[
+        int, Field(ge=1, description="inference workers that receive: one per built-in server, tp × dp per vLLM one")
+    ] = 1
+    timeout: Annotated[
+        float, Field(gt=0, description="seconds a broadcast may take (forming the group, one transfer)")
+    ] = 600.0
+
+
 class CkptConfig(Section):
     """Checkpointing, shared by trainer and orchestrator so both save and resume at the same steps."""
 

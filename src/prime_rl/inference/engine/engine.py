@@ -41,7 +41,8 @@ from prime_rl.inference.config import StartupError
 from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
-from prime_rl.inference.engine.weights import LoadedWeights, checkpoint_specs, load_weight_dir
+from prime_rl.inference.engine.weights import LoadedWeights, checkpoint_specs, load_weight_dir, receive_weights
+from prime_rl.inference.weights import BroadcastReceiver
 
 logger = logging.getLogger("prime_rl")
 
@@ -151,6 +152,7 @@ class Engine:
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._waiting: collections.deque[_Request] = collections.deque()
         self._swap: _Swap | None = None
+        self.receiver = BroadcastReceiver()
         self._wake = threading.Condition()
         self._native = _native_decoder(model, model_impl, max_batch_size, self.device)
         self.model_impl = "native" if self._native is not None else "transformers"
@@ -247,6 +249,11 @@ class Engine:
     async def load_weights(self, weight_dir: Path) -> LoadedWeights:
         """Check and read a weight dir off the event loop and the worker; the served weights are untouched."""
         return await asyncio.to_thread(load_weight_dir, weight_dir, self.model, self.checkpoint_specs)
+
+    async def receive_weights(self, request) -> LoadedWeights:
+        """Receive a broadcast weight step (a BroadcastRequest) off the event loop; the served weights are
+        untouched."""
+        return await asyncio.to_thread(receive_weights, self.receiver, request, self.model, self.checkpoint_specs)
 
     async def reload_weights(self) -> int:
         """Serve the base weights again, bit for bit."""

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from prime_rl.inference.weights import WeightsError, check_weight_dir
+from prime_rl.inference.weights import BroadcastReceiver, WeightsError, check_weight_dir
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict
 
 
 @dataclass
 class LoadedWeights:
     step: int
-    weight_dir: Path
+    weight_dir: Path | None  # None: received over the broadcast group
     tensors: dict[str, torch.Tensor]
 
 
@@ -54,9 +54,28 @@ def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs
                 tensors.update(load_file(file))
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise WeightsError(f"{file}: cannot read: {e}") from None
+    return LoadedWeights(step=step, weight_dir=weight_dir, tensors=servable(tensors, params, str(weight_dir)))
+
+
+def servable(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], source: str) -> dict:
+    """Finite tensors cast to the served parameters' device and precision, else WeightsError naming `source`."""
     # NaN or inf weights would be served and make every logprob NaN (unserialisable: each request a 500).
     broken = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if broken:
-        raise WeightsError(f"{weight_dir}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
-    tensors = {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in tensors.items()}
-    return LoadedWeights(step=step, weight_dir=weight_dir, tensors=tensors)
+        raise WeightsError(f"{source}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
+    return {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in tensors.items()}
+
+
+def receive_weights(receiver: BroadcastReceiver, request, model: torch.nn.Module, specs: TensorSpecs) -> LoadedWeights:
+    """Receive a broadcast weight step (`request`: a BroadcastRequest) into tensors of `model`'s state dict."""
+    params = model.state_dict()
+    if set(specs) != set(params):
+        raise WeightsError(
+            f"{type(model).__name__}: transformers converts this architecture's weights at load, which the "
+            "broadcast transfer does not do; use weight_transfer = filesystem"
+        )
+    device = next(iter(params.values())).device
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    tensors = receiver.receive(request.rendezvous(), request.rank, request.step, device, specs, tied)
+    source = f"weight broadcast of step {request.step}"
+    return LoadedWeights(step=request.step, weight_dir=None, tensors=servable(tensors, params, source))

@@ -7,7 +7,16 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from prime_rl.trainer.config import OptimConfig
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, OutputDir, Section
+from prime_rl.utils.config import (
+    BaseConfig,
+    CkptConfig,
+    LogConfig,
+    ModelConfig,
+    OutputDir,
+    Section,
+    WeightBroadcastConfig,
+    WeightTransfer,
+)
 
 
 class LossConfig(Section):
@@ -81,6 +90,10 @@ class TrainerConfig(BaseConfig):
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
+    weight_transfer: WeightTransfer = "filesystem"
+    weight_broadcast: Annotated[WeightBroadcastConfig, Field(description="weight_transfer = broadcast")] = (
+        WeightBroadcastConfig()
+    )
     bench: Annotated[
         bool, Field(description="benchmark: no weights or checkpoints written; print step time, tokens/s, MFU")
     ] = False

@@ -51,6 +51,7 @@ def run(config: TrainerConfig) -> None:
     import torch
 
     from prime_rl.protocol import Heartbeat
+    from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.model import build_sharded
     from prime_rl.trainer.parallel import close_distributed, init_distributed, resolve_device
@@ -65,6 +66,7 @@ def run(config: TrainerConfig) -> None:
             model, optimizer, scheduler = build_sharded(config, d, config.max_steps)
             files = build_model_files(config.model.name) if d.is_main else None
             progress = resume(config, model, optimizer, scheduler, files, d) or Progress()
+            sender = WeightSender(config, model, files, d) if config.weight_transfer == "broadcast" else None
             metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if d.is_main else None
             logger.info(f"training {config.model.name} on {d.world_size} rank(s), device {d.device.type}")
 
@@ -80,7 +82,7 @@ def run(config: TrainerConfig) -> None:
                     scheduler.step()
                 progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
                 if not config.bench:
-                    publish(config, model, optimizer, scheduler, progress, files, d, times)
+                    publish(config, model, optimizer, scheduler, progress, files, d, times, sender)
                 times["step"] = time.perf_counter() - start
                 record = step_metrics(stats, times, lr, progress)
                 history.append(record)
@@ -119,17 +121,26 @@ def resume(config: TrainerConfig, model, optimizer, scheduler, files, d):
     return progress
 
 
-def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files, d, times: dict) -> None:
-    """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more."""
+def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files, d, times: dict, sender) -> None:
+    """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more.
+
+    With a broadcast `sender` the weights go over the process group, and `weights/step_n` is written only
+    with a checkpoint (a resumed orchestrator loads it) and at the last step (for eval; never broadcast)."""
     from prime_rl.protocol import checkpoint_due, prune_checkpoints
     from prime_rl.trainer.ckpt import save_checkpoint
     from prime_rl.trainer.weights import save_weights
     from prime_rl.utils.timer import timer
 
-    with timer(times, "save_weights"):
-        save_weights(model, files, config.output_dir, progress.step)
     ckpt = config.ckpt
-    if ckpt is not None and checkpoint_due(progress.step, config.max_steps, ckpt.interval):
+    due = ckpt is not None and checkpoint_due(progress.step, config.max_steps, ckpt.interval)
+    last = progress.step == config.max_steps  # no rollouts are sampled from the last weights: disk only
+    if sender is not None and not last:
+        with timer(times, "broadcast_weights"):
+            sender.send(model, progress.step)
+    if sender is None or due or last:
+        with timer(times, "save_weights"):
+            save_weights(model, files, config.output_dir, progress.step)
+    if due:
         with timer(times, "save_ckpt"):
             save_checkpoint(config.output_dir, progress.step, model, optimizer, scheduler, progress, files, d.rank)
         if d.is_main:
