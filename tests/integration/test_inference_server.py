@@ -55,6 +55,7 @@ class Server:
         # vLLM binds the port it is given, so it gets a free one; the built-in engine reports the one it got.
         port = str(free_port()) if backend == "vllm" else "0"
         cmd += ["--server.port", port, "--output-dir", str(output_dir), "--no-log.file"]
+        cmd += ["--weight-transfer", "broadcast"]  # accepts both transfers
         if backend == "vllm":
             cmd += ["--max-model-len", "512"]  # a smaller warm-up pass at start
         cmd += [*args, *(["--api-key", api_key, "--server.host", "127.0.0.1"] if api_key else [])]
@@ -243,6 +244,122 @@ def test_update_weights_changes_the_policy_and_reload_restores_it_exactly(server
     assert response.status_code == 200 and response.json()["step"] == 0
     assert server.health()["step"] == 0
     assert greedy_logprobs(client, str(tiny_model)) == base
+
+
+class BroadcastingTrainer:
+    """Plays trainer rank 0 of a weight broadcast group with `server` as its one receiver (the real trainer's
+    side, which gathers from FSDP shards, runs in test_rl and test_weight_broadcast)."""
+
+    def __init__(self, server: Server, group: str):
+        from prime_rl.protocol.broadcast import Rendezvous, connect_store
+
+        self.server = server
+        self.rdv = Rendezvous("127.0.0.1", free_port(), group, 2, "gloo", 30.0)
+        self.store = connect_store(self.rdv, master=True)
+        self.pg = None
+
+    def send(self, step: int, tensors: dict) -> httpx.Response:
+        """POST the server's request, wait for it to get ready, send; returns the server's answer."""
+        import concurrent.futures
+
+        from prime_rl.protocol.broadcast import join_group, ready_key, send_step
+
+        r = self.rdv
+        body = {"broadcast": {"host": r.host, "port": r.port, "group": r.group, "world_size": 2, "rank": 1,
+                              "step": step, "timeout": r.timeout}}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(self.server.post, "/update_weights", json=body)
+            deadline = time.monotonic() + 30
+            while self.store.add(ready_key(r, step), 0) < 1:
+                assert time.monotonic() < deadline and not answer.done(), answer.result().text
+                time.sleep(0.01)
+            self.pg = self.pg or join_group(self.store, r, 0)
+            specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+            send_step(self.pg, step, specs, tensors.values(), torch.device("cpu"))
+            return answer.result()
+
+
+def test_a_broadcast_update_serves_exactly_what_a_filesystem_update_of_the_same_step_does(server, client, tiny_model):
+    from safetensors.torch import load_file
+
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
+    tensors = load_file(step_dir / "model.safetensors")
+    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    from_files = greedy_logprobs(client, str(tiny_model))
+    assert server.post("/reload_weights").status_code == 200
+    base, trainer = greedy_logprobs(client, str(tiny_model)), BroadcastingTrainer(server, "g-equal")
+    response = trainer.send(11, tensors)
+    assert response.status_code == 200, response.text
+    assert response.json()["step"] == 11 and server.health()["step"] == 11
+    assert greedy_logprobs(client, str(tiny_model)) == from_files != base  # exactly, not approximately
+    # The next step travels in the same group (the server kept its seat).
+    step_12 = write_perturbed_weights(tiny_model, server.output_dir, 12) / "model.safetensors"
+    response = trainer.send(12, load_file(step_12))
+    assert response.status_code == 200 and server.health()["step"] == 12
+    assert greedy_logprobs(client, str(tiny_model)) != from_files
+    assert server.post("/reload_weights").status_code == 200
+
+
+STALLING_TRAINER = """
+import sys, time, torch
+from safetensors.torch import load_file
+from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step
+port, step, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rdv = Rendezvous("127.0.0.1", port, "g-stall", 2, "gloo", 30.0)
+store = connect_store(rdv, master=True)
+while store.add(ready_key(rdv, step), 0) < 1:
+    time.sleep(0.01)
+pg = join_group(store, rdv, 0)
+tensors = load_file(path)
+
+def some_then_stall():
+    for i, t in enumerate(tensors.values()):
+        if i == 3:
+            print("stalled", flush=True)
+            time.sleep(3600)
+        yield t
+
+send_step(pg, step, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], some_then_stall(), torch.device("cpu"))
+"""
+
+
+def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_keep_serving(server, client, tiny_model):
+    import concurrent.futures
+
+    before, step = server.health()["step"], server.health()["step"] + 1
+    base = greedy_logprobs(client, str(tiny_model))
+    weights = write_perturbed_weights(tiny_model, server.output_dir, step=21) / "model.safetensors"
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(port), str(step), str(weights)],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": "g-stall", "world_size": 2, "rank": 1,
+                          "step": step, "timeout": 30.0}}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        time.sleep(1.0)  # the trainer's store is up before the server dials it (it would retry anyway)
+        answer = pool.submit(server.post, "/update_weights", json=body)
+        assert trainer.stdout.readline().strip() == "stalled"  # header and 3 tensors sent
+        trainer.kill()
+        killed = time.monotonic()
+        response = answer.result()
+    assert response.status_code == 400, response.text
+    assert time.monotonic() - killed < 10  # a dead peer is noticed at once, not at the 30 s timeout
+    message = response.json()["error"]["message"]
+    assert f"weight broadcast of step {step} from the trainer at 127.0.0.1:{port} failed" in message, message
+    assert "previous weights keep serving" in message
+    assert server.health()["step"] == before
+    assert greedy_logprobs(client, str(tiny_model)) == base
+
+
+def test_a_broadcast_from_a_trainer_that_never_comes_is_a_400_within_its_timeout(server, client, tiny_model):
+    before, port = server.health()["step"], free_port()  # nothing listens there
+    body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": "g-none", "world_size": 2, "rank": 1,
+                          "step": 31, "timeout": 3.0}}  # fmt: skip
+    start = time.monotonic()
+    response = server.post("/update_weights", json=body)
+    assert response.status_code == 400, response.text
+    assert time.monotonic() - start < 15
+    assert f"127.0.0.1:{port}" in response.json()["error"]["message"]
+    assert server.health()["step"] == before
 
 
 def test_unusable_weight_dirs_get_400_and_the_old_weights_keep_serving(server, client, tiny_model):

@@ -8,8 +8,10 @@ their 2-rank checkpoint converts (`convert-checkpoint`, no process group) into a
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -100,9 +102,28 @@ def runs(tiny_model, tmp_path_factory):
         "missing": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["missing"], timeout=2)],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }  # fmt: skip
+    # weight_transfer = broadcast, 2 steps (step 1 is broadcast, the last one only written): with 2 ranks
+    # and a real server; with a receiver that stalls and is killed; with no receiver at all.
+    for name in ("bcast", "stall", "lonely"):
+        dirs[name] = root / name
+        for step in (0, 1):
+            write_rank_file(dirs[name], step, 0, batches[:2] if name == "bcast" else batches)
+            if name == "bcast":
+                write_rank_file(dirs[name], step, 1, batches[2:])
+    ports = {name: free_port() for name in ("bcast", "stall", "lonely")}
+
+    def broadcasting(name: str, *extra: str) -> list[str]:
+        return ["--model.name", str(tiny_model), "--output-dir", str(dirs[name]), "--optim.lr", "1e-3",
+                "--max-steps", "2", "--weight-transfer", "broadcast",
+                "--weight-broadcast.port", str(ports[name]), "--weight-broadcast.timeout", "20", *extra]  # fmt: skip
+
+    procs["bcast"] = _torchrun(2, broadcasting("bcast", "--data.timeout", "120"))
+    for name, timeout in (("stall", "120"), ("lonely", "3")):
+        procs[name] = subprocess.Popen([str(TRAINER), *broadcasting(name, "--data.timeout", timeout)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     rdzv = f"127.0.0.1:{free_port()}"
     nodes = [_node(n, rdzv, [*_args(tiny_model, dirs["multi"]), "--ckpt"]) for n in (0, 1)]
-    yield {**{name: (procs[name], dirs[name]) for name in procs}, "multi": (nodes, dirs["multi"])}
+    yield {**{name: (procs[name], dirs[name]) for name in procs}, "multi": (nodes, dirs["multi"]), "ports": ports}
     for proc in [*procs.values(), *nodes]:
         if proc.poll() is None:
             proc.kill()
@@ -238,3 +259,103 @@ def test_a_full_disk_is_one_line_naming_the_path_and_leaves_nothing_half_written
     # What was written before is complete; what failed left no partial directory behind.
     assert is_stable(weights_dir(small_disk, 1))
     assert not list((small_disk / "weights").glob("*.partial"))
+
+
+def _serve(model: Path, out: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", str(port),
+           "--output-dir", str(out), "--no-log.file", "--weight-transfer", "broadcast"]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            time.sleep(0.2)
+    server.kill()
+    pytest.fail(f"inference server did not start:\n{server.communicate()[0][-3000:]}")
+
+
+def _greedy(url: str) -> list[float]:
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_two_ranks_broadcast_step_1_and_the_server_serves_exactly_their_export_of_it(tiny_model, runs, tmp_path):
+    """The trainer's side of weight_transfer = broadcast, 2 FSDP ranks gathering one tensor at a time; the
+    test plays the orchestrator (relays the trainer's announcement to the server)."""
+    from prime_rl.protocol.broadcast import marker_file, read_marker
+
+    (proc, out), port = runs["bcast"], runs["ports"]["bcast"]
+    server_port = free_port()
+    server = _serve(tiny_model, tmp_path / "server", server_port)
+    url = f"http://127.0.0.1:{server_port}"
+    try:
+        deadline = time.monotonic() + 150
+        while read_marker(out) is None:
+            assert time.monotonic() < deadline and proc.poll() is None, _finish(proc)[1][-4000:]
+            time.sleep(0.05)
+        marker = read_marker(out)
+        assert marker["step"] == 1 and marker_file(out, 1).is_file() and not weights_dir(out, 1).exists()
+        body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": marker["group"], "world_size": 2,
+                              "rank": 1, "step": 1, "timeout": 20.0}}  # fmt: skip
+        response = httpx.post(f"{url}/update_weights", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        broadcast = _greedy(url)
+        rc, output = _finish(proc)
+        assert rc == 0, output[-6000:]
+        assert is_stable(weights_dir(out, 2)) and not weights_dir(out, 1).exists()  # the last step: disk only
+        # The 2-rank filesystem export of the same step (runs["split"]: same data, same ranks).
+        split_proc, split = runs["split"]
+        assert _finish(split_proc)[0] == 0
+        response = httpx.post(f"{url}/update_weights", json={"weight_dir": str(weights_dir(split, 1))}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert _greedy(url) == broadcast
+        metrics = read_metrics(out, "trainer")
+        assert [m["step"] for m in metrics] == [0, 1] and "time/broadcast_weights" in metrics[0]
+    finally:
+        server.kill()
+        server.communicate()
+
+
+STALLING_RECEIVER = """
+import sys, time, torch
+from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, read_marker, ready_key, receive_step
+port, out = int(sys.argv[1]), sys.argv[2]
+while read_marker(out) is None:
+    time.sleep(0.05)
+marker = read_marker(out)
+rdv = Rendezvous("127.0.0.1", port, marker["group"], 2, "gloo", 20.0)
+store = connect_store(rdv, master=False)
+store.add(ready_key(rdv, marker["step"]), 1)
+stream = receive_step(join_group(store, rdv, 1), torch.device("cpu"), lambda step, specs: None)
+next(stream), next(stream)
+print("stalled", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_receiver_killed_mid_broadcast_ends_the_trainer_with_one_line_naming_it(runs):
+    (proc, out), port = runs["stall"], runs["ports"]["stall"]
+    receiver = subprocess.Popen([sys.executable, "-c", STALLING_RECEIVER, str(port), str(out)], stdout=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        assert receiver.stdout.readline().strip() == "stalled"  # the header and one tensor arrived
+        receiver.kill()
+        killed = time.monotonic()
+        rc, output = _finish(proc, timeout=60)
+    finally:
+        receiver.kill()
+        receiver.communicate()
+    assert rc == 1, output[-4000:]
+    assert time.monotonic() - killed < 25  # the configured 20 s transfer timeout, at the latest
+    assert f"weight broadcast of step 1 to the inference workers at 127.0.0.1:{port} failed" in output, output
+    assert "did an inference server die?" in output and "Traceback" not in output
+
+
+def test_a_trainer_nobody_asks_for_its_broadcast_times_out_naming_what_it_waited_for(runs):
+    proc, out = runs["lonely"]
+    rc, output = _finish(proc, timeout=90)
+    assert rc == 1, output[-4000:]
+    assert "timed out after 3s waiting for 1 inference worker(s) to ask for weight step 1" in output, output
+    assert "Traceback" not in output

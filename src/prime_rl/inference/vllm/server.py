@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.control import ControlPlane
+from prime_rl.inference.control import BroadcastRequest, ControlPlane
 from prime_rl.inference.vllm.args import vllm_serve_args
 from prime_rl.inference.weights import WeightsError, check_weight_dir, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
@@ -45,7 +45,9 @@ class VllmControlPlane(ControlPlane):
 
     def __init__(self, app):
         assert _config is not None, "VllmControlPlane runs only under serve_vllm"
-        super().__init__(app, VllmModel(_config.model.name), _config.api_key, _config.max_body_bytes)
+        c = _config
+        broadcast = c.weight_transfer == "broadcast"
+        super().__init__(app, VllmModel(c), c.api_key, c.max_body_bytes, broadcast=broadcast)
 
     async def __call__(self, scope, receive, send):
         if self.served.client is None and "app" in scope:
@@ -58,8 +60,9 @@ class VllmModel:
 
     backend = "vllm"
 
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, config: InferenceConfig):
+        self.model = config.model.name
+        self.receivers = config.parallel.tp * config.parallel.dp  # one seat per worker
         self.client: Any = None
         self._specs: TensorSpecs | None = None
 
@@ -72,20 +75,30 @@ class VllmModel:
             self._specs = read_specs(files)
         return self._specs
 
-    async def prepare(self, weight_dir: Path | None) -> tuple[int, Path | None]:
-        if weight_dir is None:
+    async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Path | BroadcastRequest | None]:
+        if source is None:
             return 0, None
         hf_config = self.client.model_config.hf_config.to_dict()
-        step, _ = await asyncio.to_thread(lambda: check_weight_dir(weight_dir, hf_config, self.served_specs()))
-        return step, weight_dir
+        if isinstance(source, BroadcastRequest):
+            served = [(name, list(shape), floating) for name, (shape, floating) in self.served_specs().items()]
+            tied = bool(hf_config.get("tie_word_embeddings"))
+            try:
+                await self.client.collective_rpc("receive_broadcast", args=(source.model_dump(), served, tied))
+            except Exception as e:  # the worker's WeightsError arrives wrapped by vLLM's RPC
+                raise WeightsError(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__) from None
+            return source.step, source
+        step, _ = await asyncio.to_thread(lambda: check_weight_dir(source, hf_config, self.served_specs()))
+        return step, source
 
-    async def apply(self, weight_dir: Path | None) -> None:
+    async def apply(self, source: Path | BroadcastRequest | None) -> None:
         await self.client.pause_generation(mode="wait", clear_cache=True)
         try:
-            if weight_dir is None:
+            if source is None:
                 await self.client.collective_rpc("reload_base_weights")
+            elif isinstance(source, BroadcastRequest):
+                await self.client.collective_rpc("apply_received")
             else:
-                await self.client.collective_rpc("update_weights_from_path", args=(str(weight_dir),))
+                await self.client.collective_rpc("update_weights_from_path", args=(str(source),))
         finally:
             await self.client.resume_generation()
 

@@ -32,3 +32,28 @@ class WeightUpdateExtension:
     def reload_base_weights(self) -> None:
         """Load the served model's own weights again (vLLM reads `model_config.model`, unchanged by updates)."""
         self.model_runner.reload_weights()
+
+    def receive_broadcast(self, request: dict, served: list, tied: bool) -> int:
+        """Receive a broadcast weight step (protocol.broadcast) into host memory, checked against `served`
+        [(name, shape, floating)]; `apply_received` loads it. The worker's seat is the server's first rank
+        plus the worker's own rank."""
+        import torch
+
+        from prime_rl.inference.control import BroadcastRequest
+        from prime_rl.inference.weights import BroadcastReceiver
+
+        req = BroadcastRequest(**request)
+        if getattr(self, "_receiver", None) is None:
+            self._receiver = BroadcastReceiver()
+        specs = {name: (tuple(shape), floating) for name, shape, floating in served}
+        device = torch.device("cpu") if req.backend == "gloo" else self.device
+        rank = req.rank + int(getattr(self, "rank", 0))
+        self._received = None
+        tensors = self._receiver.receive(req.rendezvous(), rank, req.step, device, specs, tied)
+        # Host memory until applied (at the gate): the served weights stay intact if anything fails before.
+        self._received = {name: t.to("cpu") for name, t in tensors.items()}
+        return req.step
+
+    def apply_received(self) -> None:
+        received, self._received = self._received, None
+        self.model_runner.reload_weights(weights_iterator=iter(received.items()))
