@@ -47,7 +47,7 @@ def config_text(model: Path, output_dir: Path, steps: int, async_level: int, tra
 output_dir = "{output_dir}"
 max_steps = {steps}
 async_level = {async_level}
-{"" if transfer == "filesystem" else f'weight_transfer = "{transfer}"'}
+weight_transfer = "{transfer}"
 
 [model]
 name = "{model}"

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from prime_rl.protocol import is_stable, list_steps, rollouts_dir, weights_dir, weights_root
 from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port as another_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -132,28 +133,50 @@ def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, 
     assert leftovers == [], "orphan processes left behind"
 
 
+def on_policy_broadcast_run(model, out, port: int, *extra: str) -> list[str]:
+    return [
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", "3", "--async-level", "0",
+        "--inference.server.port", str(port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "256",
+        "--orchestrator.sampling.max-tokens", "16", "--orchestrator.sampling.temperature", "0.7",
+        "--trainer.optim.lr", "1e-3", "--weight-transfer", "broadcast",
+        "--weight-broadcast.port", str(another_free_port()), *extra,
+    ]  # fmt: skip
+
+
+def assert_on_policy_over_broadcast(out) -> None:
+    """Each step sampled the previous update, received over the broadcast group (no weights/step_1..2 on
+    disk), and the trainer's logprobs match the server's (mismatch KL < 1e-3 at every step)."""
+    orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
+    assert [m["step"] for m in trainer] == [0, 1, 2]
+    assert [m["weight_step"] for m in orch] == [0, 1, 2]
+    assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
+    assert all("time/broadcast_weights" in m for m in trainer[:2]) and "time/update_weights" in orch[1]
+    assert list_steps(weights_root(out)) == [3]  # the last step only: it is never broadcast
+    assert "now serving weights step 2" in (out / "logs" / "inference.log").read_text()
+
+
+def test_rl_with_broadcast_weight_transfer_is_on_policy_and_writes_only_the_last_weights(
+    tiny_model, tmp_path, free_port
+):
+    out = tmp_path / "out"
+    result = run_rl(on_policy_broadcast_run(tiny_model, out, free_port))
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    assert_on_policy_over_broadcast(out)
+
+
 def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
     vllm_installed, tiny_qwen3_hd32, tmp_path, free_port, monkeypatch
 ):
-    """`rl --inference.backend vllm` (vLLM's CPU build): weights reach vLLM through its worker extension every
-    step, and with async_level 0 the trainer's logprobs match vLLM's (mismatch KL < 1e-3 at every step)."""
+    """`rl --inference.backend vllm` (vLLM's CPU build) with weight_transfer = broadcast: every step reaches
+    vLLM's worker over the gloo group (the filesystem route to vLLM is tested in test_inference_server)."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for vLLM's KV cache on CPU
     out = tmp_path / "out"
-    args = [
-        "--model.name", str(tiny_qwen3_hd32), "--output-dir", str(out), "--max-steps", "3", "--async-level", "0",
-        "--inference.backend", "vllm", "--inference.server.port", str(free_port), "--inference.max-model-len", "512",
-        "--orchestrator.batch-size", "8", "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "256",
-        "--orchestrator.sampling.max-tokens", "16", "--orchestrator.sampling.temperature", "0.7",
-        "--trainer.optim.lr", "1e-3",
-    ]  # fmt: skip
-    result = run_rl(args, timeout=900)
+    extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512"]
+    result = run_rl(on_policy_broadcast_run(tiny_qwen3_hd32, out, free_port, *extra), timeout=900)
     assert result.returncode == 0, result.stderr + show_logs(out)
-    orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
-    assert [m["step"] for m in trainer] == [0, 1, 2]
-    assert [m["weight_step"] for m in orch] == [0, 1, 2]  # on-policy: each step sampled the previous update
-    assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
-    served = (out / "logs" / "inference.log").read_text()
-    assert "backend vllm" in served and "now serving weights step 2" in served
+    assert_on_policy_over_broadcast(out)
+    assert "backend vllm" in (out / "logs" / "inference.log").read_text()
 
 
 def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_port):

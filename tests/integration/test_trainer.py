@@ -22,11 +22,17 @@ from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.model import build_model, forward_logprobs
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port
+from prime_rl.utils.tiny_model import create_tiny_model
 
 pytestmark = pytest.mark.slow
 
 TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "trainer" / "rl" / "train.py"
 TRAINER = Path(sys.executable).parent / "trainer"
+
+
+def _load_dir(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF weights dir, however it is split into files."""
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def _micro_batches(tiny_model, num: int, seed: int = 0) -> list[MicroBatch]:
@@ -121,6 +127,12 @@ def runs(tiny_model, tmp_path_factory):
     for name, timeout in (("stall", "120"), ("lonely", "3")):
         procs[name] = subprocess.Popen([str(TRAINER), *broadcasting(name, "--data.timeout", timeout)],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    # The export's memory: 2 ranks, a 14 M-parameter model (55 MB in fp32), one step on generated data.
+    dirs["export"] = root / "export"
+    big = create_tiny_model(root / "big", hidden_size=512, num_layers=4)
+    procs["export"] = _torchrun(2, ["--model.name", str(big), "--output-dir", str(dirs["export"]), "--max-steps",
+                                    "1", "--data.fake", "--data.fake-seq-len", "64", "--data.fake-micro-batches", "1",
+                                    "--data.fake-max-len", "64", "--log.level", "DEBUG"])  # fmt: skip
     rdzv = f"127.0.0.1:{free_port()}"
     nodes = [_node(n, rdzv, [*_args(tiny_model, dirs["multi"]), "--ckpt"]) for n in (0, 1)]
     yield {**{name: (procs[name], dirs[name]) for name in procs}, "multi": (nodes, dirs["multi"]), "ports": ports}
@@ -142,11 +154,18 @@ def test_two_ranks_and_one_rank_produce_the_same_weights(tiny_model, runs):
         path = weights_dir(out, 1)
         assert is_stable(path)
         assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
-        new[out] = load_file(path / "model.safetensors")
+        new[out] = _load_dir(path)
         assert new[out].keys() == base.keys()
-        AutoModelForCausalLM.from_pretrained(path)
     for name in base:
         torch.testing.assert_close(new[split][name], new[whole][name], atol=1e-5, rtol=0, msg=name)
+    # Each of the 2 ranks wrote its own file (no full gather on rank 0); 1 rank writes one file, as before.
+    split_files = sorted(p.name for p in weights_dir(split, 1).glob("model*"))
+    assert split_files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                           "model.safetensors.index.json"]  # fmt: skip
+    assert sorted(p.name for p in weights_dir(whole, 1).glob("model*")) == ["model.safetensors"]
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    logits = [AutoModelForCausalLM.from_pretrained(weights_dir(out, 1))(ids).logits for out in (split, whole)]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
     changed = max((new[whole][name] - base[name]).abs().max().item() for name in base)
     assert changed > 5e-4  # Adam's first step moves weights by about lr
 
@@ -188,10 +207,7 @@ def test_two_node_launch_computes_the_same_step_as_one_two_rank_launch(runs):
         assert rc == 0, output[-6000:]
         node_outputs.append(output)
     assert "step 0 | loss" in node_outputs[0]  # node 0 shows global rank 0's log (--local-ranks-filter 0)
-    a, b = (
-        load_file(weights_dir(split, 1) / "model.safetensors"),
-        load_file(weights_dir(multi, 1) / "model.safetensors"),
-    )
+    a, b = _load_dir(weights_dir(split, 1)), _load_dir(weights_dir(multi, 1))
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
     assert is_stable(multi / "checkpoints" / "step_1" / "trainer")
@@ -359,3 +375,28 @@ def test_a_trainer_nobody_asks_for_its_broadcast_times_out_naming_what_it_waited
     assert rc == 1, output[-4000:]
     assert "timed out after 3s waiting for 1 inference worker(s) to ask for weight step 1" in output, output
     assert "Traceback" not in output
+
+
+def test_each_rank_writes_only_its_shards_holding_at_most_its_shard_plus_one_tensor(runs):
+    """No rank gathers the whole model to export it: per rank, the peak memory above its resident set before
+    the export (the kernel's VmHWM) stays within its own files' bytes plus the largest tensor."""
+    import json
+    import re
+
+    proc, out = runs["export"]
+    rc, output = _finish(proc, timeout=300)
+    assert rc == 0, output[-6000:]
+    path = weights_dir(out, 1)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    tensors = _load_dir(path)
+    mib = {f.name: f.stat().st_size / 2**20 for f in path.glob("model-*.safetensors")}
+    largest = max(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    total = sum(mib.values())
+    assert set(index["weight_map"].values()) == set(mib) and len(mib) == 2
+    log = (out / "logs" / "trainer.log").read_text()
+    report = json.loads(re.search(r"weights/step_1: per rank \[files, peak extra memory MiB\]: (.*)", log).group(1))
+    print(f"model {total:.1f} MiB, largest tensor {largest:.1f} MiB, per rank (files, peak extra MiB): {report}")
+    for files, peak in report:
+        assert len(files) == 1  # its own file, and only that
+        assert peak is not None and peak <= mib[files[0]] + largest, (report, mib, largest)
+    assert max(peak for _, peak in report) < total / 2  # far from a full gather (which holds the whole model)

@@ -110,7 +110,7 @@ def _app_state(model, optimizer, scheduler, progress: Progress) -> dict:
 def save_checkpoint(
     output_dir: Path, step: int, model, optimizer, scheduler, progress: Progress, files, rank: int
 ) -> Path:
-    """Collective: every rank writes its shards; rank 0 (which holds `files`) adds hf/ and then STABLE."""
+    """Collective: every rank writes its shards; rank 0 adds hf/ (from `files`) and then STABLE."""
     import torch.distributed.checkpoint as dcp
 
     path = trainer_checkpoint_dir(output_dir, step)

@@ -1,8 +1,8 @@
 """Writing `weights/step_n`: a complete HF model dir that inference loads with `from_pretrained`.
 
-Every rank takes part in gathering the full state dict (an FSDP collective); rank 0 writes
-config.json, generation_config.json, the tokenizer and safetensors shards whose parameter names are
-exactly the base model's, fsyncs them, and only then marks the dir `STABLE`. A dir without `STABLE`
+Every rank writes its own safetensors files, gathering one full tensor at a time (an FSDP collective);
+rank 0 writes config.json, generation_config.json, the tokenizer and the index. The parameter names are
+exactly the base model's; once all files are fsynced rank 0 marks the dir `STABLE`. A dir without `STABLE`
 (e.g. left by a crash) is never read and is replaced on the next write.
 
 The model's own parameter names are not always the checkpoint's: transformers 5 converts some
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +39,18 @@ from prime_rl.protocol import (
 )
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
+from prime_rl.utils.memory import PeakMemory
 
 logger = logging.getLogger("prime_rl")
 
 MAX_SHARD_SIZE = "5GB"
+MAX_SHARD_BYTES = 5 * 10**9  # the same, as huggingface_hub reads "5GB"
 
 
 @dataclass
 class ModelFiles:
-    """What rank 0 copies from the base model into every weights dir besides the tensors."""
+    """What rank 0 copies from the base model into every weights dir besides the tensors (and the dtype
+    every rank writes its tensors in)."""
 
     config: object  # transformers.PretrainedConfig
     generation_config: object  # transformers.GenerationConfig
@@ -120,32 +125,50 @@ def check_export_layout(model: torch.nn.Module, name: str) -> None:
         )
 
 
-def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: Path, step: int) -> Path | None:
-    """Write `weights/step_{step}` (rank 0) and return its path; other ranks only help gather and get None."""
-    state_dict = gather_full_state_dict(model)
-    if dist.get_rank() != 0:
-        return None
-    assert files is not None, "rank 0 needs the base model's files"
+def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, step: int) -> Path | None:
+    """Write `weights/step_{step}` (every rank takes part) and return its path on rank 0, None elsewhere.
+
+    Each rank writes its own safetensors files (`shard_plan`), streaming one gathered tensor at a time, so no
+    process holds more than its FSDP shard plus one full tensor; rank 0 adds the config, tokenizer and index.
+    Architectures transformers converts at load are reverted on a full state dict, on rank 0 (see module doc).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
     path = weights_dir(output_dir, step)
     # Written beside, then renamed in: a server may be loading a complete `step_n` of an earlier attempt
     # (a resumed run redoes steps), which must never be seen half-deleted or half-written.
     partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # a leftover of an interrupted save
+    peak = PeakMemory()
     try:
         with writing(path):
-            partial.mkdir(parents=True)
-            files.config.save_pretrained(partial)
-            files.generation_config.save_pretrained(partial)
-            files.tokenizer.save_pretrained(partial)
-            state_dict = checkpoint_state_dict(model, state_dict)
-            tied = bool(getattr(files.config, "tie_word_embeddings", False))
-            write_safetensors(state_dict, partial, files.dtype, tied=tied)
-            for f in partial.iterdir():
-                _fsync(f)
-            mark_stable(partial)
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)  # a leftover of an interrupted save
+                partial.mkdir(parents=True)
+                files.config.save_pretrained(partial)
+                files.generation_config.save_pretrained(partial)
+                files.tokenizer.save_pretrained(partial)
+            dist.barrier()  # the dir exists before any rank writes into it
+            tied = bool(getattr(model.config, "tie_word_embeddings", False))
+            if reverts_conversion(model):
+                state_dict = gather_full_state_dict(model)
+                if rank == 0:
+                    write_safetensors(checkpoint_state_dict(model, state_dict), partial, files.dtype, tied=tied)
+                written = []
+            else:
+                written = write_own_shards(model, partial, files.dtype, tied, rank, world)
+            report = [None] * world
+            dist.all_gather_object(report, (written, peak.extra_mib()))
+            if rank == 0:
+                if world > 1 or any(r[0] for r in report):
+                    logger.debug(f"weights/step_{step}: per rank [files, peak extra memory MiB]: {json.dumps(report)}")
+                for f in partial.iterdir():
+                    _fsync(f)
+                mark_stable(partial)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # give the space back
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # give the space back
         raise
+    if rank != 0:
+        return None
     replaced = path.with_name(path.name + ".replaced")
     shutil.rmtree(replaced, ignore_errors=True)
     if path.exists():
@@ -154,6 +177,89 @@ def save_weights(model: torch.nn.Module, files: ModelFiles | None, output_dir: P
     _fsync(path.parent)
     shutil.rmtree(replaced, ignore_errors=True)
     return path
+
+
+def reverts_conversion(model: torch.nn.Module) -> bool:
+    """Whether the model's parameter names are not its checkpoint's (transformers converted them at load)."""
+    meta = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
+    return set(checkpoint_state_dict(model, meta)) != set(meta)
+
+
+def shard_plan(sizes: list[tuple[str, int]], world: int, max_bytes: int) -> list[list[str]]:
+    """Tensor names (in order) split into contiguous files of about equal bytes: at least one file per rank
+    (file i is rank i % world's), none much above `max_bytes`."""
+    total = sum(n for _, n in sizes)
+    count = min(len(sizes), max(world, -(-total // max_bytes)))
+    plan: list[list[str]] = [[]]
+    done = 0
+    for i, (name, n) in enumerate(sizes):
+        left = len(sizes) - i
+        # Start the next file once this one has its share, or when each later file needs a tensor of its own.
+        if plan[-1] and len(plan) < count and (done >= total * len(plan) / count or left <= count - len(plan)):
+            plan.append([])
+        plan[-1].append(name)
+        done += n
+    return plan
+
+
+def shard_name(i: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, tied: bool, rank: int, world: int):
+    """Collective: every rank gathers each tensor in turn; each writes the files `shard_plan` gives it, as
+    the tensors arrive (its files' headers are known up front from the global shapes). Returns its files."""
+    state = drop_tied_head(model.state_dict(), tied)
+    out_dtype = {n: (dtype if t.is_floating_point() else t.dtype) for n, t in state.items()}
+    nbytes = [(n, t.numel() * out_dtype[n].itemsize) for n, t in state.items()]
+    plan = shard_plan(nbytes, world, MAX_SHARD_BYTES)
+    mine = []
+    for i, names in enumerate(plan):
+        if i % world != rank:
+            for name in names:
+                _full(state[name])  # this rank's part of the gather
+            continue
+        specs = [(n, out_dtype[n], tuple(state[n].shape)) for n in names]
+
+        def stream(f, names=names, specs=specs) -> None:
+            f.write(safetensors_header(specs))
+            for name in names:
+                f.write(_full(state[name]).to(out_dtype[name]).contiguous().reshape(-1).view(torch.uint8).numpy())
+
+        atomic_write(path / shard_name(i, len(plan)), stream)
+        mine.append(shard_name(i, len(plan)))
+    if rank == 0 and len(plan) > 1:
+        weight_map = {n: shard_name(i, len(plan)) for i, names in enumerate(plan) for n in names}
+        index = {"metadata": {"total_size": sum(n for _, n in nbytes)}, "weight_map": weight_map}
+        atomic_write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
+    return mine
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def safetensors_header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The length-prefixed JSON header of a safetensors file holding `specs` [(name, dtype, shape)], data
+    in that order (so the tensors can be streamed after it)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in specs:
+        end = offset + math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP-sharded) parameter: a collective over the trainer's ranks."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def write_safetensors(

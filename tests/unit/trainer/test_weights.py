@@ -53,13 +53,13 @@ def test_a_complete_weights_dir_is_replaced_whole_never_deleted_under_a_reader(
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)
     seen_mid_save = []
-    write = weights.write_safetensors
+    write = weights.write_own_shards
 
     def observed_write(*args, **kwargs):
         seen_mid_save.append(is_stable(first) and (first / "model.safetensors").is_file())
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(weights, "write_safetensors", observed_write)
+    monkeypatch.setattr(weights, "write_own_shards", observed_write)
     second = save_weights(model, files, tmp_path, step=2)
     assert seen_mid_save == [True]  # while the new files were written, the old dir was whole
     assert second == first and is_stable(second)
@@ -155,3 +155,39 @@ def test_a_model_whose_export_would_not_match_its_checkpoint_is_refused(tiny_moe
     model = AutoModelForCausalLM.from_pretrained(tiny_moes["qwen3_moe"])
     with pytest.raises(TrainerError, match=r"Qwen3MoeForCausalLM: .*mlp\.experts\.0\..* inference could not load"):
         check_export_layout(model, str(fused))
+
+
+def test_a_streamed_safetensors_file_loads_back_exactly(tmp_path):
+    """What each rank writes tensor by tensor: the header up front from (name, dtype, shape), then the data."""
+    from prime_rl.trainer.weights import safetensors_header
+
+    tensors = {
+        "b.weight": torch.randn(3, 5, dtype=torch.bfloat16),
+        "a.weight": torch.randn(7),
+        "scale": torch.tensor(2.5),  # 0-dim
+        "ids": torch.arange(4, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+    }
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(safetensors_header([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]))
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+
+
+def test_the_shard_plan_gives_every_rank_a_contiguous_file_of_about_equal_bytes():
+    from prime_rl.trainer.weights import shard_plan
+
+    sizes = [("embed", 400), *[(f"layer{i}", 100) for i in range(8)], ("norm", 1), ("head", 400)]
+    for world in (1, 2, 3, 4):
+        plan = shard_plan(sizes, world, max_bytes=10**9)
+        assert [n for names in plan for n in names] == [n for n, _ in sizes]  # contiguous, in order, all
+        assert len(plan) == world
+        per_file = [sum(dict(sizes)[n] for n in names) for names in plan]
+        assert max(per_file) <= sum(per_file) / world + 400, (world, per_file)  # within one largest tensor
+    assert len(shard_plan(sizes, 1, max_bytes=700)) == 3  # big models still split into files <= ~max_bytes
+    assert len(shard_plan(sizes[:2], 4, max_bytes=10**9)) == 2  # never an empty file

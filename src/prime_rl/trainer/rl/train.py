@@ -64,7 +64,7 @@ def run(config: TrainerConfig) -> None:
     try:
         with Heartbeat(config.output_dir, f"trainer-rank{d.rank}") as heartbeat:
             model, optimizer, scheduler = build_sharded(config, d, config.max_steps)
-            files = build_model_files(config.model.name) if d.is_main else None
+            files = build_model_files(config.model.name)  # every rank writes weight files in its dtype
             progress = resume(config, model, optimizer, scheduler, files, d) or Progress()
             sender = WeightSender(config, model, files, d) if config.weight_transfer == "broadcast" else None
             metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if d.is_main else None

@@ -70,7 +70,7 @@ def run(config: SFTConfig) -> None:
     d = init_distributed(resolve_device(config.device))
     try:
         model, optimizer, scheduler = build_sharded(config, d, max_steps)
-        files = build_model_files(config.model.name) if d.is_main else None
+        files = build_model_files(config.model.name)  # every rank writes weight files in its dtype
         progress = Progress()
         resume_step = resolve_resume(config)
         if resume_step is not None:
