@@ -8,6 +8,8 @@ on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the servi
 - generate: the orchestrator's generation requests (and scoring, which overlaps them);
 - train: the trainer's forward/backward/optimizer step;
 - transfer: the trainer writing/sending the weights plus the servers loading/receiving them;
+- to served: from the trainer's optimizer step (of step - 1) to the servers answering with its weights,
+  everything in between included (wall clocks of one machine);
 - work: all of the above plus packing, writing and reading rank files;
 - step: wall time between the ends of two orchestrator steps;
 - hand-offs: step - work. With async_level 0 the services alternate, so every instant of a step is one
@@ -88,13 +90,16 @@ def run_case(model: Path, work: Path, steps: int, async_level: int, transfer: st
         transfer_s += o.get("time/update_weights", 0.0)
         busy = sum(o.get(f"time/{k}", 0.0) for k in ORCH_WORK) + sum(t.get(f"time/{k}", 0.0) for k in TRAINER_WORK)
         wall = o["time"] - prev["time"]
+        # The trainer's optimizer step done → the servers answered with those weights (sync mode: at once).
+        w = o["weight_step"]  # the step the servers were given before this step's requests
+        latency = o["weights_served_at"] - trainer[w - 1]["optimized_at"] if "weights_served_at" in o and w else None
         rows.append({"generate": generate, "train": t["time/train"], "transfer": transfer_s, "work": busy,
-                     "step": wall, "handoffs": wall - busy})  # fmt: skip
+                     "step": wall, "handoffs": wall - busy, "to_served": latency})  # fmt: skip
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
 def median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+    return statistics.median(r[key] for r in rows if r[key] is not None)
 
 
 def main() -> None:
@@ -123,12 +128,12 @@ def main() -> None:
                     print(f"{name:>5} {mode:>5} {transfer:>10}: {len(rows)} steps measured, run {case['seconds']:.0f}s",
                           file=sys.stderr)  # fmt: skip
 
-    print("| model | mode | transfer | generate | train | transfer | step | hand-offs | share |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | mode | transfer | generate | train | transfer | to served | step | hand-offs | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key, rows in results.items():
         name, mode, transfer = key.split("/")
         step, handoffs = median(rows, "step"), median(rows, "handoffs")
-        cells = [f"{median(rows, k):.3f} s" for k in ("generate", "train", "transfer", "step")]
+        cells = [f"{median(rows, k):.3f} s" for k in ("generate", "train", "transfer", "to_served", "step")]
         print(f"| {name} | {mode} | {transfer} | {' | '.join(cells)} | {handoffs:.3f} s | {handoffs / step:.1%} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

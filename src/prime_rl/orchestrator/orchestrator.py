@@ -117,6 +117,7 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     weight_dir = weights_dir(config.output_dir, newest)
     with timer(times, "update_weights"):
         loaded = await client.update_weights(str(weight_dir))
+    times["served_at"] = time.time()  # a timestamp, for the weight plane's latency (benchmarks/rl.py)
     if loaded != newest:
         raise InferenceError(f"servers report weights step {loaded} after loading {weight_dir}")
     logger.info(f"step {step}: servers now serve weights step {loaded}")
@@ -137,6 +138,7 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
             rendezvous |= {"group": announced["group"], "backend": announced["backend"]}
             with timer(times, "update_weights"):
                 current = await client.broadcast_weights(announced["step"], rendezvous)
+            times["served_at"] = time.time()
             logger.info(f"servers now serve weights step {current} (broadcast)")
             continue
         if current >= need or is_stable(weights_dir(out, need)):
@@ -256,8 +258,10 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
         "tokens": tokens,
         "tokens_per_s": tokens / max(times["step"], 1e-9),
         "overhead_fraction": max(0.0, times["step"] - generation) / max(times["step"], 1e-9),
-        **{f"time/{key}": value for key, value in times.items()},
+        **{f"time/{key}": value for key, value in times.items() if key != "served_at"},
     }
+    if "served_at" in times:  # wall clock when the servers answered with new weights (a timestamp, no duration)
+        metrics["weights_served_at"] = times["served_at"]
     for name in sorted({k for r in rollouts for k in r.metrics}):
         values = [r.metrics[name] for r in rollouts if name in r.metrics]
         metrics[f"reward/{name}"] = statistics.fmean(values)

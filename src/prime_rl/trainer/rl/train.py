@@ -80,11 +80,12 @@ def run(config: TrainerConfig) -> None:
                     stats = train_step(model, optimizer, micro_batches, config, d)
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
+                optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
                 progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
                 if not config.bench:
                     publish(config, model, optimizer, scheduler, progress, files, d, times, sender)
                 times["step"] = time.perf_counter() - start
-                record = step_metrics(stats, times, lr, progress)
+                record = step_metrics(stats, times, lr, progress) | {"optimized_at": optimized_at}
                 history.append(record)
                 if d.is_main:
                     metrics.log(step, record)
