@@ -268,7 +268,7 @@ class BroadcastingTrainer:
         body = {"broadcast": {"host": r.host, "port": r.port, "group": r.group, "world_size": 2, "rank": 1,
                               "step": step, "timeout": r.timeout}}  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(self.server.post, "/update_weights", json=body)
+            self.answer = answer = pool.submit(self.server.post, "/update_weights", json=body)
             deadline = time.monotonic() + 30
             while self.store.add(ready_key(r, step), 0) < 1:
                 assert time.monotonic() < deadline and not answer.done(), answer.result().text
@@ -348,6 +348,23 @@ def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_k
     assert "previous weights keep serving" in message
     assert server.health()["step"] == before
     assert greedy_logprobs(client, str(tiny_model)) == base
+
+
+def test_broadcast_weights_of_another_shape_are_a_400_and_the_sender_hears_of_it_at_once(server, client, tiny_model):
+    from safetensors.torch import load_file
+
+    from prime_rl.protocol.broadcast import BroadcastError
+
+    before, base = server.health()["step"], greedy_logprobs(client, str(tiny_model))
+    tensors = load_file(write_perturbed_weights(tiny_model, server.output_dir, step=41) / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(3)  # the served model's is hidden-sized
+    trainer = BroadcastingTrainer(server, "g-shape")
+    with pytest.raises(BroadcastError):  # the receiver left after the header: no tensor was sent for nothing
+        trainer.send(41, tensors)
+    response = trainer.answer.result()
+    assert response.status_code == 400, response.text
+    assert "model.norm.weight has shape (3,), the model needs" in response.json()["error"]["message"]
+    assert server.health()["step"] == before and greedy_logprobs(client, str(tiny_model)) == base
 
 
 def test_a_broadcast_from_a_trainer_that_never_comes_is_a_400_within_its_timeout(server, client, tiny_model):

@@ -170,6 +170,7 @@ class ControlPlane:
         self.app, self.served, self.api_key, self.max_body_bytes = app, served, api_key, max_body_bytes
         # Joining a process group connects to the address a request names: only when the server opted in.
         self.broadcast = broadcast
+        self.weight_group: str | None = None
         self.counts = collections.Counter() if counts is None else counts
         self.gate = StepGate()
         self.updating = asyncio.Lock()
@@ -251,8 +252,8 @@ class ControlPlane:
 
     def _health(self) -> JSONResponse:
         state = {"status": "ok", "step": self.gate.step, "backend": self.served.backend}
-        if self.broadcast:
-            state["weight_receivers"] = self.served.receivers
+        if self.broadcast:  # its seats, and the group its weights came from (None: a dir or the base)
+            state |= {"weight_receivers": self.served.receivers, "weight_group": self.weight_group}
         return JSONResponse(state | self.served.health())
 
     async def _swap(self, path: str, body: bytes) -> JSONResponse:
@@ -277,6 +278,7 @@ class ControlPlane:
             async with self.gate.swap():
                 await self.served.apply(prepared)
                 self.gate.step = step
+                self.weight_group = source.group if isinstance(source, BroadcastRequest) else None
         logger.info(f"now serving weights step {step}")
         answer = {"step": step, "seconds": round(time.perf_counter() - start, 3)}
         return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})

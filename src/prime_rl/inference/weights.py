@@ -131,7 +131,7 @@ class BroadcastReceiver:
     def receive(self, rdv, rank: int, step: int, device, served: TensorSpecs, tied: bool) -> dict:
         """Step `step`'s tensors in the sender's dtypes on `device`, checked against `served`; the served
         weights are untouched. Raises WeightsError naming the trainer when the transfer fails."""
-        from prime_rl.protocol.broadcast import BroadcastError, connect_store, join_group, ready_key, receive_step
+        from prime_rl.protocol.broadcast import BroadcastError, ask_for, connect_store, join_group, receive_step
 
         def check(got_step: int, specs: dict) -> None:
             if got_step != step:
@@ -143,12 +143,15 @@ class BroadcastReceiver:
                 self.leave()
                 self.store = connect_store(rdv, master=False)
                 self.rdv = rdv
-            self.store.add(ready_key(rdv, step), 1)
+            ask_for(self.store, rdv, step)
             if self.pg is None:
                 self.pg = join_group(self.store, rdv, rank)
             stream = receive_step(self.pg, device, check)
             next(stream)  # the checked header
             return dict(stream)
+        except WeightsError:  # the header does not fit the served model: the transfer is abandoned
+            self.leave()
+            raise
         except BroadcastError as e:
             self.leave()
             raise WeightsError(

@@ -70,6 +70,7 @@ class Server:
     slots: asyncio.Semaphore
     step: int = 0  # the weight step it holds, from /health and /update_weights
     receivers: int = 0  # its seats in a weight broadcast group, from /health (0: it takes no broadcasts)
+    group: str | None = None  # the broadcast group its weights came from, from /health
     alive: bool = True
     current: float = 0.0  # smooth weighted round-robin state
     requests: int = 0  # generation requests sent (for metrics and tests)
@@ -324,6 +325,7 @@ class InferenceClient:
         data = await self._request("GET", f"{server_root(server.base)}/health")
         server.step = int(data.get("step", 0))
         server.receivers = int(data.get("weight_receivers", 0))
+        server.group = data.get("weight_group")
         return server.step
 
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
@@ -439,8 +441,9 @@ class InferenceClient:
 
         The trainer sends to all seats at once, so every server must take part: one that is down or
         refuses is an error naming it (never retried: a second join would take a seat twice). `rendezvous`:
-        host, port, group, world_size, backend, timeout (protocol.broadcast.Rendezvous)."""
-        await self.server_step()
+        host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 + the
+        servers' seats (their /health `weight_receivers`)."""
+        # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
         down = [s.base for s in self.servers if not s.alive]
         if down:
             raise InferenceError(f"weight broadcast of step {step} needs every inference server; down: {down}")
@@ -448,16 +451,10 @@ class InferenceClient:
         if unable:
             message = "take no weights over a process group; start them with --weight-transfer broadcast"
             raise InferenceError(f"{unable} {message}")
-        seats = sum(s.receivers for s in self.servers)
-        if seats != rendezvous["world_size"] - 1:
-            raise InferenceError(
-                f"the trainer's weight broadcast has {rendezvous['world_size'] - 1} receiver seat(s) "
-                f"(weight_broadcast.receivers) but the servers hold {seats} ({[s.receivers for s in self.servers]}); "
-                "make them equal"
-            )
+        world_size = 1 + sum(s.receivers for s in self.servers)
 
         async def one(server: Server, rank: int) -> None:
-            body = {"broadcast": rendezvous | {"rank": rank, "step": step}}
+            body = {"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}}
             url = f"{server_root(server.base)}/update_weights"
             try:
                 response = await self._http.post(url, json=body, timeout=rendezvous["timeout"] + 30)
@@ -470,7 +467,7 @@ class InferenceClient:
                 except (ValueError, KeyError, TypeError):
                     message = f"HTTP {response.status_code}: {response.text[:500]}"
                 raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
-            server.step = int(response.json()["step"])
+            server.step, server.group = int(response.json()["step"]), rendezvous["group"]
 
         ranks = [1 + sum(s.receivers for s in self.servers[:i]) for i in range(len(self.servers))]
         sends = (one(s, r) for s, r in zip(self.servers, ranks, strict=True))

@@ -128,13 +128,20 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
                            times: dict) -> int:  # fmt: skip
     """weight_transfer = broadcast: relay every step the trainer announces (it waits for all servers to
     ask), and wait for announcements until the servers hold `need` or its weights are on disk (a resumed
-    run: checkpoint steps are written there). Returns the step the servers hold."""
+    run: checkpoint steps are written there). Returns the step the servers hold.
+
+    An announcement is pending unless every server holds its step from its group: a restarted trainer
+    forms a new group and may announce a step older than the servers hold (it resumed from a checkpoint)."""
     out = config.output_dir
     b = config.weight_broadcast
+
+    def pending(marker: dict | None) -> bool:
+        return marker is not None and any(s.group != marker["group"] or s.step < marker["step"] for s in client.live())
+
     while True:
         announced = read_marker(out)
-        if announced is not None and announced["step"] > current:
-            rendezvous = {"host": b.host, "port": b.port, "world_size": b.receivers + 1, "timeout": b.timeout}
+        if pending(announced):
+            rendezvous = {"host": b.host, "port": b.port, "timeout": b.timeout}
             rendezvous |= {"group": announced["group"], "backend": announced["backend"]}
             with timer(times, "update_weights"):
                 current = await client.broadcast_weights(announced["step"], rendezvous)
@@ -145,7 +152,7 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
             return current
         with timer(times, "wait_weights"):
             wait_until(
-                lambda: (read_marker(out) or {"step": -1})["step"] >= need or is_stable(weights_dir(out, need)),
+                lambda: pending(read_marker(out)) or is_stable(weights_dir(out, need)),
                 f"the trainer's weight step {need} ({marker_file(out, need)} or {weights_dir(out, need)})",
                 config.weights_timeout,
                 watch=marker_file(out, need),

@@ -1,19 +1,22 @@
 """Weights over a process group (`weight_transfer = "broadcast"`, DESIGN §4): trainer → every inference worker.
 
-The group is its own torch.distributed world, apart from the trainer's: rank 0 is trainer rank 0, ranks
-1..receivers are the inference workers (one per built-in server, one per vLLM worker). Its rendezvous is a
+The group is its own torch.distributed world, apart from the trainer's: rank 0 is trainer rank 0, the
+other ranks are the inference workers' seats (one per built-in server, one per vLLM worker), counted by the
+orchestrator from its servers' /health and passed on by the receivers through the rendezvous. Its rendezvous is a
 TCPStore that trainer rank 0 hosts at `weight_broadcast.host:port`; `group` (a fresh nonce per trainer
 start) prefixes every key, so a restarted trainer forms a new group and servers of the old one rejoin.
 
 One step n:
 1. the trainer writes `broadcast/step_n.json` {"step", "group", "backend"} (the hand-off, like `STABLE`);
 2. the orchestrator asks every server to receive it (POST /update_weights {"broadcast": {...}});
-3. each receiver adds itself to the store's `ready/n` count, joins the group if it is not in this one, and
-   waits for the header; the trainer's ranks wait for `ready/n` to reach `receivers`, then send:
+3. each receiver sets the store's `world_size`, adds itself to its `ready/n` count (`ask_for`), joins the
+   group if it is not in this one, and waits for the header; the trainer's ranks wait until the count is
+   complete, then send:
    a header (JSON in a uint8 tensor, never pickle: the store is unauthenticated) naming every tensor with
    its dtype and shape, then each tensor in header order. Trainer ranks gather one full tensor at a time.
-4. receivers check the header against the served model before keeping anything (a mismatch still drains
-   the stream, so the sender is never stuck), and swap only once everything arrived.
+4. receivers check the header against the served model before receiving any tensor (a mismatch ends the
+   transfer, which the sender sees at once), and swap only once everything arrived. Tensors travel in
+   buckets of up to 64 MiB: fewer, larger transfers.
 Every collective has `timeout`; a peer that dies or never comes is an error naming it, and the receiver
 leaves the group so that the next request forms a new one. nccl on CUDA, gloo on CPU.
 """
@@ -21,6 +24,7 @@ leaves the group so that the next request forms a new one. nccl on CUDA, gloo on
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,64 +121,116 @@ def join_group(store, rdv: Rendezvous, rank: int):
 
 
 def ready_key(rdv: Rendezvous, step: int) -> str:
+    """How many seats asked for `step`; the one that completes the count sets `all_ready_key`."""
     return f"{rdv.group}/ready/{step}"
+
+
+def all_ready_key(rdv: Rendezvous, step: int) -> str:
+    return f"{rdv.group}/all_ready/{step}"
+
+
+def ask_for(store, rdv: Rendezvous, step: int) -> None:
+    """A receiver's request for `step`: tells the trainer the group's size, counts itself in."""
+    store.set(size_key(rdv), str(rdv.world_size))
+    if store.add(ready_key(rdv, step), 1) == rdv.world_size - 1:
+        store.set(all_ready_key(rdv, step), "1")
+
+
+def size_key(rdv: Rendezvous) -> str:
+    """The group's world size, which each receiver sets (from the orchestrator's count of seats)."""
+    return f"{rdv.group}/world_size"
 
 
 # ---- the stream -----------------------------------------------------------------------------------
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+BUCKET_BYTES = 64 * 2**20  # tensors travel in buckets: one transfer each (per-tensor transfers cost 2.5x on gloo)
+DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def buckets(specs: list[tuple[str, Any, tuple[int, ...]]], limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of `specs` in consecutive runs of one dtype and at most `limit` bytes (a larger tensor alone).
+    Both sides compute it from the header, so only the tensors' bytes travel."""
+    runs: list[list[int]] = []
+    size = 0
+    for i, (_, dtype, shape) in enumerate(specs):
+        n = math.prod(shape) * dtype.itemsize
+        if not runs or specs[runs[-1][0]][1] != dtype or size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
 
 
 def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tensors: Iterable, device) -> None:
-    """Root side: the header for `specs` [(name, dtype, shape)], then each tensor of `tensors` (same order).
-
-    `tensors` may be a generator that gathers each one just in time; it runs on every trainer rank, and
-    only rank 0 (pg is not None) sends."""
+    """Root side: the header for `specs` [(name, dtype, shape)], then the tensors of `tensors` (same order) in
+    `buckets`. `tensors` may be a generator that gathers each one just in time; it runs on every trainer
+    rank, and only rank 0 (pg is not None) sends, holding at most one bucket."""
     import torch
 
-    header = json.dumps({"step": step, "tensors": [[n, _dtype_name(d), list(s)] for n, d, s in specs]}).encode()
+    header = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in specs]})
     if pg is not None:
-        _broadcast(pg, torch.tensor([len(header)], dtype=torch.int64, device=device))
-        _broadcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
-    for (_, dtype, _), tensor in zip(specs, tensors, strict=True):
+        raw = header.encode()
+        _broadcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
+        _broadcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
+    tensors = iter(tensors)
+    for run in buckets(specs):
+        parts = [next(tensors).to(device=device, dtype=specs[i][1]).reshape(-1) for i in run]
         if pg is not None:
-            _broadcast(pg, tensor.to(device=device, dtype=dtype).contiguous())
+            _broadcast(pg, parts[0] if len(parts) == 1 else torch.cat(parts))
+    if pg is not None:
+        _acknowledge(pg, device)
 
 
 def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ...], Any]]], None]) -> Iterator:
     """Receiver side: yields (step, None) once the header is read and `check`ed, then (name, tensor) for
-    every tensor. A header `check` refuses (by raising) is still drained to the end, then the error raised."""
+    every tensor (views into the received buckets). A header `check` refuses (by raising) ends the
+    transfer: the receiver leaves, which the sender sees at once as a peer gone."""
     import torch
 
     size = torch.zeros(1, dtype=torch.int64, device=device)
     _broadcast(pg, size)
+    if not 0 < int(size.item()) <= 256 * 2**20:
+        raise BroadcastError(f"a weight header of {int(size.item())} bytes")
     raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     _broadcast(pg, raw)
-    header = json.loads(bytes(raw.cpu().tolist()).decode())
-    specs = {name: (tuple(shape), getattr(torch, dtype)) for name, dtype, shape in header["tensors"]}
-    step = int(header["step"])
-    refused = None
     try:
-        check(step, specs)
-    except Exception as e:  # noqa: BLE001 (re-raised after draining)
-        refused = e
-    if refused is None:
-        yield step, None
-    for name, (shape, dtype) in specs.items():
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        _broadcast(pg, tensor)
-        if refused is None:
-            yield name, tensor
-    if refused is not None:
-        raise refused
+        header = json.loads(raw.cpu().numpy().tobytes())
+        step = int(header["step"])
+        specs = [(str(n), getattr(torch, d), tuple(int(x) for x in s)) for n, d, s in header["tensors"] if d in DTYPES]
+        if len(specs) != len(header["tensors"]) or any(x < 0 for _, _, s in specs for x in s):
+            raise ValueError("unknown dtype or negative size")
+    except (ValueError, KeyError, TypeError) as e:
+        raise BroadcastError(f"malformed weight header: {e}") from None
+    check(step, {name: (shape, dtype) for name, dtype, shape in specs})
+    yield step, None
+    for run in buckets(specs):
+        numels = [math.prod(specs[i][2]) for i in run]
+        flat = torch.empty(sum(numels), dtype=specs[run[0]][1], device=device)
+        _broadcast(pg, flat)
+        for i, part in zip(run, flat.split(numels), strict=True):
+            yield specs[i][0], part.view(specs[i][2])
+    _acknowledge(pg, device)
+
+
+def _acknowledge(pg, device) -> None:
+    """The end of a step: the sender returns only once every receiver has all of it (a receiver that died
+    after the last bytes left the sender's socket is noticed here, not at the next step)."""
+    import torch
+
+    _run(lambda: pg.allreduce([torch.zeros(1, device=device)]))
 
 
 def _broadcast(pg, tensor) -> None:
+    _run(lambda: pg.broadcast(tensor, 0))
+
+
+def _run(collective) -> None:
+    """Start a collective of the group and wait for it; a peer gone or a timeout is a BroadcastError."""
     import torch.distributed as dist
 
     try:
-        pg.broadcast(tensor, 0).wait()
+        collective().wait()
     except (RuntimeError, dist.DistError) as e:
         raise BroadcastError(str(e).splitlines()[-1] if str(e) else type(e).__name__) from None

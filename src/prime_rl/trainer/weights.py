@@ -217,14 +217,14 @@ def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, tie
     for i, names in enumerate(plan):
         if i % world != rank:
             for name in names:
-                _full(state[name])  # this rank's part of the gather
+                full_tensor(state[name])  # this rank's part of the gather
             continue
         specs = [(n, out_dtype[n], tuple(state[n].shape)) for n in names]
 
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
             for name in names:
-                f.write(_full(state[name]).to(out_dtype[name]).contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(full_tensor(state[name]).to(out_dtype[name]).contiguous().reshape(-1).view(torch.uint8).numpy())
 
         atomic_write(path / shard_name(i, len(plan)), stream)
         mine.append(shard_name(i, len(plan)))
@@ -255,7 +255,7 @@ def safetensors_header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) ->
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly FSDP-sharded) parameter: a collective over the trainer's ranks."""
     from torch.distributed.tensor import DTensor
 

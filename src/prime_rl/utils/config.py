@@ -425,13 +425,13 @@ WeightTransfer = Annotated[
 
 
 class WeightBroadcastConfig(Section):
-    """The trainer's broadcast rendezvous, shared by trainer and orchestrator (which tells the servers)."""
+    """The trainer's broadcast rendezvous, shared by trainer and orchestrator (which tells the servers).
+
+    The group's size is not configured: the orchestrator counts the seats of its servers (their /health)
+    and the receivers tell the trainer through the rendezvous."""
 
     host: Annotated[str, Field(description="address of trainer rank 0 that inference workers can reach")] = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535, description="TCP port trainer rank 0 hosts the rendezvous on")] = 29600
-    receivers: Annotated[
-        int, Field(ge=1, description="inference workers that receive: one per built-in server, tp × dp per vLLM one")
-    ] = 1
     timeout: Annotated[
         float, Field(gt=0, description="seconds a broadcast may take (forming the group, one transfer)")
     ] = 600.0

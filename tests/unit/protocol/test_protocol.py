@@ -163,3 +163,14 @@ def test_a_waiter_notices_a_rank_file_within_milliseconds(tmp_path, poll):
         lags.append(noticed - float(writer.communicate(timeout=10)[0]))
     # The writer's clock stops after its directory fsync, so the reader may even be first (a negative lag).
     assert sorted(lags)[2] < 0.01, lags  # median under 10 ms (was up to 1 s with the growing backoff)
+
+
+def test_broadcast_buckets_are_runs_of_one_dtype_within_the_byte_limit():
+    from prime_rl.protocol.broadcast import buckets
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    specs = [("a", f32, (4,)), ("b", f32, (4,)), ("c", f32, (10,)), ("d", bf16, (2,)), ("e", bf16, (3, 2)),
+             ("f", f32, (1,))]  # fmt: skip
+    assert buckets(specs, limit=40) == [[0, 1], [2], [3, 4], [5]]  # c (40 bytes) would overflow a+b's bucket
+    assert buckets(specs, limit=1) == [[0], [1], [2], [3], [4], [5]]  # each larger than the limit: alone
+    assert [i for run in buckets(specs) for i in run] == list(range(len(specs)))
