@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from prime_rl.protocol import checkpoint_steps, is_stable, list_steps, weights_dir, weights_root
 from prime_rl.protocol.records import write_rank_file
 from prime_rl.trainer.fake_data import fake_micro_batches
+from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 180) -> str:
 
 
 def _assert_same_weights(a: Path, b: Path, atol: float) -> None:
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    wa, wb = dict(iter_safetensors(a)), dict(iter_safetensors(b))
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)

@@ -38,6 +38,7 @@ ENV = {
     "DATA_PARALLEL_RPC_PORT": "13345",
     "MASTER_ADDR": "10.0.0.1",
     "MASTER_PORT": "29500",
+    "TRAINER_IP": "10.0.0.3",
 }
 
 

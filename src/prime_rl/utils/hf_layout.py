@@ -9,6 +9,7 @@ checkpoint's names and shapes (vLLM's loader expects them).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,3 +56,14 @@ def header_specs(file: Path) -> TensorSpecs:
     with safe_open(str(file), framework="pt", device="cpu") as f:
         parts = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         return {name: (tuple(p.get_shape()), p.get_dtype().startswith(("F", "BF"))) for name, p in parts.items()}
+
+
+def iter_safetensors(weight_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every `*.safetensors` file in `weight_dir`, however the
+    export split them into files; one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(weight_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)

@@ -113,7 +113,13 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "body.messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
         ("/update_weights", {"weight_dir": "/nonexistent/step_1"}, "no such directory"),
-        ("/update_weights", {"path": "x"}, "body.weight_dir"),
+        ("/update_weights", {"path": "x"}, "body.path: Extra inputs are not permitted"),
+        ("/update_weights", {}, "give exactly one of weight_dir and broadcast"),
+        (
+            "/update_weights",
+            {"broadcast": {"host": "10.0.0.1", "port": 1, "group": "g", "world_size": 2, "rank": 1, "step": 1}},
+            "takes no weights over a process group",
+        ),  # fmt: skip
         # Each of these was a 500 (issue: no 5xx): a lone surrogate, a path longer than any the OS takes,
         # a request-supplied chat template (code the server would run) without the opt-in.
         ("/v1/completions", b'{"prompt": "hi \\ud800"}', "lone UTF-16 surrogate"),

@@ -6,18 +6,7 @@ vLLM mixes this class into every worker (GPU or CPU); the server calls its metho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-
-def safetensors_weights(weight_dir: str) -> Iterator[tuple[str, object]]:
-    """(name, CPU tensor) for every tensor of every `*.safetensors` file in `weight_dir`, in file order."""
-    from safetensors import safe_open
-
-    for file in sorted(Path(weight_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
 
 
 class WeightUpdateExtension:
@@ -27,7 +16,9 @@ class WeightUpdateExtension:
 
     def update_weights_from_path(self, weight_dir: str) -> None:
         """Load checkpoint-format (HF) tensors; vLLM's loader shards and fuses them (qkv, gate_up)."""
-        self.model_runner.reload_weights(weights_iterator=safetensors_weights(weight_dir))
+        from prime_rl.utils.hf_layout import iter_safetensors
+
+        self.model_runner.reload_weights(weights_iterator=iter_safetensors(Path(weight_dir)))
 
     def reload_base_weights(self) -> None:
         """Load the served model's own weights again (vLLM reads `model_config.model`, unchanged by updates)."""

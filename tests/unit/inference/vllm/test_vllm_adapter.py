@@ -110,7 +110,7 @@ def vllm_like(tiny_model):
         return {}
 
     client = RecordingEngineClient(AutoConfig.from_pretrained(tiny_model))
-    served = VllmModel(str(tiny_model))
+    served = VllmModel(InferenceConfig(model={"name": str(tiny_model)}))
     served.client = client
     return TestClient(ControlPlane(app, served, api_key="k", max_body_bytes=1 << 20)), client
 
