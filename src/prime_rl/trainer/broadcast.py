@@ -27,14 +27,13 @@ from prime_rl.protocol.broadcast import (
     write_marker,
 )
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.weights import ModelFiles, full_tensor, saved_dtype
-from prime_rl.utils.hf_layout import checkpoint_state_dict
+from prime_rl.trainer.weights import ModelFiles, export_specs, full_tensor, reverts_conversion
 
 logger = logging.getLogger("prime_rl")
 
 
 class WeightSender:
-    def __init__(self, config, model: torch.nn.Module, files: ModelFiles | None, d):
+    def __init__(self, config, model: torch.nn.Module, files: ModelFiles, d):
         self.config, self.d = config, d
         b = config.weight_broadcast
         backend = "nccl" if d.device.type == "cuda" else "gloo"
@@ -50,14 +49,12 @@ class WeightSender:
         group = self.store.get("group").decode()
         self.rdv = Rendezvous(b.host, b.port, group, 0, backend, b.timeout)
         self.pg = None
-        self.dtype = files.dtype if files is not None else saved_dtype(model.config)
-        meta = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
-        if set(checkpoint_state_dict(model, meta)) != set(meta):
+        self.dtype = files.dtype
+        if reverts_conversion(model):
             raise TrainerError(
                 f"{type(model).__name__}: transformers converts its weights at load, which weight_transfer = "
                 "broadcast does not undo; use weight_transfer = filesystem"
             )
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if d.is_main:
             logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {group})")
 
@@ -90,11 +87,9 @@ class WeightSender:
                 )
             if self.d.is_main and self.pg is None:
                 self.pg = join_group(self.store, rdv, 0)
-            state = model.state_dict()
-            names = [n for n in state if not (self.tied and n == "lm_head.weight")]
-            specs = [(n, self.dtype if state[n].is_floating_point() else state[n].dtype, tuple(state[n].shape))
-                     for n in names]  # fmt: skip
-            full = (full_tensor(state[n]) for n in names)
+            state, exported = export_specs(model, self.dtype)
+            specs = [(n, *spec) for n, spec in exported.items()]
+            full = (full_tensor(t) for t in state.values())
             send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d))
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died, or the store went
             raise TrainerError(

@@ -147,14 +147,14 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
                 files.generation_config.save_pretrained(partial)
                 files.tokenizer.save_pretrained(partial)
             dist.barrier()  # the dir exists before any rank writes into it
-            tied = bool(getattr(model.config, "tie_word_embeddings", False))
             if reverts_conversion(model):
                 state_dict = gather_full_state_dict(model)
                 if rank == 0:
+                    tied = bool(getattr(model.config, "tie_word_embeddings", False))
                     write_safetensors(checkpoint_state_dict(model, state_dict), partial, files.dtype, tied=tied)
                 written = []
             else:
-                written = write_own_shards(model, partial, files.dtype, tied, rank, world)
+                written = write_own_shards(model, partial, files.dtype, rank, world)
             report = [None] * world
             dist.all_gather_object(report, (written, peak.extra_mib()))
             if rank == 0:
@@ -206,12 +206,20 @@ def shard_name(i: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
 
 
-def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, tied: bool, rank: int, world: int):
+def export_specs(model: torch.nn.Module, dtype: torch.dtype) -> tuple[dict, dict]:
+    """What leaves the trainer, by the file export and the broadcast alike: the state dict (possibly FSDP
+    shards; a tied head stored once) and each tensor's (dtype, global shape) as exported, floating ones in
+    `dtype`."""
+    state = drop_tied_head(model.state_dict(), bool(getattr(model.config, "tie_word_embeddings", False)))
+    specs = {n: (dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in state.items()}
+    return state, specs
+
+
+def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, rank: int, world: int) -> list[str]:
     """Collective: every rank gathers each tensor in turn; each writes the files `shard_plan` gives it, as
     the tensors arrive (its files' headers are known up front from the global shapes). Returns its files."""
-    state = drop_tied_head(model.state_dict(), tied)
-    out_dtype = {n: (dtype if t.is_floating_point() else t.dtype) for n, t in state.items()}
-    nbytes = [(n, t.numel() * out_dtype[n].itemsize) for n, t in state.items()]
+    state, exported = export_specs(model, dtype)
+    nbytes = [(n, math.prod(shape) * d.itemsize) for n, (d, shape) in exported.items()]
     plan = shard_plan(nbytes, world, MAX_SHARD_BYTES)
     mine = []
     for i, names in enumerate(plan):
@@ -219,12 +227,14 @@ def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, tie
             for name in names:
                 full_tensor(state[name])  # this rank's part of the gather
             continue
-        specs = [(n, out_dtype[n], tuple(state[n].shape)) for n in names]
+        specs = [(n, *exported[n]) for n in names]
 
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
             for name in names:
-                f.write(full_tensor(state[name]).to(out_dtype[name]).contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(
+                    full_tensor(state[name]).to(exported[name][0]).contiguous().reshape(-1).view(torch.uint8).numpy()
+                )
 
         atomic_write(path / shard_name(i, len(plan)), stream)
         mine.append(shard_name(i, len(plan)))
