@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from prime_rl.eval.config import EvalConfig
-from prime_rl.orchestrator.client import InferenceClient, InferenceError, server_root
+from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.envs import EnvError, load_environment
 from prime_rl.orchestrator.rollout import Group, RolloutSource, load_tokenizer
 from prime_rl.protocol import DiskFull, atomic_write_text, eval_samples_file, eval_summary_file, stable_steps, step_dir
@@ -105,9 +105,7 @@ def eval_steps(config: EvalConfig) -> list[int] | None:
 
 async def load_step(client: InferenceClient, config: EvalConfig, step: int) -> None:
     if step == 0:
-        for server in client.live():
-            await client._request("POST", f"{server_root(server.base)}/reload_weights", {})
-            server.step = 0
+        await client.reload_weights()
     else:
         await client.update_weights(str(step_dir(config.weights_dir, step)))
     logger.info(f"servers now serve weights step {step}")

@@ -1,18 +1,9 @@
-"""The orchestrator's side of the inference HTTP API (DESIGN §4): a pool of servers, sampling, weight updates.
+"""The orchestrator's side of the inference HTTP API (DESIGN §4): sampling and weight updates over a server pool.
 
-`client.base_url` lists one or more servers (each ending in `/v1`; `/health` and `/update_weights` live at
-the server root), optionally weighted by `client.weights`: weights 2,1,1 send 50/25/25% of the requests.
-Servers are picked by smooth weighted round-robin (nginx's), which hits the shares exactly rather than on
-average: with weights a=2, b=1, c=1 every four requests go a, b, a, c.
-
-Each server takes at most `max_concurrency` requests at once. Connection errors, 5xx and 429 are retried
-on the same server with exponential backoff; when its retries run out the server is taken out of the
-pool (logged) and the request goes to another live server. Only when no server is left does a request
-fail... unless one comes back: with every server out (all down, or one restarted), requests wait up to
-`client.health_timeout` for any server to answer /health again. A removed server is probed (one /health,
-PROBE_TIMEOUT) then and at every later step's health check, and rejoins once it answers, after it was
-given the weights the pool serves (a restarted server starts from the base model). Anything else (4xx,
-malformed JSON) raises `InferenceError` naming the URL and the server's answer.
+Which server gets a request, and what happens when one goes down, is `pool.ServerPool`'s business; this
+module speaks HTTP. Connection errors, 5xx and 429 are retried on the same server with exponential
+backoff; when its retries run out the pool takes the server out and the request goes to another live one.
+Anything else (4xx, malformed JSON) raises `InferenceError` naming the URL and the server's answer.
 
 Every completion is stamped with the weight step the server reports for it (`x-weight-step`, the policy
 that computed all of its tokens), never with the client's guess of what the server holds. One below
@@ -29,7 +20,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -37,6 +28,7 @@ import httpx
 from prime_rl.inference.control import WEIGHT_STEP_HEADER
 from prime_rl.inference.control import weight_step as weight_step_of
 from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
+from prime_rl.orchestrator.pool import Server, ServerPool
 
 logger = logging.getLogger("prime_rl")
 
@@ -61,20 +53,6 @@ class Completion:
     text: str
     finish_reason: str
     weight_step: int  # the policy step the server held when it sampled this
-
-
-@dataclass
-class Server:
-    base: str  # .../v1
-    weight: float
-    slots: asyncio.Semaphore
-    step: int = 0  # the weight step it holds, from /health and /update_weights
-    receivers: int = 0  # its seats in a weight broadcast group, from /health (0: it takes no broadcasts)
-    group: str | None = None  # the broadcast group its weights came from, from /health
-    alive: bool = True
-    current: float = 0.0  # smooth weighted round-robin state
-    requests: int = 0  # generation requests sent (for metrics and tests)
-    errors: list[str] = field(default_factory=list)
 
 
 def server_root(base_url: str) -> str:
@@ -138,11 +116,7 @@ class InferenceClient:
     def __init__(self, config: ClientConfig, model: str, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
         self.model = model
-        weights = config.weights or [1.0] * len(config.base_url)
-        self.servers = [
-            Server(url.rstrip("/"), float(w), asyncio.Semaphore(config.max_concurrency))
-            for url, w in zip(config.base_url, weights, strict=True)
-        ]
+        self.pool = ServerPool(config.base_url, config.traffic_share, config.max_concurrency)
         headers = {}
         api_key = os.environ.get(config.api_key_var, "") if config.api_key_var else ""
         if api_key:
@@ -151,51 +125,11 @@ class InferenceClient:
             timeout=config.timeout,
             headers=headers,
             transport=transport,
-            limits=httpx.Limits(max_connections=config.max_concurrency * len(self.servers)),
+            limits=httpx.Limits(max_connections=config.max_concurrency * len(config.base_url)),
         )
         self.weight_dir: str | None = None  # what the pool serves (the last update_weights)
         self.floor = 0  # the oldest weight step a completion may come from (set per step by the orchestrator)
         self._revival = asyncio.Lock()
-
-    # ---- pool bookkeeping -------------------------------------------------------------------------
-
-    @property
-    def base_urls(self) -> list[str]:
-        return [s.base for s in self.servers]
-
-    @property
-    def steps(self) -> dict[str, int]:
-        """The weight step each server holds (stamped on every completion)."""
-        return {s.base: s.step for s in self.servers}
-
-    @steps.setter
-    def steps(self, value: dict[str, int]) -> None:
-        for s in self.servers:
-            s.step = value[s.base]
-
-    def live(self) -> list[Server]:
-        return [s for s in self.servers if s.alive]
-
-    def pick(self) -> Server:
-        """Smooth weighted round-robin over the live servers (see the module docstring)."""
-        live = self.live()
-        if not live:
-            raise InferenceError(f"no live inference server left (all of {self.base_urls} were taken out)")
-        total = sum(s.weight for s in live)
-        for s in live:
-            s.current += s.weight
-        chosen = max(live, key=lambda s: s.current)
-        chosen.current -= total
-        return chosen
-
-    def take_out(self, server: Server, problem: str) -> None:
-        if server.alive:
-            server.alive = False
-            server.errors.append(problem)
-            left = [s.base for s in self.live()]
-            logger.warning(
-                f"inference server {server.base} is down, taking it out of the pool ({problem}); left: {left}"
-            )
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -254,7 +188,9 @@ class InferenceClient:
     async def _generate(self, path: str, body: dict, parse) -> list[Completion]:
         """POST `body` to the next live server; on ServerDown take that server out and go to another."""
         while True:
-            server = self.pick()
+            server = self.pool.pick()
+            if server is None:
+                raise InferenceError(f"no live inference server left (all of {self.pool.base_urls} were taken out)")
             url = f"{server.base}{path}"
             server.requests += 1
             try:
@@ -267,7 +203,7 @@ class InferenceClient:
                     await self._load(server)
                     continue
             except ServerDown as e:  # the request, or the reload, found the server down
-                self.take_out(server, str(e))
+                self.pool.take_out(server, str(e))
                 await self.revive(str(e))
                 continue
             try:
@@ -331,7 +267,7 @@ class InferenceClient:
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
         """Poll every server's /health until all answer 200; return the weight step each holds."""
         deadline = time.monotonic() + timeout
-        for server in self.servers:
+        for server in self.pool.servers:
             url = f"{server_root(server.base)}/health"
             delay, next_note = 0.2, time.monotonic()
             while True:
@@ -355,7 +291,7 @@ class InferenceClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 2.0)
             logger.info(f"inference server {server.base} is up (weight step {server.step})")
-        return self.steps
+        return self.pool.steps
 
     async def _probe(self, server: Server) -> None:
         """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
@@ -367,9 +303,7 @@ class InferenceClient:
             await self._load(server)
         except (httpx.TransportError, ValueError, ServerDown):
             return
-        server.alive = True
-        server.current = 0.0
-        logger.info(f"inference server {server.base} answers again; back in the pool (step {server.step})")
+        self.pool.rejoin(server)
 
     async def revive(self, problem: str) -> None:
         """With no live server left, wait up to client.health_timeout for one to answer again (a server that
@@ -377,17 +311,17 @@ class InferenceClient:
         async with self._revival:  # every request that lost its server lands here; one of them probes
             timeout = self.config.health_timeout
             deadline, next_note = time.monotonic() + timeout, 0.0
-            while not self.live():
+            while not self.pool.live():
                 if time.monotonic() > deadline:
                     raise InferenceError(
-                        f"no live inference server left ({problem}); none of {self.base_urls} answered /health "
+                        f"no live inference server left ({problem}); none of {self.pool.base_urls} answered /health "
                         f"within {timeout:.0f}s"
                     )
                 if time.monotonic() >= next_note:
                     logger.warning(f"no inference server is up ({problem}); waiting up to {timeout:.0f}s for one")
                     next_note = time.monotonic() + 30
-                await asyncio.gather(*(self._probe(s) for s in self.servers))
-                if not self.live():
+                await asyncio.gather(*(self._probe(s) for s in self.pool.servers))
+                if not self.pool.live():
                     await asyncio.sleep(1.0)
 
     async def server_step(self) -> int:
@@ -399,12 +333,12 @@ class InferenceClient:
             try:
                 await self._health(server)
             except ServerDown as e:
-                self.take_out(server, str(e))
+                self.pool.take_out(server, str(e))
 
-        await asyncio.gather(*(check(s) for s in self.servers))
-        if not self.live():
-            await self.revive(f"all of {self.base_urls} failed /health")
-        return min(s.step for s in self.live())
+        await asyncio.gather(*(check(s) for s in self.pool.servers))
+        if not self.pool.live():
+            await self.revive(f"all of {self.pool.base_urls} failed /health")
+        return min(s.step for s in self.pool.live())
 
     async def _load(self, server: Server) -> None:
         """Give one server the weights the pool serves (nothing to do before the first update)."""
@@ -426,15 +360,30 @@ class InferenceClient:
             try:
                 await self._load(server)
             except ServerDown as e:
-                self.take_out(server, str(e))
+                self.pool.take_out(server, str(e))
 
-        await asyncio.gather(*(one(s) for s in self.live()))
-        if not self.live():
-            await self.revive(f"all of {self.base_urls} failed to load {weight_dir}")
-        steps = [s.step for s in self.live()]
+        await asyncio.gather(*(one(s) for s in self.pool.live()))
+        if not self.pool.live():
+            await self.revive(f"all of {self.pool.base_urls} failed to load {weight_dir}")
+        steps = [s.step for s in self.pool.live()]
         if len(set(steps)) != 1:
             raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
         return steps[0]
+
+    async def reload_weights(self) -> int:
+        """Every live server goes back to the weights it started with (POST /reload_weights); returns
+        their step (0). Later rejoining servers get those weights too."""
+        self.weight_dir = None
+
+        async def one(server: Server) -> None:
+            data = await self._request("POST", f"{server_root(server.base)}/reload_weights", {})
+            server.step = int(data["step"])
+
+        await asyncio.gather(*(one(s) for s in self.pool.live()))
+        steps = {s.step for s in self.pool.live()}
+        if len(steps) != 1:
+            raise InferenceError(f"servers report different steps after reloading their weights: {sorted(steps)}")
+        return steps.pop()
 
     async def broadcast_weights(self, step: int, rendezvous: dict) -> int:
         """Have every server receive weight step `step` over the trainer's broadcast group; return the step.
@@ -444,14 +393,14 @@ class InferenceClient:
         host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 + the
         servers' seats (their /health `weight_receivers`)."""
         # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
-        down = [s.base for s in self.servers if not s.alive]
+        down = [s.base for s in self.pool.servers if not s.alive]
         if down:
             raise InferenceError(f"weight broadcast of step {step} needs every inference server; down: {down}")
-        unable = [s.base for s in self.servers if s.receivers == 0]
+        unable = [s.base for s in self.pool.servers if s.receivers == 0]
         if unable:
             message = "take no weights over a process group; start them with --weight-transfer broadcast"
             raise InferenceError(f"{unable} {message}")
-        world_size = 1 + sum(s.receivers for s in self.servers)
+        world_size = 1 + sum(s.receivers for s in self.pool.servers)
 
         async def one(server: Server, rank: int) -> None:
             body = {"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}}
@@ -469,10 +418,10 @@ class InferenceClient:
                 raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
             server.step, server.group = int(response.json()["step"]), rendezvous["group"]
 
-        ranks = [1 + sum(s.receivers for s in self.servers[:i]) for i in range(len(self.servers))]
-        sends = (one(s, r) for s, r in zip(self.servers, ranks, strict=True))
+        ranks = [1 + sum(s.receivers for s in self.pool.servers[:i]) for i in range(len(self.pool.servers))]
+        sends = (one(s, r) for s, r in zip(self.pool.servers, ranks, strict=True))
         results = await asyncio.gather(*sends, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
-        return min(s.step for s in self.servers)
+        return min(s.step for s in self.pool.servers)

@@ -22,7 +22,7 @@ class ClientConfig(Section):
     base_url: Annotated[
         list[str], Field(min_length=1, description="OpenAI-compatible base URL(s) of the inference server(s)")
     ] = ["http://localhost:8000/v1"]
-    weights: Annotated[
+    traffic_share: Annotated[
         list[float] | None,
         Field(description="relative share of requests per base_url (e.g. 2,1,1 = 50/25/25%); unset = equal"),
     ] = None
@@ -38,13 +38,21 @@ class ClientConfig(Section):
         float, Field(gt=0, description="seconds to wait at start for every server's /health to answer 200")
     ] = 600.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "weights" in data:  # a name that read like model weights
+            raise ValueError("client.weights is now client.traffic_share (the share of requests per base_url)")
+        return data
+
     @model_validator(mode="after")
-    def _weights_match(self) -> ClientConfig:
-        if self.weights is not None:
-            if len(self.weights) != len(self.base_url):
-                raise ValueError(f"client.weights has {len(self.weights)} entries for {len(self.base_url)} base_url(s)")
-            if any(w <= 0 for w in self.weights):
-                raise ValueError(f"client.weights must all be > 0, got {self.weights}")
+    def _shares_match(self) -> ClientConfig:
+        if self.traffic_share is not None:
+            share, n = self.traffic_share, len(self.base_url)
+            if len(share) != n:
+                raise ValueError(f"client.traffic_share has {len(share)} entries for {n} base_url(s)")
+            if any(w <= 0 for w in share):
+                raise ValueError(f"client.traffic_share must all be > 0, got {share}")
         return self
 
 

@@ -136,7 +136,8 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
     b = config.weight_broadcast
 
     def pending(marker: dict | None) -> bool:
-        return marker is not None and any(s.group != marker["group"] or s.step < marker["step"] for s in client.live())
+        live = client.pool.live()
+        return marker is not None and any(s.group != marker["group"] or s.step < marker["step"] for s in live)
 
     while True:
         announced = read_marker(out)

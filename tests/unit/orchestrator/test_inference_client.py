@@ -67,7 +67,7 @@ def test_chat_sends_wire_format_and_parses_token_ids_and_logprobs(monkeypatch):
         return httpx.Response(200, json=chat_response(json.loads(request.content)["n"]), headers=STEP_4)
 
     client = make_client(handler, api_key_var="MY_KEY")
-    client.servers[0].step = 2  # what the client last saw; the server's stamp on the response wins
+    client.pool.servers[0].step = 2  # what the client last saw; the server's stamp on the response wins
     messages = [{"role": "user", "content": "abc"}]
     sampling = SamplingConfig(temperature=0.8, top_p=0.9, max_tokens=7)
     completions = asyncio.run(use(client, lambda c: c.chat(messages, 2, sampling)))
@@ -176,7 +176,7 @@ def test_update_weights_posts_to_every_server_root():
         ("http://a:1/update_weights", {"weight_dir": "/w/step_5"}),
         ("http://b:2/update_weights", {"weight_dir": "/w/step_5"}),
     ]
-    assert client.steps == {"http://a:1/v1": 5, "http://b:2/v1": 5}
+    assert client.pool.steps == {"http://a:1/v1": 5, "http://b:2/v1": 5}
 
 
 def test_wait_for_servers_times_out_naming_the_url():

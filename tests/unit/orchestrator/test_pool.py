@@ -60,6 +60,10 @@ class FakeServer:
                     fake.updates.append(body["weight_dir"])
                     fake.step = 3
                     return self.reply({"step": 3, "weight_dir": body["weight_dir"], "seconds": 0.0})
+                if self.path == "/reload_weights":
+                    fake.updates.append("base")
+                    fake.step = 0
+                    return self.reply({"step": 0, "seconds": 0.0})
                 fake.requests += 1
                 time.sleep(fake.delay)
                 self.reply(chat_answer(body["n"]))
@@ -86,7 +90,7 @@ def servers():
 
 
 def test_weights_2_1_1_split_1000_requests_50_25_25_within_5_percent(servers):
-    config = ClientConfig(base_url=[s.url for s in servers], weights=[2, 1, 1], max_concurrency=16)
+    config = ClientConfig(base_url=[s.url for s in servers], traffic_share=[2, 1, 1], max_concurrency=16)
 
     async def go():
         async with InferenceClient(config, "m") as client:
@@ -123,7 +127,7 @@ def test_a_server_killed_mid_step_is_taken_out_and_its_requests_go_elsewhere(ser
     with caplog.at_level(logging.WARNING, logger="prime_rl"):
         results, client, steps = asyncio.run(step())
     assert len(results) == 150 and all(len(r) == 2 for r in results)  # the step completed in full
-    assert [s.alive for s in client.servers] == [True, True, False]
+    assert [s.alive for s in client.pool.servers] == [True, True, False]
     assert f"inference server {victim.url} is down, taking it out of the pool" in caplog.text
     assert servers[0].requests + servers[1].requests + victim.requests >= 150
     # The next weight update reaches the live servers only.
@@ -140,12 +144,12 @@ def test_a_removed_server_rejoins_at_the_next_health_check_once_it_answers_again
         async with InferenceClient(config, "m") as client:
             victim.kill()
             await asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(6)))
-            out = [s.alive for s in client.servers]
+            out = [s.alive for s in client.pool.servers]
             assert await client.server_step() == 0  # still down: the probe fails quietly, it stays out
-            still_out = [s.alive for s in client.servers]
+            still_out = [s.alive for s in client.pool.servers]
             servers.append(FakeServer(port=port))  # back on the same address (the fixture stops it)
             await client.server_step()
-            back = [s.alive for s in client.servers]
+            back = [s.alive for s in client.pool.servers]
             await asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(6)))
             return out, still_out, back
 
@@ -210,6 +214,20 @@ def test_requests_ride_through_a_restart_of_the_only_server_which_gets_the_weigh
     assert "no inference server is up" in caplog.text and "answers again; back in the pool (step 3)" in caplog.text
 
 
-def test_weights_must_match_base_urls():
-    with pytest.raises(ValueError, match="client.weights has 2 entries for 1 base_url"):
-        ClientConfig(base_url=["http://a/v1"], weights=[1, 2])
+def test_traffic_share_must_match_base_urls():
+    with pytest.raises(ValueError, match="client.traffic_share has 2 entries for 1 base_url"):
+        ClientConfig(base_url=["http://a/v1"], traffic_share=[1, 2])
+    with pytest.raises(ValueError, match="client.weights is now client.traffic_share"):
+        ClientConfig(base_url=["http://a/v1"], weights=[1])
+
+
+def test_reload_weights_returns_every_server_to_its_base(servers):
+    async def run():
+        async with InferenceClient(ClientConfig(base_url=[s.url for s in servers]), "m") as client:
+            assert await client.update_weights("/w/step_3") == 3
+            assert await client.reload_weights() == 0
+            return client.pool.steps, client.weight_dir
+
+    steps, weight_dir = asyncio.run(run())
+    assert set(steps.values()) == {0} and weight_dir is None
+    assert [s.updates for s in servers] == [["/w/step_3", "base"]] * 3
