@@ -1,6 +1,7 @@
-"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat (plain or streamed) and
-Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body limit,
-weight updates).
+"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat (plain or streamed; chat
+with tools, whose `<tool_call>` blocks come back as `tool_calls`, parsed by utils/tool_calls.py) and
+Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body
+limit, weight updates).
 
 Requests are pydantic models; everything a client can get wrong (bad JSON, wrong types, a prompt too
 long for `max_model_len`, an oversized body, an unusable weight dir) is answered 4xx with an OpenAI-style
@@ -14,25 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.engine import Engine, SamplingParams
 from prime_rl.inference.engine.engine import Delta, EngineBusy, EngineClosed, Sample
 from prime_rl.inference.engine.weights import LoadedWeights
+from prime_rl.utils.tool_calls import parse_tool_calls
 
 logger = logging.getLogger("prime_rl")
 MAX_TOP_LOGPROBS = 20
@@ -95,10 +98,68 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
 
 
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, rendered by the chat template as given
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any] = ""
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_object(cls, value: str | dict[str, Any]) -> dict[str, Any]:
+        """OpenAI sends the arguments as a JSON string; templates expect the object (as vLLM passes them)."""
+        if isinstance(value, dict):
+            return value
+        if not value:
+            return {}
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("function.arguments must be a JSON object (as a string)") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("function.arguments must be a JSON object (as a string)")
+        return parsed
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template
+    model_config = ConfigDict(extra="allow")  # name, ...: passed to the chat template
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the id of the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the tool call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
@@ -107,6 +168,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool] | None, Field(min_length=1)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset = auto with tools
+    parallel_tool_calls: bool | None = None  # False keeps only the first call of a turn (as vLLM)
 
 
 # ---- app ------------------------------------------------------------------------------------------
@@ -114,6 +178,11 @@ class ChatCompletionRequest(_Sampling):
 
 def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     """The OpenAI routes and /metrics behind the shared control plane (health, auth, weight swaps)."""
+    if config.tool_call_parser not in (None, "hermes"):
+        raise StartupError(
+            f"tool_call_parser {config.tool_call_parser!r}: the built-in engine parses only `hermes` tool calls "
+            "(other parsers are vLLM's)"
+        )
     http_counts: collections.Counter[tuple[str, int]] = collections.Counter()
     app = FastAPI(title="prime-rl inference", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = config.model.name
@@ -181,21 +250,23 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(body.model, model_name)
+        parse_calls = _parses_tool_calls(body, config.tool_call_parser)
         ids = await asyncio.to_thread(_chat_prompt_ids, body, tokenizer, config.trust_request_chat_template)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _sampling_params(body, len(ids), None, top, config, engine)
         meta = {"id": f"chatcmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
         if body.stream:
-            chunks = _chat_chunks(meta, body, ids, _open(engine.stream, ids, params), tokenizer)
+            chunks = _chat_chunks(meta, body, ids, _open(engine.stream, ids, params), tokenizer, parse_calls)
             return _sse(chunks, config.request_timeout)
         samples = await _guarded(http, engine.generate(ids, params), config.request_timeout)
         choices = []
         for j, sample in enumerate(samples):
+            message = _assistant_message(sample.text, parse_calls, body.parallel_tool_calls)
             choice = {
                 "index": j,
-                "message": {"role": "assistant", "content": sample.text},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": sample.finish_reason,
+                "finish_reason": "tool_calls" if "tool_calls" in message else sample.finish_reason,
             }
             if body.logprobs:
                 choice["logprobs"] = {"content": _chat_logprobs(sample, tokenizer, body.return_tokens_as_token_ids)}
@@ -275,8 +346,18 @@ def _chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any, trust_templ
     if request.model_extra.get("chat_template") is not None:
         kwargs = kwargs | {"chat_template": request.model_extra["chat_template"]}
     messages = [_message_dict(m) for m in request.messages]
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        if tools and not _template_uses_tools(tokenizer.get_chat_template(kwargs.get("chat_template"), tools)):
+            # The model would never see the tools: its answer could not call them, and nothing would say why.
+            raise APIError(
+                400, "tools were given, but this model's chat template does not render them (it never uses `tools`)"
+            )
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except APIError:
+        raise
     except Exception as e:  # jinja raises its own errors for messages the template rejects
         raise APIError(400, f"cannot apply the chat template: {e}") from None
     if not isinstance(text, str):
@@ -284,13 +365,55 @@ def _chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Any, trust_templ
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+@functools.lru_cache(maxsize=16)
+def _template_uses_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` variable (a template that cannot be parsed here is given the
+    benefit of the doubt: rendering it reports its own errors)."""
+    import jinja2
+    import jinja2.meta
+    import jinja2.sandbox
+
+    try:
+        ast = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return True
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
     out = message.model_dump(exclude_none=True)
+    out.setdefault("content", "")  # e.g. an assistant turn of tool calls only (vLLM renders it as "")
     if isinstance(message.content, list):
         if any(part.get("type") != "text" for part in message.content):
             raise APIError(400, "only text content parts are supported")
         out["content"] = "".join(str(part.get("text", "")) for part in message.content)
     return out
+
+
+def _parses_tool_calls(request: ChatCompletionRequest, parser: str | None) -> bool:
+    """Whether this request's answers are parsed for tool calls (tools given, tool_choice unset or "auto").
+
+    Tools are rendered into the prompt whatever the tool_choice (also "none", as vLLM does). "required" and
+    a named function are refused: forcing a call takes constrained decoding, which the built-in engine does
+    not have (and tokens the server forced would not be the policy's samples that RL trains on).
+    """
+    choice = request.tool_choice
+    if request.tools is None:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools")
+        return False
+    if choice == "none":
+        return False
+    if parser is None:
+        raise APIError(400, 'tool calling is off on this server (tool_call_parser unset); send tool_choice "none"')
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        shown = choice if choice == "required" else f"function {choice.function.name!r}"
+        raise APIError(
+            400,
+            f"tool_choice {shown} needs constrained decoding, which the built-in engine does not have: "
+            'use "auto" (the model decides) or the vLLM backend',
+        )
+    return True
 
 
 def _sampling_params(
@@ -477,18 +600,34 @@ async def _completion_chunks(meta, body: CompletionRequest, prompts, merged, tok
         yield meta | {"object": "text_completion", "choices": [], "usage": _usage_of(prompt_tokens, generated)}
 
 
-async def _chat_chunks(meta, body: ChatCompletionRequest, prompt_ids, stream, tokenizer):
-    """One chunk per choice update; a choice's first chunk carries the role (and `prompt_token_ids`)."""
+async def _chat_chunks(meta, body: ChatCompletionRequest, prompt_ids, stream, tokenizer, parse_calls: bool):
+    """One chunk per choice update; a choice's first chunk carries the role (and `prompt_token_ids`).
+
+    With tool parsing on, a choice's text is held back (its chunks still carry token ids and logprobs as
+    they come) and its last chunk carries the whole parsed message: content, then `tool_calls`, each with
+    its `index`, as OpenAI streams them. Simple and never wrong; the text arrives only at the end.
+    """
     generated, started = 0, set()
+    held: collections.defaultdict[int, list[str]] = collections.defaultdict(list)
     meta = meta | {"object": "chat.completion.chunk"}
     async for deltas in stream:
         for d in deltas:
             delta: dict[str, Any] = {"content": d.text}
+            finish_reason = d.finish_reason
+            if parse_calls:
+                held[d.index].append(d.text)
+                delta["content"] = ""
+                if d.finish_reason is not None:
+                    message = _assistant_message("".join(held.pop(d.index)), True, body.parallel_tool_calls)
+                    delta["content"] = message["content"]
+                    if "tool_calls" in message:
+                        delta["tool_calls"] = [call | {"index": k} for k, call in enumerate(message["tool_calls"])]
+                        finish_reason = "tool_calls"
             first = d.index not in started
             if first:
                 started.add(d.index)
                 delta = {"role": "assistant"} | delta
-            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             if body.logprobs:
                 choice["logprobs"] = {"content": _chat_logprobs(d, tokenizer, body.return_tokens_as_token_ids)}
             if body.return_token_ids:
@@ -500,6 +639,18 @@ async def _chat_chunks(meta, body: ChatCompletionRequest, prompt_ids, stream, to
             yield chunk
     if (body.stream_options or {}).get("include_usage"):
         yield meta | {"choices": [], "usage": _usage_of(len(prompt_ids), generated)}
+
+
+def _assistant_message(text: str, parse_calls: bool, parallel_tool_calls: bool | None) -> dict[str, Any]:
+    """The assistant message of a sample. With tool parsing on, its well-formed `<tool_call>` blocks become
+    `tool_calls` and leave the content (None when nothing else is said, as OpenAI); the text is unchanged
+    when it holds no call. Token ids and logprobs are the raw sample's either way."""
+    if parse_calls:
+        content, calls = parse_tool_calls(text)
+        if calls:
+            calls = calls[:1] if parallel_tool_calls is False else calls
+            return {"role": "assistant", "content": content or None, "tool_calls": calls}
+    return {"role": "assistant", "content": text}
 
 
 def _usage(prompts: list[list[int]], results: list[list[Sample]]) -> dict[str, int]:

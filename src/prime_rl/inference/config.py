@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransfer
 
@@ -81,6 +81,14 @@ class InferenceConfig(BaseConfig):
     trust_request_chat_template: Annotated[
         bool, Field(description="accept a chat_template sent in a request (it is code the server runs)")
     ] = False
+    tool_call_parser: Annotated[
+        str | None,
+        Field(
+            description="how tool calls are read from the model's output: `hermes` = `<tool_call>{json}</tool_call>` "
+            "blocks (Qwen, Hermes; the built-in engine's only one); vLLM takes any of its `--tool-call-parser` "
+            "names; `none` = tool calling off (requests with tools get 400 unless tool_choice is none)"
+        ),
+    ] = "hermes"
     max_model_len: Annotated[int, Field(ge=1, description="most prompt + completion tokens per sequence")] = 4096
     gpu_memory_utilization: Annotated[
         float, Field(gt=0, le=1, description="fraction of GPU memory the engine may use (vLLM)")
@@ -109,6 +117,11 @@ class InferenceConfig(BaseConfig):
     ] = False
     weight_transfer: WeightTransfer = "filesystem"
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+
+    @field_validator("tool_call_parser", mode="before")
+    @classmethod
+    def _none_turns_tool_calling_off(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.lower() == "none" else value  # flags and TOML have no null
 
     @model_validator(mode="after")
     def _resolve_api_key(self) -> InferenceConfig:

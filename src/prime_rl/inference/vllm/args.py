@@ -4,7 +4,8 @@ Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
 `Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8000 --tensor-parallel-size 2 --data-parallel-size 1
  --gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64 --seed 0
  --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension
- --logprobs-mode processed_logprobs --generation-config vllm --api-server-count 1 ...`
+ --logprobs-mode processed_logprobs --generation-config vllm --enable-auto-tool-choice --tool-call-parser hermes
+ --api-server-count 1 ...`
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
     dtype = config.engine.dtype if config.engine.dtype != "auto" or cuda else "float32"
     if dtype != "auto":
         args += ["--dtype", dtype]
+    if config.tool_call_parser is not None:
+        # Parsed tool calls on chat requests with tools (tool_choice "auto"), as the built-in engine does.
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.trust_request_chat_template:
         args.append("--trust-request-chat-template")
     multi_node = {
