@@ -118,7 +118,7 @@ async def evaluate_env(client: InferenceClient, config: EvalConfig, env_id: str,
     examples = list(itertools.islice(env.examples(config.seed), config.num_examples))
     n = config.rollouts_per_example
     groups = await asyncio.gather(*(source.group(client, ex, n, config.sampling.seed) for ex in examples))
-    source.score(groups)
+    await asyncio.gather(*(source.score(g) for g in groups))
     return EnvResult(env_id, step, list(groups))
 
 

@@ -1,9 +1,10 @@
 """Orchestrator checkpoints: `checkpoints/step_n/orchestrator.pt`, in step with the trainer's (DESIGN §2).
 
 The file holds the progress when the orchestrator is about to produce rollouts for step n: the step,
-running totals, the data position (how many examples it has drawn from the environment's stream) and the
-state of its RNG. Resuming rebuilds the stream from the same seed and skips the examples already drawn,
-so step n continues with exactly the examples an uninterrupted run would have used.
+running totals, the data position (how many examples it has drawn from each environment's stream, and
+how many groups the mix has assigned) and the state of its RNG. Resuming rebuilds each stream from the
+same seed and skips the examples already drawn, so step n continues with exactly the examples an
+uninterrupted run would have used (in continuous mode, examples that were in flight are not redone).
 Written at every step when checkpointing is on (it is a few KB); `protocol.checkpoints` says which are kept.
 """
 
@@ -34,7 +35,9 @@ class CheckpointError(ValueError):
 @dataclass
 class Progress:
     step: int = 0
-    examples_drawn: int = 0  # data position in the environment's example stream
+    examples_drawn: int = 0  # data position in the environment's example stream (all envs together)
+    env_drawn: dict[str, int] = field(default_factory=dict)  # ... and per environment name
+    env_picks: int = 0  # groups assigned to environments so far (the mixing rotation's position)
     total_samples: int = 0
     total_tokens: int = 0
     rng_state: tuple | None = None

@@ -240,10 +240,17 @@ class InferenceClient:
         return body
 
     async def chat(
-        self, messages: list[dict[str, str]], n: int, sampling: SamplingConfig, seed: int | None = None
+        self,
+        messages: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        tools: list[dict] | None = None,
     ) -> list[Completion]:
-        """`n` samples for one chat prompt from the next server in turn."""
+        """`n` samples for one chat prompt (with the environment's `tools`, if any) from the next server."""
         body = self._sampling_body(n, sampling, seed) | {"messages": messages, "logprobs": True}
+        if tools:
+            body["tools"] = tools
         return await self._generate("/chat/completions", body, parse_chat_response)
 
     async def complete(

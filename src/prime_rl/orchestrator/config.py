@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from prime_rl.utils.config import (
     BaseConfig,
@@ -66,9 +66,17 @@ class SamplingConfig(Section):
 
 
 class AdvantageConfig(Section):
+    baseline: Annotated[
+        Literal["mean", "leave_one_out"],
+        Field(description="subtract the group's mean reward, or the mean of the other rollouts (RLOO)"),
+    ] = "mean"
     std_norm: Annotated[
         bool, Field(description="divide each group's advantages by the group's reward std (GRPO-style)")
     ] = False
+    length_penalty: Annotated[
+        float,
+        Field(ge=0, description="subtract this × (model tokens / max_tokens per turn × turns) from each reward"),
+    ] = 0.0
     truncated: Annotated[
         Literal["keep", "mask", "zero_reward"],
         Field(description="completions cut at max_tokens: keep as is, mask from the loss, or give reward 0"),
@@ -93,6 +101,40 @@ class WandbConfig(Section):
 class EnvConfig(Section):
     id: Annotated[str, Field(description="environment name from the registry")] = "reverse-text"
     args: Annotated[dict[str, Any], Field(description="keyword arguments for the environment")] = {}
+    name: Annotated[
+        str | None, Field(description="label in metrics (reward/<name>) and checkpoints; unset = the id")
+    ] = None
+    ratio: Annotated[float, Field(gt=0, description="relative share of the batch's groups from this env")] = 1.0
+    max_tokens: Annotated[
+        int | None, Field(ge=1, description="most completion tokens per model turn here; unset = sampling's")
+    ] = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.id
+
+
+class EvalEnvConfig(EnvConfig):
+    """An environment evaluated during training (`[[orchestrator.eval]]`); `ratio` is not used."""
+
+    interval: Annotated[int, Field(ge=1, description="evaluate at steps 0, interval, 2·interval, ... and the end")] = 10
+    num_examples: Annotated[int, Field(ge=1, description="examples per evaluation (the same ones each time)")] = 32
+    rollouts_per_example: Annotated[int, Field(ge=1, description="samples per example (k of pass@k)")] = 1
+    seed: Annotated[int, Field(description="seed of the examples drawn")] = 1234
+    temperature: Annotated[float | None, Field(gt=0, description="sampling temperature here; unset = sampling's")] = (
+        None
+    )
+
+
+def _one_or_many(value: Any) -> Any:
+    """`[env]` (one table, or --env.id on the CLI) or `[[env]]` (a list of tables) are both accepted."""
+    return [value] if isinstance(value, dict) else value
+
+
+def _unique_labels(entries: list[EnvConfig], key: str) -> None:
+    labels = [e.label for e in entries]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{key} entries need distinct names (set `name` where an id repeats): {labels}")
 
 
 class OrchestratorConfig(BaseConfig):
@@ -110,7 +152,28 @@ class OrchestratorConfig(BaseConfig):
     num_train_workers: Annotated[int, Field(ge=1, description="trainer world size (one rank file per rank)")] = 1
     seed: Annotated[int, Field(description="seed for the data order")] = 0
     sampling: Annotated[SamplingConfig, Field(description="sampling parameters")] = SamplingConfig()
-    env: Annotated[EnvConfig, Field(description="the training environment")] = EnvConfig()
+    env: Annotated[
+        list[EnvConfig],
+        BeforeValidator(_one_or_many),
+        Field(min_length=1, description="training environments ([[env]] with ratio to mix several)"),
+    ] = [EnvConfig()]
+    eval: Annotated[
+        list[EvalEnvConfig],
+        BeforeValidator(_one_or_many),
+        Field(description="environments evaluated during training ([[eval]]); results in metrics/eval.jsonl"),
+    ] = []
+    max_inflight: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="continuous mode: keep this many rollouts generating at all times, across weight updates "
+            "(a step takes the first complete groups); unset = each step samples its own batch",
+        ),
+    ] = None
+    max_off_policy_steps: Annotated[
+        int,
+        Field(ge=0, description="continuous mode: drop rollouts from a policy older than step - this"),
+    ] = 8
     max_turns: Annotated[
         int | None, Field(ge=1, description="most model turns of a multi-turn episode; unset = the env's max_turns")
     ] = None
@@ -142,6 +205,25 @@ class OrchestratorConfig(BaseConfig):
                 f"batch_size ({self.batch_size}) must be a multiple of "
                 f"rollouts_per_example ({self.rollouts_per_example})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _envs_consistent(self) -> OrchestratorConfig:
+        _unique_labels(self.env, "env")
+        _unique_labels(self.eval, "eval")
+        if self.advantage.baseline == "leave_one_out" and self.rollouts_per_example < 2:
+            raise ValueError("advantage.baseline = leave_one_out needs rollouts_per_example >= 2")
+        if self.max_inflight is not None:
+            if self.max_inflight < self.rollouts_per_example:
+                raise ValueError(
+                    f"max_inflight ({self.max_inflight}) must hold at least one group "
+                    f"(rollouts_per_example = {self.rollouts_per_example})"
+                )
+            if self.max_off_policy_steps < self.async_level:
+                raise ValueError(
+                    f"max_off_policy_steps ({self.max_off_policy_steps}) < async_level ({self.async_level}) would "
+                    "drop rollouts of the very policy the step is allowed to use"
+                )
         return self
 
     @model_validator(mode="after")

@@ -9,17 +9,29 @@ trainer sees is therefore exactly the tokens the model read and wrote:
 
     [prompt ids][model turn 1][env reply 1][model turn 2] ...
      mask F      mask T        mask F       mask T          (loss_mask, via `completion_mask`)
+
+Tool environments (an env with `tools`): the tools go with the first request (the server's template
+lists them) and into every local render; each model turn is decoded from its token ids and its
+`<tool_call>` blocks parsed (`utils.tool_calls`, the parser the built-in server uses), so the env sees
+`{"role": "assistant", "content", "tool_calls"}` and answers with `role: "tool"` messages, which become
+masked env tokens like any reply.
+
+Seeds: with `sampling.seed`, every request gets its own seed derived from (seed, group draw, episode,
+turn), so turn 2 of an episode is not a copy of turn 1's draws and different seeds give different samples.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from prime_rl.orchestrator.client import Completion, InferenceClient
 from prime_rl.orchestrator.config import SamplingConfig
 from prime_rl.orchestrator.envs import EnvError, Environment, Example, is_multi_turn, max_turns, split_score
+from prime_rl.utils.tool_calls import parse_tool_calls
 
 SENTINEL = "\u2063PRIME_RL_TURN\u2063"  # an assistant message placeholder that no template alters
 
@@ -31,16 +43,21 @@ class Rollout:
     completion_ids: list[int]  # everything after the prompt: model turns and env replies
     completion_mask: list[bool]  # True on tokens the model sampled
     logprobs: list[float]  # the sampler's logprob on model tokens, 0 on env tokens
-    completion: str | list[dict[str, str]]  # what score() sees: text, or the messages after the prompt
+    completion: str | list[dict[str, Any]]  # what score() sees: text, or the messages after the prompt
     finish_reason: str  # of the last model turn; "length" = cut at max_tokens
     weight_step: int  # oldest policy step that sampled any of its turns
+    weight_step_max: int = -1  # newest (differs from weight_step only when turns straddled an update)
     turns: int = 1
+    cut: bool = False  # the episode ran out of seq_len before the env ended it
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.weight_step_max = max(self.weight_step_max, self.weight_step)
+
     @property
     def truncated(self) -> bool:
-        return self.finish_reason == "length"
+        return self.finish_reason == "length" or self.cut
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +70,11 @@ class Group:
 
     example: Example
     rollouts: list[Rollout]
+    env: str = ""  # the name of the environment it came from
+
+    @property
+    def weight_step(self) -> int:
+        return min(r.weight_step for r in self.rollouts)
 
 
 def from_completion(example: Example, c: Completion) -> Rollout:
@@ -60,6 +82,25 @@ def from_completion(example: Example, c: Completion) -> Rollout:
         example, c.prompt_ids, c.completion_ids, [True] * len(c.completion_ids), c.logprobs, c.text,
         c.finish_reason, c.weight_step,
     )  # fmt: skip
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers, different for every tuple (blake2b, so not Python's salted hash)."""
+    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
+async def resolve(value: Any) -> Any:
+    """An environment method's result, awaited when the method is async."""
+    return await value if inspect.isawaitable(value) else value
+
+
+def as_messages(reply: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(reply, str):
+        return [{"role": "user", "content": reply}]
+    if not isinstance(reply, list) or not all(isinstance(m, dict) and "role" in m for m in reply) or not reply:
+        raise EnvError(f"respond() must return None, a str or a non-empty list of messages, got {reply!r:.200}")
+    return reply
 
 
 class TurnRenderer:
@@ -70,16 +111,18 @@ class TurnRenderer:
     rendering of the conversation with and without the reply, minus what the model already wrote.
     """
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools or None
         self.eos_ids = {tokenizer.eos_token_id}
 
-    def render(self, history: list[dict[str, str]], reply: str, model_ids: list[int]) -> list[int]:
+    def render(self, history: list[dict[str, Any]], replies: list[dict[str, Any]], model_ids: list[int]) -> list[int]:
         """`history` ends with the model's last message; `model_ids` are the tokens it sampled for it."""
         template = self.tokenizer.apply_chat_template
+        # The model's own tokens stand for its last turn (tool calls included): the placeholder only
+        # locates where the template closes that turn.
         base = [*history[:-1], {"role": "assistant", "content": SENTINEL}]
-        before = template(base, tokenize=False)
-        after = template([*base, {"role": "user", "content": reply}], tokenize=False, add_generation_prompt=True)
+        before = template(base, tokenize=False, tools=self.tools)
+        after = template([*base, *replies], tokenize=False, add_generation_prompt=True, tools=self.tools)
         if not after.startswith(before) or SENTINEL not in before:
             raise EnvError("the chat template does not render conversations incrementally; multi-turn needs that")
         tail = before[before.rindex(SENTINEL) + len(SENTINEL) :]  # what closes the model's turn
@@ -88,87 +131,102 @@ class TurnRenderer:
             tail = tail[len(eos) :]  # the model already wrote it
         return self.tokenizer(tail + after[len(before) :], add_special_tokens=False).input_ids
 
+    def message(self, turn: Completion) -> dict[str, Any]:
+        """The assistant message of a model turn; with tools, decoded from its ids and its calls parsed."""
+        if not self.tools:
+            return {"role": "assistant", "content": turn.text}
+        content, calls = parse_tool_calls(self.tokenizer.decode(turn.completion_ids, skip_special_tokens=True))
+        return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
 
-async def play_episode(
-    client: InferenceClient,
-    env: Environment,
-    example: Example,
-    sampling: SamplingConfig,
-    renderer: TurnRenderer,
-    turns: int,
-    seq_len: int,
-    seed: int | None,
-) -> Rollout:
+
+@dataclass
+class Episode:
+    """How to play one multi-turn episode (fixed per environment)."""
+
+    env: Environment
+    sampling: SamplingConfig
+    renderer: TurnRenderer
+    turns: int
+    seq_len: int
+
+
+async def play_episode(client: InferenceClient, game: Episode, example: Example, seed: int | None) -> Rollout:
     if not isinstance(example.prompt, list):
         raise EnvError("multi-turn environments must give chat-message prompts")
-    (first,) = await client.chat(example.prompt, 1, sampling, seed)
+    sampling, renderer = game.sampling, game.renderer
+
+    def turn_seed(turn: int) -> int | None:
+        return None if seed is None else derive_seed(seed, turn)
+
+    (first,) = await client.chat(example.prompt, 1, sampling, turn_seed(0), renderer.tools)
     rollout = from_completion(example, first)
-    messages = [*example.prompt, {"role": "assistant", "content": first.text}]
+    messages = [*example.prompt, renderer.message(first)]
     last_ids = first.completion_ids
-    while rollout.turns < turns:  # a turn cut at max_tokens is closed by the template and play goes on
-        reply = env.respond(messages, example)
+    while rollout.turns < game.turns:  # a turn cut at max_tokens is closed by the template and play goes on
+        reply = await resolve(game.env.respond(messages, example))
         if reply is None:
             break
-        env_ids = renderer.render(messages, reply, last_ids)
-        budget = seq_len - rollout.num_tokens - len(env_ids)
+        replies = as_messages(reply)
+        env_ids = renderer.render(messages, replies, last_ids)
+        budget = game.seq_len - rollout.num_tokens - len(env_ids)
         if budget < 1:
-            break  # no room for another model turn in one packed row
+            rollout.cut = True  # no room for another model turn in one packed row
+            break
         rollout.completion_ids += env_ids
         rollout.completion_mask += [False] * len(env_ids)
         rollout.logprobs += [0.0] * len(env_ids)
-        messages.append({"role": "user", "content": reply})
+        messages += replies
         ids = rollout.prompt_ids + rollout.completion_ids
-        (turn,) = await client.complete(ids, 1, sampling, seed, max_tokens=min(sampling.max_tokens, budget))
+        (turn,) = await client.complete(
+            ids, 1, sampling, turn_seed(rollout.turns), max_tokens=min(sampling.max_tokens, budget)
+        )
         rollout.completion_ids += turn.completion_ids
         rollout.completion_mask += [True] * len(turn.completion_ids)
         rollout.logprobs += turn.logprobs
         rollout.finish_reason = turn.finish_reason
         rollout.weight_step = min(rollout.weight_step, turn.weight_step)
+        rollout.weight_step_max = max(rollout.weight_step_max, turn.weight_step)
         rollout.turns += 1
-        messages.append({"role": "assistant", "content": turn.text})
+        messages.append(renderer.message(turn))
         last_ids = turn.completion_ids
     rollout.completion = messages[len(example.prompt) :]
     return rollout
 
 
 class RolloutSource:
-    """Samples groups of rollouts for examples of one environment, and scores them."""
+    """Samples groups of rollouts for examples of one environment, and scores them.
 
-    def __init__(self, env: Environment, env_id: str, sampling: SamplingConfig, seq_len: int, tokenizer: Any = None,
-                 turns: int | None = None):  # fmt: skip
-        self.env, self.env_id, self.sampling, self.seq_len = env, env_id, sampling, seq_len
+    `name` labels its groups (per-env metrics); `max_tokens` overrides sampling.max_tokens for this env."""
+
+    def __init__(self, env: Environment, name: str, sampling: SamplingConfig, seq_len: int, tokenizer: Any = None,
+                 turns: int | None = None, max_tokens: int | None = None):  # fmt: skip
+        self.env, self.name, self.seq_len = env, name, seq_len
+        self.sampling = sampling if max_tokens is None else sampling.model_copy(update={"max_tokens": max_tokens})
+        self.tools = getattr(env, "tools", None) or None
         self.multi_turn = is_multi_turn(env)
-        self.turns = turns or max_turns(env)
-        self.renderer = TurnRenderer(tokenizer) if self.multi_turn else None
+        self.game = None
+        if self.multi_turn:
+            renderer = TurnRenderer(tokenizer, self.tools)
+            self.game = Episode(env, self.sampling, renderer, turns or max_turns(env), seq_len)
 
     async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
-        if self.multi_turn:
+        if self.game is not None:
             episodes = [
-                play_episode(
-                    client,
-                    self.env,
-                    example,
-                    self.sampling,
-                    self.renderer,
-                    self.turns,
-                    self.seq_len,
-                    None if seed is None else seed + i,
-                )  # fmt: skip
+                play_episode(client, self.game, example, None if seed is None else derive_seed(seed, i))
                 for i in range(n)
             ]
-            return Group(example, list(await asyncio.gather(*episodes)))
+            return Group(example, list(await asyncio.gather(*episodes)), self.name)
         if isinstance(example.prompt, str):
             completions = await client.complete(example.prompt, n, self.sampling, seed)
         else:
-            completions = await client.chat(example.prompt, n, self.sampling, seed)
-        return Group(example, [from_completion(example, c) for c in completions])
+            completions = await client.chat(example.prompt, n, self.sampling, seed, self.tools)
+        return Group(example, [from_completion(example, c) for c in completions], self.name)
 
-    def score(self, groups: list[Group]) -> None:
-        """Set each rollout's reward and metrics from the environment's score()."""
-        for group in groups:
-            for rollout in group.rollouts:
-                value = self.env.score(rollout.completion, group.example)
-                rollout.reward, rollout.metrics = split_score(value, self.env_id)
+    async def score(self, group: Group) -> None:
+        """Set each rollout's reward and metrics from the environment's score() (sync or async)."""
+        values = await asyncio.gather(*(resolve(self.env.score(r.completion, group.example)) for r in group.rollouts))
+        for rollout, value in zip(group.rollouts, values, strict=True):
+            rollout.reward, rollout.metrics = split_score(value, self.name)
 
 
 def load_tokenizer(env: Environment, model_name: str) -> Any:

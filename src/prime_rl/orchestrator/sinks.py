@@ -108,6 +108,11 @@ class ProgressLine:
         except (OSError, ValueError):  # the terminal went away (closed / broken pipe): a cosmetic line must
             self.enabled = False  # never fail a step, so it just stops
 
+    def note(self, done: int, total: int) -> None:
+        """Continuous mode: groups taken into the step so far."""
+        if self.enabled:
+            self.draw(f"step {self.step}/{self.max_steps} | groups {done}/{total}")
+
     async def track(self, coros: list[Awaitable]) -> list:
         if not self.enabled:
             return list(await asyncio.gather(*coros))

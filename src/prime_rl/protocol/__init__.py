@@ -53,6 +53,7 @@ from prime_rl.protocol.wait import (
     wait_for_rank_file,
     wait_for_weights,
     wait_until,
+    wait_until_async,
 )
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "wait_for_rank_file",
     "wait_for_weights",
     "wait_until",
+    "wait_until_async",
     "weights_dir",
     "weights_root",
 ]

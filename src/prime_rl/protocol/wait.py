@@ -9,6 +9,7 @@ costs nothing measurable; the heartbeat file is read once a second.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import json
@@ -18,7 +19,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from prime_rl.protocol.files import atomic_write_json, is_stable
@@ -124,6 +125,40 @@ class DirWatch:
 _watchers = threading.local()
 
 
+def _checks(
+    ready: Callable[[], bool],
+    what: str,
+    timeout: float,
+    output_dir: Path | None,
+    writer: str | None,
+    heartbeat_timeout: float,
+    note_every: float,
+    before_check: Callable[[], None] = lambda: None,
+) -> Iterator[None]:
+    """The waiting loop without its sleep: yields when the caller should sleep, ends when `ready()`."""
+    start = time.monotonic()
+    next_note, next_heartbeat = note_every, 0.0
+    while True:
+        before_check()
+        if ready():
+            return
+        waited = time.monotonic() - start
+        if waited >= next_note:
+            logger.info(f"still waiting for {what} ({waited:.0f}s of {timeout:.0f}s)")
+            next_note += note_every
+        if waited > timeout:
+            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
+        if writer is not None and output_dir is not None and waited >= next_heartbeat:
+            next_heartbeat = waited + 1.0
+            age = heartbeat_age(output_dir, writer)
+            if age is not None and age > heartbeat_timeout:
+                raise WriterDead(
+                    f"gave up waiting for {what}: {writer} heartbeat is {age:.0f}s old "
+                    f"(> heartbeat_timeout {heartbeat_timeout:.0f}s); is the {writer} process alive?"
+                )
+        yield
+
+
 def wait_until(
     ready: Callable[[], bool],
     what: str,
@@ -143,29 +178,33 @@ def wait_until(
     never silent.
     """
     start = time.monotonic()
-    next_note, next_heartbeat = note_every, 0.0
     # The target's directories down from the deepest one that exists now (a step dir appears later).
     dirs = list(watch.parents)[: next((i + 1 for i, d in enumerate(watch.parents) if d.is_dir()), 0)] if watch else []
     watcher = DirWatch.for_this_thread()
-    while True:
-        watcher.add(dirs)  # before the check: an event between the two would otherwise be missed
-        if ready():
-            return time.monotonic() - start
-        waited = time.monotonic() - start
-        if waited >= next_note:
-            logger.info(f"still waiting for {what} ({waited:.0f}s of {timeout:.0f}s)")
-            next_note += note_every
-        if waited > timeout:
-            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
-        if writer is not None and output_dir is not None and waited >= next_heartbeat:
-            next_heartbeat = waited + 1.0
-            age = heartbeat_age(output_dir, writer)
-            if age is not None and age > heartbeat_timeout:
-                raise WriterDead(
-                    f"gave up waiting for {what}: {writer} heartbeat is {age:.0f}s old "
-                    f"(> heartbeat_timeout {heartbeat_timeout:.0f}s); is the {writer} process alive?"
-                )
+    # Watch before each check: an event between the two would otherwise be missed.
+    checks = _checks(ready, what, timeout, output_dir, writer, heartbeat_timeout, note_every, lambda: watcher.add(dirs))
+    for _ in checks:
         watcher.sleep(poll)
+    return time.monotonic() - start
+
+
+async def wait_until_async(
+    ready: Callable[[], bool],
+    what: str,
+    timeout: float,
+    *,
+    output_dir: Path | None = None,
+    writer: str | None = None,
+    heartbeat_timeout: float = 60.0,
+    poll: float = 0.01,
+    note_every: float = 30.0,
+) -> float:
+    """`wait_until` for an event loop that must keep serving other tasks meanwhile (the orchestrator's
+    requests): polls every `poll` seconds (a `stat` each) instead of sleeping on inotify."""
+    start = time.monotonic()
+    for _ in _checks(ready, what, timeout, output_dir, writer, heartbeat_timeout, note_every):
+        await asyncio.sleep(poll)
+    return time.monotonic() - start
 
 
 def wait_for_rank_file(output_dir: Path, step: int, rank: int, timeout: float, heartbeat_timeout: float) -> Path:
@@ -182,13 +221,12 @@ def wait_for_rank_file(output_dir: Path, step: int, rank: int, timeout: float, h
     return path
 
 
-def wait_for_weights(output_dir: Path, step: int, timeout: float, heartbeat_timeout: float) -> Path:
+async def wait_for_weights(output_dir: Path, step: int, timeout: float, heartbeat_timeout: float) -> Path:
     path = weights_dir(output_dir, step)
-    wait_until(
+    await wait_until_async(
         lambda: is_stable(path),
         f"weights of step {step} ({path}/STABLE)",
         timeout,
-        watch=path / "STABLE",
         output_dir=output_dir,
         writer="trainer-rank0",
         heartbeat_timeout=heartbeat_timeout,

@@ -110,10 +110,17 @@ def _field(cls: type[BaseModel], path: list[str]) -> Any | None:
     """The unwrapped annotation of the field at `path`, or None if there is no such field."""
     annotation: Any = cls
     for part in path:
+        if _is_list(annotation) and _is_model(_item(annotation)):
+            annotation = _item(annotation)  # `--env.id x` addresses a list of tables written as one table
         if not _is_model(annotation) or part not in annotation.model_fields:
             return None
         annotation = _unwrap(annotation.model_fields[part].annotation)
     return annotation
+
+
+def _item(annotation: Any) -> Any:
+    args = typing.get_args(annotation)
+    return _unwrap(args[0]) if args else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""generate_batch: exactly batch_size rollouts, zero-advantage groups replaced, truncation options.
+"""Batches: exactly batch_size rollouts, zero-advantage groups replaced, truncation options, environments
+mixed by ratio, and the continuous mode's stream (stale groups dropped, first complete groups taken).
 
-The server is httpx's MockTransport (a step's worth of chat answers), so the test is about the batch logic.
+The server is httpx's MockTransport (chat answers, stamped with a weight step), so the tests are about the
+batch logic; tests/integration runs the same against real servers.
 """
 
 import asyncio
@@ -10,9 +12,17 @@ import json
 import httpx
 
 from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import Example
-from prime_rl.orchestrator.orchestrator import DataStream, build_samples, generate_batch
+from prime_rl.orchestrator.orchestrator import (
+    DataStream,
+    EnvMix,
+    EnvSlot,
+    RolloutStream,
+    build_samples,
+    generate_batch,
+    step_metrics,
+)
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.sinks import ProgressLine
 
@@ -44,14 +54,17 @@ class AllRight(OddOnly):
         return 1.0
 
 
+def slot(env, config, name="odd", ratio=1.0):
+    source = RolloutSource(env, name, config.sampling, config.seq_len)
+    return EnvSlot(EnvConfig(id="x:y", name=name, ratio=ratio), source, DataStream(env, 0))
+
+
 def run_batch(env=None, **advantage):
     config = OrchestratorConfig(batch_size=8, rollouts_per_example=2, advantage=advantage)
-    env = env or OddOnly()
-    data = DataStream(env, 0)
-    source = RolloutSource(env, "odd", config.sampling, config.seq_len)
+    mix = EnvMix([slot(env or OddOnly(), config)])
     client = InferenceClient(config.client, "m", transport=httpx.MockTransport(handler))
-    batch = asyncio.run(generate_batch(client, source, data, config, None, ProgressLine(False, 1)))
-    return batch, data, config
+    batch = asyncio.run(generate_batch(client, mix, config, None, ProgressLine(False, 1)))
+    return batch, mix.slots[0].data, config
 
 
 def test_zero_advantage_groups_are_replaced_until_the_batch_is_full():
@@ -81,3 +94,65 @@ def test_truncated_completions_can_get_zero_reward_or_be_masked():
     batch, _, _ = run_batch(truncated="mask")
     samples = build_samples(batch, "mask")
     assert [any(s["loss_mask"]) for s in samples] == [True, False] * 4
+
+
+def test_two_environments_mix_by_ratio_and_get_their_own_metrics():
+    config = OrchestratorConfig(batch_size=80, rollouts_per_example=2)
+    mix = EnvMix([slot(OddOnly(), config, "big", 3), slot(AllRight(), config, "small", 1)])
+    client = InferenceClient(config.client, "m", transport=httpx.MockTransport(handler))
+
+    async def five_steps():
+        return [await generate_batch(client, mix, config, None, ProgressLine(False, 1)) for _ in range(5)]
+
+    batches = asyncio.run(five_steps())
+    envs = [g.env for b in batches for g in b.groups]
+    assert len(envs) == 200 and envs.count("big") == 150 and envs.count("small") == 50
+    assert envs[:8] == ["big", "big", "small", "big"] * 2  # interleaved, not in blocks
+    m = step_metrics(batches[0], {"step": 1.0}, 0)
+    assert m["groups/big"] == 30 and m["groups/small"] == 10
+    assert m["reward/small"] == 1.0 and 0 < m["reward/big"] < 1
+    # Resuming after 73 picks continues the rotation where it stopped.
+    again = EnvMix([slot(OddOnly(), config, "big", 3), slot(AllRight(), config, "small", 1)], picks=73)
+    assert [again.next().name for _ in range(4)] == envs[73:77]
+
+
+def test_continuous_stream_takes_the_first_complete_groups_and_drops_stale_ones():
+    """Example 0 takes 10x longer than the others; the servers move to weight step 3 while it runs."""
+    state = {"step": 0}
+
+    async def slow_handler(request):
+        body = json.loads(request.content)
+        i = int(body["messages"][0]["content"])
+        stamp = state["step"]  # the policy that sampled it: the one held when the request started
+        await asyncio.sleep(0.5 if i == 0 else 0.05)
+        response = handler(request)
+        response.headers["x-weight-step"] = str(stamp)
+        return response
+
+    config = OrchestratorConfig(batch_size=4, rollouts_per_example=2, max_inflight=8, max_off_policy_steps=2,
+                                async_level=1)  # fmt: skip
+    mix = EnvMix([slot(AllRight(), config)])
+    client = InferenceClient(config.client, "m", transport=httpx.MockTransport(slow_handler))
+
+    async def run():
+        stream = RolloutStream(client, mix, config, None)
+        try:
+            batches = [await stream.take(0, ProgressLine(False, 1))]
+            state["step"] = 3  # requests that start from now on are sampled by step 3
+            for _ in range(2):
+                batches.append(await stream.take(3, ProgressLine(False, 1)))
+            await asyncio.sleep(0.5)  # example 0 finishes
+            for _ in range(2):
+                batches.append(await stream.take(3, ProgressLine(False, 1)))
+            return batches
+        finally:
+            await stream.close()
+
+    batches = asyncio.run(run())
+    taken = [[(g.example.info["i"], g.weight_step) for g in b.groups] for b in batches]
+    # Step 0 takes the first two complete groups; example 0 (10x longer) does not hold it up.
+    assert taken[0] == [(1, 0), (2, 0)]
+    # Examples 3 and 0 were sampled by step 0, which is 3 > max_off_policy_steps = 2 behind step 3: dropped.
+    assert [b.stale for b in batches[:3]] == [0, 1, 0] and sum(b.stale for b in batches[3:]) == 1
+    assert taken[1:3] == [[(4, 3), (5, 3)], [(6, 3), (7, 3)]]
+    assert all(w == 3 for b in taken[1:] for _, w in b) and all(len(b.rollouts) == 4 for b in batches)

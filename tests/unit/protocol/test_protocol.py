@@ -1,5 +1,6 @@
 """The OUTPUT_DIR protocol: atomic files, STABLE markers, pruning, rank files, waits (DESIGN §2)."""
 
+import asyncio
 import os
 import time
 
@@ -84,7 +85,7 @@ def test_stale_writer_heartbeat_is_reported_dead(tmp_path):
     os.utime(heartbeat_file(tmp_path, "trainer-rank0"))
     atomic_write_text(heartbeat_file(tmp_path, "trainer-rank0"), f'{{"pid": 1, "host": "h", "step": 0, "time": {old}}}')
     with pytest.raises(WriterDead, match="trainer-rank0 heartbeat is 100s old"):
-        wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=5)
+        asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=5))
 
 
 def test_wait_returns_once_stable_appears(tmp_path):
@@ -96,7 +97,7 @@ def test_wait_returns_once_stable_appears(tmp_path):
         mark_stable(weights_dir(tmp_path, 1))
 
     threading.Thread(target=writer).start()
-    assert wait_for_weights(tmp_path, 1, timeout=5, heartbeat_timeout=5) == weights_dir(tmp_path, 1)
+    assert asyncio.run(wait_for_weights(tmp_path, 1, timeout=5, heartbeat_timeout=5)) == weights_dir(tmp_path, 1)
 
 
 def test_a_long_wait_is_never_silent():

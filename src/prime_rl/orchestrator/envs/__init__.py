@@ -7,11 +7,16 @@ An environment is any object with two methods:
                                                 # other per-rollout metrics, logged as reward/<name>
 
 `completion` is the model's text for single-turn environments. An environment is multi-turn when it also
-has `respond(messages, example) -> str | None`: after each model turn it gets the whole conversation
-(prompt + model and env messages so far) and answers with the next user message, or None when the episode
-is over (at the latest after `max_turns` model turns, an attribute, default 4). A multi-turn environment's
-`score` receives the conversation after the prompt (a list of chat messages) instead of text. Env messages
-are tokens of the trained sequence but are masked from the loss.
+has `respond(messages, example)`: after each model turn it gets the whole conversation (prompt + model and
+env messages so far) and answers with the next user message (a str), a list of messages (e.g. `role:
+"tool"` results, one per call, with its `tool_call_id`), or None when the episode is over (at the latest
+after `max_turns` model turns, an attribute, default 4). A multi-turn environment's `score` receives the
+conversation after the prompt (a list of chat messages) instead of text. Env messages are tokens of the
+trained sequence but are masked from the loss. `score` and `respond` may be `async def`.
+
+Tool use: an environment with a `tools` attribute (OpenAI function schemas, `[{"type": "function",
+"function": {"name", "description", "parameters"}}]`) gets it sent with its requests; the assistant
+messages it sees carry the model's parsed `tool_calls` (arguments as a JSON string, as OpenAI sends them).
 
 `load_environment(id, **args)` builds one from a built-in name (`reverse-text`, `arithmetic`,
 `guess-number`, `dataset`), an import path `package.module:function`, or `verifiers:<env id>` when the
@@ -43,7 +48,7 @@ class Example:
 class Environment(Protocol):
     def examples(self, seed: int) -> Iterator[Example]: ...
 
-    def score(self, completion: Any, example: Example) -> float | dict[str, float]: ...
+    def score(self, completion: Any, example: Example) -> float | dict[str, float]: ...  # or async
 
 
 class EnvError(ValueError):
