@@ -3,7 +3,7 @@
 verifiers 0.4 runs an episode by launching a harness program that talks to the model through its own
 interception server. We keep the model on our side instead (exact token ids, our server pool) and take
 from verifiers only what a taskset defines: its tasks, its tools, its stop hooks and its scoring. The
-conversation is the one verifiers' tool-less-or-MCP chat loop (the `null` harness) plays:
+conversation is the one verifiers' plain chat loop (its `null` harness: the model and the task's tools) plays:
 
     system: task.system_prompt            user: task.prompt         (Example.prompt)
     assistant: text + tool_calls      →   respond(): one tool message per call, run on the task's Toolsets
@@ -15,6 +15,7 @@ Loading. `verifiers:<taskset id>` goes through verifiers' own loader (`vf.resolv
 `vf.Taskset` subclass in `__all__`; hub ids `owner/name@version` import `name`; the args are the taskset
 config's fields. `verifiers:package.module:function` imports `function` and calls it with the args; it
 returns a `vf.Taskset` (or a `vf.SingleAgentEnv`). `max_turns` (default 4) is ours, not the taskset's.
+docs/orchestrator.md ("verifiers environments") has the full mapping.
 
 Single-turn when the tasks have no tools (the chat loop then ends after the first reply); otherwise the
 env has `respond`, `tools` (OpenAI function schemas) and `max_turns`.
