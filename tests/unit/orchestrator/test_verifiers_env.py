@@ -139,9 +139,17 @@ def local(vf):
 
         return Set(vf.TasksetConfig())
 
+    class Endless(vf.Taskset[Mixed, vf.TasksetConfig]):
+        INFINITE = True
+
+        def load(self):
+            for i in itertools.count():
+                yield Mixed(Data(prompt=f"q{i}", answer=str(i)), self.config.task)
+
     return types.SimpleNamespace(
         mixed=taskset(Mixed), tools=taskset(WithTools), runtime=taskset(RuntimeReward),
         intercept=taskset(Intercepting), stateful=taskset(Stateful), no_prompt=taskset(Mixed, prompt=None),
+        endless=Endless(vf.TasksetConfig()),
     )  # fmt: skip
 
 
@@ -193,6 +201,15 @@ def test_sync_and_async_rewards_and_metrics_are_all_scored(local):
     got = asyncio.run(env.score("7", ex))
     assert got == {"exact": 1.0, "has_digit": 1.0, "short": 1.0, "chars": 1.0, "reward": 2.0 + 0.5 + 0.5}
     assert asyncio.run(env.score("seven", ex))["reward"] == pytest.approx(0.5)
+
+
+@needs_verifiers
+def test_an_infinite_taskset_streams_in_its_own_order(local):
+    env = adapt(local.endless)
+    assert env.tasks is None
+    examples = list(itertools.islice(env.examples(0), 3))
+    assert [ex.prompt for ex in examples] == [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    assert asyncio.run(env.score("2", examples[2]))["exact"] == 1.0  # the task is rebuilt from Example.info
 
 
 @needs_verifiers

@@ -304,7 +304,7 @@ class VerifiersEnv:
             self._refuse("a task without a prompt", "the user opens the conversation (a user simulator)")
         answer = getattr(data, "answer", "")
         return Example(prompt=prompt, answer="" if answer is None else str(answer),
-                       info=data.model_dump(mode="json"))  # fmt: skip
+                       info=data.model_dump(mode="json", exclude_defaults=True))  # fmt: skip
 
     def task(self, example: Example) -> Any:
         """The task behind `example`, rebuilt from its data and the taskset's task config (verifiers' wire rule)."""
