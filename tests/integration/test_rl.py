@@ -179,6 +179,70 @@ def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
     assert "backend vllm" in (out / "logs" / "inference.log").read_text()
 
 
+MIXED_WITH_EVAL = """
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 2
+
+[[orchestrator.env]]
+id = "reverse-text"
+ratio = 3
+
+[[orchestrator.env]]
+id = "arithmetic"
+name = "math"
+ratio = 1
+max_tokens = 4
+
+[[orchestrator.eval]]
+id = "arithmetic"
+interval = 2
+num_examples = 4
+rollouts_per_example = 2
+"""
+
+
+def test_rl_mixes_two_environments_by_ratio_and_evaluates_every_two_steps(tiny_model, tmp_path, free_port):
+    out = tmp_path / "out"
+    (tmp_path / "mixed.toml").write_text(MIXED_WITH_EVAL)
+    args = [
+        "@", str(tmp_path / "mixed.toml"), "--model.name", str(tiny_model), "--output-dir", str(out),
+        "--max-steps", "4", "--inference.server.port", str(free_port), "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8",
+    ]  # fmt: skip
+    result = run_rl(args)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    orch = read_metrics(out, "orchestrator")
+    # 4 groups a step at 3:1: 3 reverse-text, 1 math, every step; each with its own reward and length.
+    assert [(m["groups/reverse-text"], m["groups/math"]) for m in orch] == [(3, 1)] * 4
+    assert all("reward/math" in m and "reward/reverse-text" in m for m in orch)
+    assert all(m["completion_len_max"] <= 8 for m in orch)
+    # Evals at steps 0 and 2 while training, and on the trainer's final weights (step 4).
+    evals = read_metrics(out, "eval")
+    assert [(e["step"], e["env"], e["samples"]) for e in evals] == [(s, "arithmetic", 8) for s in (0, 2, 4)]
+    assert evals[-1]["weight_step"] == evals[-1]["weight_step_max"] == 4
+    assert all("pass@1" in e and "pass@2" in e for e in evals)
+    assert "eval step 4 | arithmetic | reward" in (out / "logs" / "orchestrator.log").read_text()
+
+
+def test_rl_in_continuous_mode_trains_on_rollouts_of_one_policy_each(tiny_model, tmp_path, free_port):
+    """max_inflight: rollouts keep generating across weight updates; a server swaps weights between
+    requests, so each single-turn rollout comes from one policy, and none is older than allowed."""
+    out = tmp_path / "out"
+    args = small_run(tiny_model, out, free_port, max_steps=5) + [
+        "--async-level", "1", "--orchestrator.max-inflight", "16", "--orchestrator.max-off-policy-steps", "1",
+    ]  # fmt: skip
+    result = run_rl(args)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    orch = read_metrics(out, "orchestrator")
+    assert [m["step"] for m in orch] == [0, 1, 2, 3, 4] and all(m["samples"] == 8 for m in orch)
+    assert all(m["mixed_policy_fraction"] == 0 for m in orch)
+    assert all(m["off_policy_gap"] <= 1 for m in orch)  # older ones were dropped (stale_groups)
+    assert sum(v for m in orch for k, v in m.items() if k.startswith("off_policy_gap/")) == 5 * 8
+    assert orch[-1]["weight_step_max"] >= 3  # the policy moved on while rollouts kept flowing
+    assert [m["step"] for m in read_metrics(out, "trainer")] == [0, 1, 2, 3, 4]
+
+
 def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_port):
     out = tmp_path / "out"
     args = small_run(tiny_model, out, free_port, max_steps=2) + ["--inference.api-key", "s3cr3t-key"]

@@ -3,8 +3,8 @@
 W&B is an optional extra (`uv sync --extra wandb`), imported only when `[wandb]` is configured; asking for
 it without the package installed is a clear error at start, not a crash at the first step. The run is the
 whole RL run's: with its own metrics the orchestrator forwards the trainer's (metrics/trainer.jsonl) and the
-evals' (eval/summary.jsonl) as they appear, each series on its own step axis (`trainer/step`, ...), so one
-process owns the W&B run and the trainer ranks never talk to W&B.
+evals' (eval/summary.jsonl, metrics/eval.jsonl) as they appear, each series on its own step axis
+(`trainer/step`, ...), so one process owns the W&B run and the trainer ranks never talk to W&B.
 The progress line is a single self-overwriting terminal line (`step 3/20 | groups 12/32 | 41.2 groups/s`)
 shown only on a terminal, so log files and CI output stay clean.
 """

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from prime_rl.protocol.paths import eval_summary_file
+from prime_rl.protocol.paths import eval_summary_file, metrics_file
 from prime_rl.utils.metrics import read_metrics
 
 Series = list[tuple[int, float]]
@@ -27,10 +27,11 @@ def _series(records: list[dict], key: str) -> Series:
 
 
 def eval_rewards(output_dir: Path) -> Series:
-    """Mean eval reward per weight step, averaged over environments."""
-    path = eval_summary_file(output_dir)
+    """Mean eval reward per step, averaged over environments: the standalone `eval`'s (eval/summary.jsonl)
+    and the evals run during training (metrics/eval.jsonl)."""
     by_step: dict[int, list[float]] = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    paths = [p for p in (eval_summary_file(output_dir), metrics_file(output_dir, "eval")) if p.is_file()]
+    for line in (line for path in paths for line in path.read_text().splitlines()):
         try:
             row = json.loads(line)
             by_step.setdefault(int(row["step"]), []).append(float(row["reward_mean"]))

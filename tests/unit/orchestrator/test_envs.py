@@ -71,18 +71,6 @@ def test_score_may_return_a_dict_of_metrics_with_a_reward():
         split_score(float("nan"))
 
 
-def test_verifiers_ids_need_the_optional_package():
-    pytest.importorskip("prime_rl")  # verifiers itself must be absent for this test to mean anything
-    try:
-        import verifiers  # noqa: F401
-
-        pytest.skip("verifiers is installed here")
-    except ImportError:
-        pass
-    with pytest.raises(EnvError, match="needs the optional 'verifiers' package"):
-        load_environment("verifiers:gsm8k")
-
-
 def test_env_tokens_are_masked_and_carry_no_advantage_or_logprob():
     sample = make_sample([1, 2], [10, 11, 50, 51, 12], [-0.1, -0.2, -9, -9, -0.3], 0.5, [1, 1, 0, 0, 1])
     assert sample["loss_mask"] == [False, False, True, True, False, False, True]
