@@ -243,6 +243,72 @@ def test_rl_in_continuous_mode_trains_on_rollouts_of_one_policy_each(tiny_model,
     assert [m["step"] for m in read_metrics(out, "trainer")] == [0, 1, 2, 3, 4]
 
 
+VERIFIERS_ENVS = """
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 4
+seq_len = 512
+sampling.max_tokens = 48
+
+[[orchestrator.env]]
+id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:calc"
+name = "calc"
+
+[[orchestrator.env]]
+id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:sums"
+name = "sums"
+"""
+
+
+def test_rl_trains_on_a_verifiers_tool_env_and_a_single_turn_env_on_policy(tmp_path, free_port):
+    """The calc taskset (the `add` tool) and the single-turn sums taskset, both verifiers 0.4, on the tiny
+    tool-calling model. On-policy, the trainer's logprobs of the trained token ids match the server's
+    (mismatch KL < 1e-3): the ids are the ones the server sampled, env turns between them included."""
+    pytest.importorskip("verifiers.v1", reason="verifiers is not installed (uv sync --extra verifiers)")
+    from pathlib import Path
+
+    from prime_rl.protocol import rank_file
+    from prime_rl.protocol.records import read_rank_file
+
+    model = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
+    if not (model / "model.safetensors").is_file():
+        pytest.skip(f"{model} is missing")
+    out = tmp_path / "out"
+    (tmp_path / "vf.toml").write_text(VERIFIERS_ENVS)
+    args = [
+        "@", str(tmp_path / "vf.toml"), "--model.name", str(model), "--output-dir", str(out), "--max-steps", "3",
+        "--async-level", "0", "--inference.server.port", str(free_port), "--inference.max-model-len", "512",
+        "--trainer.optim.lr", "1e-4",
+    ]  # fmt: skip
+    result = run_rl(args, timeout=400)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
+    assert [m["step"] for m in trainer] == [0, 1, 2]
+    assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
+    assert [(m["groups/calc"], m["groups/sums"]) for m in orch] == [(1, 1)] * 3
+    assert max(m["reward/calc"] for m in orch) > 0  # the model calls the tool and answers with its result
+    assert all("reward/calc/correct" in m and "reward/sums/boxed" in m for m in orch)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tool_turns = 0
+    for mb in read_rank_file(rank_file(out, 2, 0), 2, 0):
+        ids, mask, logprobs = mb.input_ids[0].tolist(), mb.loss_mask[0].tolist(), mb.inference_logprobs[0].tolist()
+        for start, end in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist(), strict=True):
+            text = tokenizer.decode(ids[start:end])
+            if "<tool_response>" not in text:
+                continue
+            tool_turns += 1
+            # Every token of a tool result is masked and carries no logprob; the model's call is trained on.
+            masked_out = tokenizer.decode([t for t, m in zip(ids[start:end], mask[start:end], strict=True) if not m])
+            trained = tokenizer.decode([t for t, m in zip(ids[start:end], mask[start:end], strict=True) if m])
+            assert "<tool_response>" in masked_out and "<tool_response>" not in trained
+            assert "<tool_call>" in trained
+            assert all(lp == 0 for lp, m in zip(logprobs[start:end], mask[start:end], strict=True) if not m)
+    assert tool_turns > 0
+
+
 def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_port):
     out = tmp_path / "out"
     args = small_run(tiny_model, out, free_port, max_steps=2) + ["--inference.api-key", "s3cr3t-key"]
