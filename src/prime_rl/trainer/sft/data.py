@@ -5,6 +5,12 @@ Row formats (per row, first match wins):
 - `prompt` / `completion` as lists of messages (`{"role", "content"}`), e.g. a system + user prompt;
 - `messages`: a whole conversation; every assistant turn is trained on.
 
+Messages may carry tool calls (OpenAI format): an assistant message with `tool_calls`
+(`[{"type": "function", "function": {"name", "arguments"}}]`, content may be empty or null) and
+`{"role": "tool", "content": ...}` results. A row may add `tools`, a list of OpenAI function schemas (or
+that list as a JSON string), which the chat template renders (`apply_chat_template(..., tools=tools)`).
+The tool-call text is part of the assistant turn, so it is trained on; tool results are not.
+
 The loss mask covers exactly the tokens the template adds for assistant turns: for each assistant turn i
 it is `render(messages[:i+1])` minus `render(messages[:i], add_generation_prompt=True)`. Without a chat
 template the text is `prompt + completion + eos`. Example with ChatML, prompt "ab", completion "ba":
@@ -95,6 +101,9 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
 
 def tokenize_row(row: dict, where: str, tokenizer, cfg: SFTDataConfig) -> Sample:
     """Token ids and the completion mask of one row; TrainerError naming `where` if the row is malformed."""
+    tools = _tools(row.get("tools"), where)
+    if tools and tokenizer.chat_template is None:
+        raise TrainerError(f"{where}: tools need a tokenizer with a chat template")
     if cfg.prompt_column in row or cfg.completion_column in row:
         prompt, completion = row.get(cfg.prompt_column), row.get(cfg.completion_column)
         if prompt is None or completion is None:
@@ -111,35 +120,58 @@ def tokenize_row(row: dict, where: str, tokenizer, cfg: SFTDataConfig) -> Sample
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise TrainerError(f"{where}: no assistant turn to train on")
-    return _chat(messages, tokenizer, where)
+    return _chat(messages, tokenizer, where, tools)
+
+
+# What a message keeps besides role and content: the tool-calling fields chat templates read.
+_TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 def _as_messages(value, role: str, where: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
+    if isinstance(value, list) and all(
+        isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls")) for m in value
+    ):
+        return [
+            {"role": m["role"], "content": m.get("content")} | {k: m[k] for k in _TOOL_FIELDS if m.get(k) is not None}
+            for m in value
+        ]
     raise TrainerError(f"{where}: expected a string or a list of {{'role', 'content'}} messages, got {value!r:.80}")
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+def _tools(value, where: str) -> list[dict] | None:
+    """The row's `tools` (OpenAI function schemas), parsed if given as a JSON string; None if absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise TrainerError(f"{where}: tools is a string but not valid JSON ({e.msg})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise TrainerError(f"{where}: tools must be a list of function schemas, got {value!r:.80}")
+    return value or None
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _chat(messages: list[dict], tokenizer, where: str) -> Sample:
+def _chat(messages: list[dict], tokenizer, where: str, tools: list[dict] | None = None) -> Sample:
     ids: list[int] = []
     mask: list[bool] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], generation_prompt=True) if i else []
-        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        before = _render(tokenizer, messages[:i], generation_prompt=True, tools=tools) if i else []
+        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False, tools=tools)
         if upto[: len(ids)] != ids or upto[: len(before)] != before:
             raise TrainerError(f"{where}: the chat template does not render turns as prefixes; cannot mask them")
         mask += [False] * (len(before) - len(ids)) + [True] * (len(upto) - len(before))
         ids = upto
-    full = _render(tokenizer, messages, generation_prompt=False)
+    full = _render(tokenizer, messages, generation_prompt=False, tools=tools)
     mask += [False] * (len(full) - len(ids))
     return Sample(full, mask)
 

@@ -1,6 +1,9 @@
-"""SFT data: completion-only masks with the chat template, malformed rows named by file:line, batch order."""
+"""SFT data: completion-only masks with the chat template (tool calls included), malformed rows named by file:line,
+batch order."""
 
+import functools
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -88,3 +91,55 @@ def test_rows_from_an_environment_are_its_prompts_with_their_reference_answers()
         load_rows(SFTDataConfig(env_id="nowhere"))
     with pytest.raises(ValueError, match="set exactly one of data.path"):
         SFTDataConfig(env_id="reverse-text", path="x.jsonl")
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    """The shipped calculator model's tokenizer: byte-level, with a Hermes/Qwen-style tool-calling template."""
+    return AutoTokenizer.from_pretrained(Path(__file__).parents[4] / "assets/calc-qwen3")
+
+
+def test_tool_row_trains_on_the_tool_call_and_the_answer_not_on_the_tool_response(tool_tokenizer):
+    cfg = SFTDataConfig(path="x.jsonl")
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 37, "b": 5}'}}
+    messages = [{"role": "user", "content": "What is 37 + 5?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "42"},
+                {"role": "assistant", "content": "The answer is 42."}]  # fmt: skip
+    row = {"messages": messages, "tools": [ADD_TOOL]}
+    sample = tokenize_row(row, "x.jsonl:1", tool_tokenizer, cfg)
+    tool_call = '<tool_call>\n{"name": "add", "arguments": {"a": 37, "b": 5}}\n</tool_call>'
+    assert _masked_text(tool_tokenizer, sample) == f"{tool_call}<|im_end|>\nThe answer is 42.<|im_end|>\n"
+    text = tool_tokenizer.decode(sample.input_ids)
+    assert text.startswith('<|im_start|>system\n<tools>\n{"type": "function", "function": {"name": "add"')
+    assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    # The same tools given as a JSON string (as some datasets store them) give the same sample.
+    assert tokenize_row(row | {"tools": json.dumps([ADD_TOOL])}, "x.jsonl:1", tool_tokenizer, cfg) == sample
+    with pytest.raises(TrainerError, match="x.jsonl:1: tools must be a list of function schemas"):
+        tokenize_row(row | {"tools": {"name": "add"}}, "x.jsonl:1", tool_tokenizer, cfg)
+
+
+def test_tool_template_renders_each_message_as_an_append(tool_tokenizer):
+    """The loss mask and the orchestrator's multi-turn rendering both need rendering to be incremental."""
+    calls = [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": '{"a": 3, "b": 4}'}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2 and 3+4?"},
+                {"role": "assistant", "content": "Two sums.", "tool_calls": calls},
+                {"role": "tool", "content": "3"}, {"role": "tool", "content": "7"},
+                {"role": "assistant", "content": "3 and 7"}, {"role": "user", "content": "thanks"}]  # fmt: skip
+    for tools in ([ADD_TOOL], None):
+        render = functools.partial(tool_tokenizer.apply_chat_template, tools=tools, tokenize=False)
+        for k in range(1, len(messages)):
+            assert render(messages[: k + 1]).startswith(render(messages[:k]))
+            if messages[k]["role"] == "assistant":
+                assert render(messages[: k + 1]).startswith(render(messages[:k], add_generation_prompt=True))
+    text = tool_tokenizer.apply_chat_template(messages, tools=[ADD_TOOL], tokenize=False)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n<tools>\n")
+    first, second = (f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+                     for a, b in [(1, 2), (3, 4)])  # fmt: skip
+    assert f"Two sums.\n{first}\n{second}<|im_end|>\n" in text
+    # Two tool results in a row: one user turn.
+    assert ("<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n3 and 7<|im_end|>\n") in text  # fmt: skip
