@@ -248,7 +248,7 @@ VERIFIERS_ENVS = """
 batch_size = 8
 rollouts_per_example = 4
 seq_len = 512
-sampling.max_tokens = 48
+sampling.max_tokens = 96  # byte-level tokens: a tool call is ~70
 
 [[orchestrator.env]]
 id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:calc"
