@@ -17,6 +17,8 @@ def setup_logging(service: str, output_dir: Path | None, level: str = "INFO", to
     logger.handlers.clear()
     logger.setLevel(level.upper())
     logger.propagate = False
+    # One line per HTTP request is noise at INFO once a library (verifiers) gives the root logger a handler.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
     logger.addHandler(console)
