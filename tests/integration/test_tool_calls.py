@@ -28,18 +28,7 @@ READY = {
     "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin"),
     "vllm": re.compile(r"Starting vLLM server on http://(\S+):(\d+)"),
 }
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+(ADD,) = json.loads((CALC_MODEL / "tools.json").read_text())  # the tool the model was trained with
 QUESTION = {"role": "user", "content": "What is 37 + 5?"}
 GREEDY = {"temperature": 0, "max_tokens": 96}  # byte-level: a call is ~70 tokens
 RAW = {"return_token_ids": True, "return_tokens_as_token_ids": True}  # what the orchestrator reads

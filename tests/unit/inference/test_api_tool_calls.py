@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -28,14 +29,8 @@ TOOL_TEMPLATE = (
     " | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
-    },
-}
+CALC_MODEL = Path(__file__).resolve().parents[3] / "assets" / "calc-qwen3"
+(ADD,) = json.loads((CALC_MODEL / "tools.json").read_text())
 QUESTION = {"role": "user", "content": "What is 3 + 4?"}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
 

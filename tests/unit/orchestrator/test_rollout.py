@@ -19,14 +19,7 @@ from prime_rl.orchestrator.envs import Example
 from prime_rl.orchestrator.rollout import RolloutSource, derive_seed
 
 CALC = Path(__file__).resolve().parents[3] / "assets" / "calc-qwen3"
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
-    },
-}
+(ADD,) = json.loads((CALC / "tools.json").read_text())  # the tool the model was trained with
 
 
 class Calc:

@@ -10,6 +10,7 @@ import itertools
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -20,21 +21,8 @@ needs_verifiers = pytest.mark.skipif(
     importlib.util.find_spec("verifiers") is None,
     reason="the optional verifiers package is not installed (uv sync --extra verifiers)",
 )
-# What scripts/make_calc_model.py trains assets/calc-qwen3 with: the calc env must send exactly this.
-CALC_MODEL_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
+# The tools assets/calc-qwen3 was trained with (its tools.json): the calc env must send exactly these.
+CALC_MODEL_TOOLS = json.loads((Path(__file__).resolve().parents[3] / "assets/calc-qwen3/tools.json").read_text())
 
 
 def call(name: str, arguments: str, call_id: str = "call_0") -> dict:
