@@ -8,7 +8,7 @@ How it is made (docs/examples/calc_tool.md has the figures):
     uv run python scripts/make_calc_model.py init outputs/calc/init            # random Qwen3 + tool template
     uv run python scripts/make_calc_model.py data outputs/calc/train.jsonl     # synthetic conversations
     uv run sft @ configs/examples/calc/sft.toml                                # SFT from random init
-    uv run python scripts/make_calc_model.py check outputs/calc/sft/weights/step_N   # greedy accuracy
+    uv run python scripts/make_calc_model.py check outputs/calc/sft/weights/step_1000   # greedy accuracy
 
 One training row (`messages` + `tools`, the format `prime_rl.trainer.sft.data` reads):
 
