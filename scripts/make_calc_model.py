@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 from pathlib import Path
+
+from prime_rl.utils.tool_calls import parse_tool_calls
 
 MAX_OPERAND = 99
 # The tool the model is trained with; pass exactly this list as `tools` to get its tool calls.
@@ -123,18 +124,8 @@ def init_model(path: Path, seed: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
+    (path / "tools.json").write_text(json.dumps(TOOLS, indent=2) + "\n")  # ships with the model: tests read it
     print(f"wrote the initial model to {path}")
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> list[dict] | None:
-    """`[{"name", "arguments"}]` of every `<tool_call>` block, or None if one is not valid JSON."""
-    try:
-        return [json.loads(m) for m in _TOOL_CALL.findall(text)]
-    except json.JSONDecodeError:
-        return None
 
 
 def _greedy(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
@@ -167,11 +158,11 @@ def check(model_dir: Path, num: int, seed: int) -> dict:
     counts = {"questions": num, "valid_call": 0, "right_args": 0, "answer_is_result": 0, "all_right": 0}
     followups, right = [], []
     for (a, b), question, text in zip(pairs, questions, first, strict=True):
-        calls = parse_tool_calls(text)
-        if not calls or len(calls) != 1 or calls[0].get("name") != "add":
+        _, calls = parse_tool_calls(text)
+        if len(calls) != 1 or calls[0]["function"]["name"] != "add":
             continue
-        args = calls[0].get("arguments")
-        if not (isinstance(args, dict) and all(isinstance(args.get(k), int) for k in "ab")):
+        args = json.loads(calls[0]["function"]["arguments"])
+        if not all(isinstance(args.get(k), int) for k in "ab"):
             continue
         counts["valid_call"] += 1
         right.append(args == {"a": a, "b": b})
