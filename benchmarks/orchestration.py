@@ -8,9 +8,15 @@
   its slowest group) vs continuous mode (`max_inflight` = 2 batches, `max_off_policy_steps` = 2), same
   seeds. Reported: step
   time, the off-policy gap distribution of the rollouts trained on, and the groups dropped as stale.
+- `long-tail-generation`: the same two modes without a trainer (the orchestrator in-process against one
+  built-in server, async_level = steps): on this machine the trainer shares the two cores with inference,
+  so the whole loop is compute-bound either way; this case shows the scheduling alone, as on a cluster
+  where inference has its own devices.
 - `eval`: reverse-text without and with an `[[orchestrator.eval]]` every 2 steps; the step time against
   the eval's share of all requests.
 Medians over the steps after `--warmup`; step = wall time between the ends of two orchestrator steps.
+Inference and the trainer get one torch thread each: two multi-threaded processes on two cores spin
+against each other, and whichever mode keeps both busier would look slower for that reason alone.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ name = "{model}"
 [inference]
 server.port = {port}
 max_model_len = 512
+engine.cpu_threads = 1  # one core each for inference and the trainer (OMP_NUM_THREADS=1), as on separate devices
 
 [orchestrator]
 batch_size = {batch_size}
@@ -61,6 +68,7 @@ CASES = {
         "continuous": "[orchestrator]\nmax_inflight = 64\nmax_off_policy_steps = 2\n"
         '[[orchestrator.env]]\nid = "long_tail:load_environment"\n',
     },
+    "long-tail-generation": {"barrier": "", "continuous": ""},
     "eval": {
         "no eval": '[[orchestrator.env]]\nid = "reverse-text"\n',
         "eval every 2": '[[orchestrator.env]]\nid = "reverse-text"\n'
@@ -71,6 +79,7 @@ CASES = {
 
 SHAPES = {  # case: (batch_size, rollouts_per_example, max_tokens)
     "long-tail": (32, 4, 12),  # 8 groups a step, one of them 10 turns long; training stays light
+    "long-tail-generation": (32, 4, 12),
     "eval": (64, 8, 32),
 }
 
@@ -85,7 +94,8 @@ def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: st
         base, extra = base.replace("[orchestrator]\n", "[orchestrator]\n" + keys), "[[" + extra
     cfg = out.with_suffix(".toml")
     cfg.write_text(base + extra)
-    env = os.environ | {"PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = os.environ | {"PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                        "OMP_NUM_THREADS": "1"}  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "prime_rl.rl", "@", str(cfg)], cwd=ROOT, capture_output=True,
                           text=True, env=env)  # fmt: skip
     if done.returncode != 0:
@@ -93,9 +103,37 @@ def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: st
     return read_metrics(out, "orchestrator")
 
 
+def generation_only(model: Path, out: Path, steps: int, continuous: bool) -> list[dict]:
+    import asyncio
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from orchestrator import start_server  # benchmarks/orchestrator.py
+
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.orchestrator import orchestrate
+    from prime_rl.utils.net import free_port
+
+    batch_size, rollouts, max_tokens = SHAPES["long-tail"]
+    out.mkdir(parents=True)
+    port = free_port()
+    proc = start_server("real", model, port, max_tokens, out / "server.log")
+    try:
+        config = OrchestratorConfig(
+            model={"name": str(model)}, output_dir=out, max_steps=steps, async_level=steps, batch_size=batch_size,
+            rollouts_per_example=rollouts, seq_len=512, progress=False, env={"id": "long_tail:load_environment"},
+            sampling={"max_tokens": max_tokens, "seed": 7}, client={"base_url": [f"http://127.0.0.1:{port}/v1"]},
+            max_inflight=2 * batch_size if continuous else None, max_off_policy_steps=steps,
+        )  # fmt: skip
+        asyncio.run(orchestrate(config))
+    finally:
+        proc.terminate()
+        proc.wait()
+    return read_metrics(out, "orchestrator")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="long-tail,eval")
+    parser.add_argument("--cases", default="long-tail,long-tail-generation,eval")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--port", type=int, default=8793)
@@ -111,7 +149,10 @@ def main() -> None:
                 out = work / f"{case}-{mode.replace(' ', '-')}"
                 start = time.perf_counter()
                 steps = args.steps + args.warmup + 1
-                orch = run_case(model, out, steps, args.port, case, extra)
+                if case == "long-tail-generation":
+                    orch = generation_only(model, out, steps, mode == "continuous")
+                else:
+                    orch = run_case(model, out, steps, args.port, case, extra)
                 measured = orch[args.warmup + 1 :]
                 walls = [b["time"] - a["time"] for a, b in itertools.pairwise(orch[args.warmup :])]
                 gaps = Counter()
