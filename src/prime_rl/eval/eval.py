@@ -116,10 +116,16 @@ async def evaluate_env(client: InferenceClient, config: EvalConfig, env_id: str,
     tokenizer = load_tokenizer(env, config.model.name)
     source = RolloutSource(env, env_id, config.sampling, config.seq_len, tokenizer, config.max_turns)
     examples = list(itertools.islice(env.examples(config.seed), config.num_examples))
-    n = config.rollouts_per_example
-    groups = await asyncio.gather(*(source.group(client, ex, n, config.sampling.seed) for ex in examples))
+    groups = await sample_and_score(client, source, examples, config.rollouts_per_example, config.sampling.seed)
+    return EnvResult(env_id, step, groups)
+
+
+async def sample_and_score(client: InferenceClient, source: RolloutSource, examples: list, n: int,
+                           seed: int | None) -> list[Group]:  # fmt: skip
+    """Every example sampled `n` times at once, then scored: one evaluation's groups (also `[[eval]]`'s)."""
+    groups = await asyncio.gather(*(source.group(client, ex, n, seed) for ex in examples))
     await asyncio.gather(*(source.score(g) for g in groups))
-    return EnvResult(env_id, step, list(groups))
+    return list(groups)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -89,9 +89,6 @@ class DataStream:
         self.drawn += 1
         return example
 
-    def take(self, k: int) -> list[Example]:
-        return [self.next() for _ in range(k)]
-
 
 @dataclass
 class EnvSlot:
@@ -454,13 +451,11 @@ class Evals:
                 task.add_done_callback(self.tasks.discard)
 
     async def _run(self, client, step, cfg: EvalEnvConfig, source: RolloutSource, examples: list[Example]) -> None:
-        from prime_rl.eval.eval import EnvResult
+        from prime_rl.eval.eval import EnvResult, sample_and_score
 
-        n, seed = cfg.rollouts_per_example, self.config.sampling.seed
         start = time.perf_counter()
-        groups = await asyncio.gather(*(source.group(client, ex, n, seed) for ex in examples))
-        await asyncio.gather(*(source.score(g) for g in groups))
-        result = EnvResult(cfg.label, step, list(groups)).summary()
+        groups = await sample_and_score(client, source, examples, cfg.rollouts_per_example, self.config.sampling.seed)
+        result = EnvResult(cfg.label, step, groups).summary()
         steps = [r.weight_step for g in groups for r in g.rollouts]
         result |= {"weight_step": min(steps), "weight_step_max": max(steps), "seconds": time.perf_counter() - start}
         result.pop("step")

@@ -23,6 +23,7 @@ turn), so turn 2 of an episode is not a copy of turn 1's draws and different see
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -231,8 +232,12 @@ class RolloutSource:
 
 def load_tokenizer(env: Environment, model_name: str) -> Any:
     """The model's tokenizer, loaded only for multi-turn environments (which render env replies locally)."""
-    if not is_multi_turn(env):
-        return None
+    return _tokenizer(model_name) if is_multi_turn(env) else None
+
+
+@functools.cache
+def _tokenizer(model_name: str) -> Any:
+    """Loaded once per process: every multi-turn training and eval env of a run shares it."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_name)
