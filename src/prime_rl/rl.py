@@ -32,6 +32,7 @@ from prime_rl.utils.config import (
     BaseConfig,
     CkptConfig,
     LogConfig,
+    LoraConfig,
     Section,
     WeightBroadcastConfig,
     parse_config,
@@ -46,6 +47,7 @@ SERVICES = ("inference", "orchestrator", "trainer")
 SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("output_dir",): SERVICES,
     ("model", "name"): SERVICES,
+    ("model", "lora"): SERVICES,
     ("max_steps",): ("orchestrator", "trainer"),
     ("async_level",): ("orchestrator", "trainer"),
     ("ckpt",): ("orchestrator", "trainer"),
@@ -56,6 +58,7 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 
 class SharedModelConfig(Section):
     name: Annotated[str | None, Field(description="policy model for all three services (hub id or local path)")] = None
+    lora: Annotated[LoraConfig | None, Field(description="LoRA adapter training, for all three services")] = None
 
 
 class RLConfig(BaseConfig):

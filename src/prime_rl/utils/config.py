@@ -390,8 +390,30 @@ def to_toml_dict(config: BaseModel) -> dict:
 # Sections every service shares
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """Train a LoRA adapter instead of every weight. The trainer ships the adapter only (a peft dir in
+    `weights/step_n`); servers serve base + adapter under `name`, which the orchestrator's requests name."""
+
+    rank: Annotated[int, Field(ge=1, description="rank r of each adapter pair (A: r x in, B: out x r)")] = 16
+    alpha: Annotated[float, Field(gt=0, description="scale: the update is (alpha / rank) * B A")] = 32.0
+    dropout: Annotated[
+        float,
+        Field(ge=0, lt=1, description="dropout on the adapter's input (SFT only: RL needs the served policy's logprobs)"),
+    ] = 0.0
+    target_modules: Annotated[
+        list[str], Field(min_length=1, description="names of the linear layers that get an adapter")
+    ] = LORA_TARGETS
+    name: Annotated[str, Field(min_length=1, description="name the servers serve the adapter under")] = "policy-lora"
+
+
 class ModelConfig(Section):
     name: Annotated[str, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
+    lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = (
+        None
+    )
 
 
 class LogConfig(Section):
