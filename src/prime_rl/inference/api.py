@@ -212,11 +212,14 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prime-rl"}
-        return {"object": "list", "data": [card | {"max_model_len": config.max_model_len}]}
+        cards = [card | {"max_model_len": config.max_model_len}]
+        if engine.adapter is not None:  # as vLLM lists a loaded adapter
+            cards.append(card | {"id": engine.adapter, "parent": model_name, "max_model_len": config.max_model_len})
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        _check_model(body.model, model_name)
+        name = _check_model(body.model, model_name, engine.adapter)
         # Text prompts are tokenized off the event loop (an 8 MB prompt took ~6 s of it).
         split = _split_prompts(body.prompt)
         if any(isinstance(p, str) for p in split):
@@ -224,7 +227,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
         else:
             prompts = [_prompt_ids(p, tokenizer, engine.vocab_size) for p in split]
         params = [_sampling_params(body, len(ids), 16, body.logprobs or 0, config, engine) for ids in prompts]
-        meta = {"id": f"cmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
+        meta = {"id": f"cmpl-{_request_id()}", "created": int(time.time()), "model": name}
         if body.stream:
             streams = [_open(engine.stream, ids, p) for ids, p in zip(prompts, params, strict=True)]
             chunks = _completion_chunks(meta, body, prompts, _merge(streams), tokenizer)
@@ -249,12 +252,12 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        _check_model(body.model, model_name)
+        name = _check_model(body.model, model_name, engine.adapter)
         parse_calls = _parses_tool_calls(body, config.tool_call_parser)
         ids = await asyncio.to_thread(_chat_prompt_ids, body, tokenizer, config.trust_request_chat_template)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = _sampling_params(body, len(ids), None, top, config, engine)
-        meta = {"id": f"chatcmpl-{_request_id()}", "created": int(time.time()), "model": model_name}
+        meta = {"id": f"chatcmpl-{_request_id()}", "created": int(time.time()), "model": name}
         if body.stream:
             chunks = _chat_chunks(meta, body, ids, _open(engine.stream, ids, params), tokenizer, parse_calls)
             return _sse(chunks, config.request_timeout)
@@ -288,6 +291,7 @@ class BuiltinModel:
 
     backend = "builtin"
     receivers = 1  # seats in a weight broadcast group
+    base_name = None  # a LoRA adapter is merged: every name gets the current weights
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -307,15 +311,20 @@ class BuiltinModel:
     def health(self) -> dict[str, Any]:
         e = self.engine
         counters = {"running": e.running, "waiting": e.waiting, "requests": e.requests, "iterations": e.iterations}
-        return counters | {"generated_tokens": e.generated_tokens}
+        counters |= {"generated_tokens": e.generated_tokens}
+        return counters | ({"adapter": e.adapter} if e.lora is not None else {})
 
 
 # ---- request -> engine ----------------------------------------------------------------------------
 
 
-def _check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.", "NotFoundError")
+def _check_model(requested: str | None, served: str, adapter: str | None) -> str:
+    """The model name a request is answered under: the served model's, or the loaded LoRA adapter's. Both
+    name the same (merged) weights: the engine serves one policy, the step stamped on the response."""
+    if requested is None or requested in (served, adapter):
+        return requested or served
+    names = f"`{served}`" + (f" and the LoRA adapter `{adapter}`" if adapter else "")
+    raise APIError(404, f"The model `{requested}` does not exist; this server serves {names}.", "NotFoundError")
 
 
 def _split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:

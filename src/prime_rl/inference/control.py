@@ -71,6 +71,9 @@ class ServedModel(Protocol):
 
     backend: str
     receivers: int  # seats it takes in a weight broadcast group (one per worker holding the weights)
+    # A model name whose requests the base weights serve whatever the step (vLLM holding a LoRA adapter:
+    # the base model's name), so their `x-weight-step` is 0; None when every name gets the current step.
+    base_name: str | None
 
     async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Any]:
         """Check and read a weight dir, or receive a broadcast step (None: the base weights), without
@@ -238,6 +241,9 @@ class ControlPlane:
             message = "invalid request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
             return await error(400, message)(scope, receive, send)
         step = await self.gate.enter()
+        base = self.served.base_name
+        if base is not None and requested_model(body) in (None, base):
+            step = 0
 
         async def stamped(message):
             if message["type"] == "http.response.start":
@@ -276,12 +282,24 @@ class ControlPlane:
             except WeightsError as e:
                 return error(400, str(e))
             async with self.gate.swap():
-                await self.served.apply(prepared)
+                try:
+                    await self.served.apply(prepared)
+                except WeightsError as e:  # refused by the backend at load (vLLM's LoRA loader); nothing changed
+                    return error(400, str(e))
                 self.gate.step = step
                 self.weight_group = source.group if isinstance(source, BroadcastRequest) else None
         logger.info(f"now serving weights step {step}")
         answer = {"step": step, "seconds": round(time.perf_counter() - start, 3)}
         return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})
+
+
+def requested_model(body: bytes) -> str | None:
+    """The `model` a generation request names (None when it names none, or is not a JSON object)."""
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
 
 
 def error(status: int, message: str, type: str = "invalid_request_error") -> JSONResponse:

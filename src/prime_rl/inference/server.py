@@ -50,7 +50,15 @@ def run(config: InferenceConfig) -> None:
 
     e = config.engine
     engine = build_engine(
-        config.model.name, e.device, e.dtype, e.max_batch_size, e.max_waiting, config.seed, e.cpu_threads, e.model_impl
+        config.model.name,
+        e.device,
+        e.dtype,
+        e.max_batch_size,
+        e.max_waiting,
+        config.seed,
+        e.cpu_threads,
+        e.model_impl,
+        config.model.lora,
     )
     try:
         app = build_app(engine, config)

@@ -6,15 +6,30 @@ shape and a floating dtype where the model's is floating (precision may differ a
 the files' headers are read here, so a bad dir is refused before any backend touches its weights: the
 built-in engine compares with its model's state dict, vLLM with the served checkpoint's own headers (its
 loader expects checkpoint names; anything else would fail half-way through a load).
+
+A server started with `model.lora` takes LoRA adapters instead: a peft adapter dir (`adapter_config.json` +
+`adapter_model.safetensors`, what `save_pretrained` of a peft model writes) whose rank and target modules
+the server allows and whose every `lora_A`/`lora_B` pair names a linear layer of the served model with its
+in/out features (`check_adapter_dir`, headers only; `read_adapter` then reads the tensors and refuses
+non-finite ones). Each kind of server refuses the other kind of dir with a 400 saying so. Only JSON and
+safetensors are read: nothing in a dir can run code.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prime_rl.protocol import is_stable, step_of
 from prime_rl.utils.hf_layout import TensorSpecs, header_specs
+
+if TYPE_CHECKING:
+    import torch
+
+    from prime_rl.utils.config import LoraConfig
 
 # Config keys that fix the shapes and the computation of the served model.
 ARCHITECTURE_KEYS = (
@@ -37,6 +52,11 @@ class WeightsError(ValueError):
 def check_weight_dir(weight_dir: Path, served_config: dict, served: TensorSpecs) -> tuple[int, list[Path]]:
     """(step, safetensors files) of a dir the served model can load, else WeightsError saying what is wrong."""
     step, files = check_weight_files(weight_dir)
+    if (weight_dir / ADAPTER_CONFIG).exists():
+        raise WeightsError(
+            f"{weight_dir}: a LoRA adapter ({ADAPTER_CONFIG}), and this server serves full weights; "
+            "start it with --model.lora to serve adapters"
+        )
     check_config(weight_dir, served_config)
     check_specs(read_specs(files), served, tied=bool(served_config.get("tie_word_embeddings")))
     return step, files
@@ -113,6 +133,164 @@ def check_specs(got: TensorSpecs, served: TensorSpecs, tied: bool) -> None:
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise WeightsError("weights do not match the served model: " + "; ".join(problems[:5]) + more)
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+# peft's saved names: `base_model.model.<module of the served model>.lora_{A,B}.weight`.
+ADAPTER_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+# adapter_config.json keys that change what the adapter computes, with the only value we serve: anything
+# else (DoRA, rsLoRA's scale, per-module ranks, full copies of modules, biases) would be served wrong.
+NEUTRAL_KEYS = {
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "modules_to_save": None,
+    "target_parameters": None,
+    "bias": "none",
+    "lora_bias": False,
+}
+
+
+@dataclass
+class AdapterDir:
+    """A checked adapter dir: its step, file, rank r, alpha and the linear modules it adapts."""
+
+    step: int
+    file: Path
+    rank: int
+    alpha: float
+    modules: list[str]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
+class Adapter:
+    """An adapter's float32 tensors: module -> (A [r, in], B [out, r]); the update is scale · B @ A."""
+
+    step: int
+    scale: float
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def linear_shapes(served: TensorSpecs) -> dict[str, tuple[int, int]]:
+    """module -> (in_features, out_features) of the linear layers in a checkpoint layout (2-D weights that
+    are not embeddings)."""
+    return {
+        name.removesuffix(".weight"): (shape[1], shape[0])
+        for name, (shape, floating) in served.items()
+        if name.endswith(".weight") and len(shape) == 2 and floating and "embed" not in name
+    }
+
+
+def targeted(module: str, targets: list[str]) -> bool:
+    """Whether `module` is one of `targets` (peft's rule: the full name, or its last dotted parts)."""
+    return any(module == t or module.endswith(f".{t}") for t in targets)
+
+
+def check_adapter_dir(weight_dir: Path, lora: LoraConfig, linears: dict[str, tuple[int, int]]) -> AdapterDir:
+    """The checked adapter in a `weights/step_n` dir (headers only), else WeightsError saying what is wrong.
+
+    `linears`: module -> (in, out) of the served model's linear layers (`linear_shapes`)."""
+    step, files = check_weight_files(weight_dir)
+    path = weight_dir / ADAPTER_CONFIG
+    if not path.exists():
+        raise WeightsError(
+            f"{weight_dir}: no {ADAPTER_CONFIG}; this server serves LoRA adapters (model.lora), not full weights"
+        )
+    config = read_adapter_config(path)
+    rank, alpha, targets = config["r"], config["lora_alpha"], config["target_modules"]
+    if rank > lora.rank:
+        raise WeightsError(f"{path}: rank r={rank} exceeds the served maximum model.lora.rank={lora.rank}")
+    foreign = [t for t in targets if t not in lora.target_modules]
+    if foreign:
+        allowed = ", ".join(lora.target_modules)
+        raise WeightsError(f"{path}: target_modules {foreign} are not served (model.lora.target_modules: {allowed})")
+    if files != [weight_dir / ADAPTER_FILE]:
+        names = ", ".join(f.name for f in files)
+        raise WeightsError(f"{weight_dir}: an adapter dir holds exactly {ADAPTER_FILE}, this one has {names}")
+    modules = check_adapter_specs(read_specs(files), rank, targets, linears)
+    return AdapterDir(step=step, file=files[0], rank=rank, alpha=float(alpha), modules=modules)
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    """adapter_config.json, checked to describe a plain LoRA adapter (r, lora_alpha, a list of targets)."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot read: {e}") from None
+    if not isinstance(config, dict):
+        raise WeightsError(f"{path}: not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise WeightsError(f"{path}: peft_type {config['peft_type']!r}; only LORA adapters are served")
+    rank, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if type(rank) is not int or rank < 1:
+        raise WeightsError(f"{path}: r must be a positive integer, got {rank!r}")
+    if type(alpha) not in (int, float) or not 0 < alpha < float("inf"):
+        raise WeightsError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise WeightsError(f"{path}: target_modules must be a non-empty list of module names, got {targets!r}")
+    odd = [f"{key}={config[key]!r}" for key, neutral in NEUTRAL_KEYS.items() if config.get(key) not in (neutral, None)]
+    if odd:
+        raise WeightsError(f"{path}: unsupported LoRA options {', '.join(odd)} (only plain LoRA is served)")
+    return config
+
+
+def check_adapter_specs(
+    specs: TensorSpecs, rank: int, targets: list[str], linears: dict[str, tuple[int, int]]
+) -> list[str]:
+    """The adapted modules, when every tensor is one half of a lora_A [r, in] / lora_B [out, r] pair on a
+    targeted linear layer of the served model; else WeightsError naming the first few problems."""
+    problems, halves = [], {}
+    for name, (shape, floating) in specs.items():
+        match = ADAPTER_TENSOR.fullmatch(name)
+        if match is None:
+            problems.append(f"unexpected {name} (not base_model.model.<module>.lora_A/lora_B.weight)")
+            continue
+        module, half = match.groups()
+        halves.setdefault(module, set()).add(half)
+        if module not in linears:
+            problems.append(f"{name}: the served model has no linear layer {module}")
+            continue
+        if not targeted(module, targets):
+            problems.append(f"{name}: {module} is not in the adapter's target_modules")
+        fan_in, fan_out = linears[module]
+        need = (rank, fan_in) if half == "A" else (fan_out, rank)
+        if shape != need:
+            problems.append(f"{name} has shape {shape}, the model needs {need} (r={rank})")
+        elif not floating:
+            problems.append(f"{name} has a non-floating dtype")
+    problems += [f"{module}: lora_{'B' if 'A' in h else 'A'} is missing" for module, h in halves.items() if len(h) < 2]
+    if not halves and not problems:
+        problems.append("no lora_A/lora_B tensors")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise WeightsError("adapter does not match the served model: " + "; ".join(problems[:5]) + more)
+    return sorted(halves)
+
+
+def read_adapter(weight_dir: Path, lora: LoraConfig, linears: dict[str, tuple[int, int]]) -> Adapter:
+    """The adapter of a checked dir as float32 tensors, else WeightsError (a bad dir, non-finite values)."""
+    import torch
+    from safetensors.torch import load_file
+
+    checked = check_adapter_dir(Path(weight_dir), lora, linears)
+    try:
+        tensors = load_file(checked.file)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise WeightsError(f"{checked.file}: cannot read: {e}") from None
+    broken = [name for name, t in tensors.items() if not bool(torch.isfinite(t).all())]
+    if broken:
+        raise WeightsError(f"{checked.file}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
+    pairs = {m: tuple(tensors[f"base_model.model.{m}.lora_{h}.weight"].float() for h in "AB") for m in checked.modules}
+    return Adapter(step=checked.step, scale=checked.scale, pairs=pairs)
 
 
 class BroadcastReceiver:

@@ -18,7 +18,7 @@ Weight updates are read and checked off the worker (weights.py), then handed ove
 swap is pending no request is admitted; once the running rows have finished, the worker copies the tensors
 in between two iterations. No response is ever computed with a mix of two policies, and the route that
 awaits the swap knows every later request sees the new weights. A CPU copy of the base weights taken at
-startup makes `/reload_weights` exact.
+startup makes `/reload_weights` exact, and is what a LoRA adapter (`lora`) is merged onto (weights.py).
 """
 
 from __future__ import annotations
@@ -41,8 +41,16 @@ from prime_rl.inference.config import StartupError
 from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
-from prime_rl.inference.engine.weights import LoadedWeights, checkpoint_specs, load_weight_dir, receive_weights
-from prime_rl.inference.weights import BroadcastReceiver
+from prime_rl.inference.engine.weights import (
+    LoadedWeights,
+    checkpoint_specs,
+    load_adapter_dir,
+    load_weight_dir,
+    lora_targets,
+    receive_weights,
+)
+from prime_rl.inference.weights import BroadcastReceiver, WeightsError
+from prime_rl.utils.config import LoraConfig
 
 logger = logging.getLogger("prime_rl")
 
@@ -131,8 +139,10 @@ class Engine:
         seed: int = 0,
         cpu_threads: int = 0,
         model_impl: str = "auto",
+        lora: LoraConfig | None = None,
     ):
         self.model = model.eval()
+        self.lora = lora  # set: weight updates are adapters, merged onto the base weights
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
@@ -149,6 +159,7 @@ class Engine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
         self.base_weights = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
         self.checkpoint_specs = checkpoint_specs(model)  # what a weight dir must hold (the checkpoint's layout)
+        self.lora_targets = lora_targets(model, lora) if lora is not None else []
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._waiting: collections.deque[_Request] = collections.deque()
         self._swap: _Swap | None = None
@@ -247,12 +258,23 @@ class Engine:
             return await self.swap(loaded.tensors, loaded.step)
 
     async def load_weights(self, weight_dir: Path) -> LoadedWeights:
-        """Check and read a weight dir off the event loop and the worker; the served weights are untouched."""
+        """Check and read a weight dir (an adapter, merged, with `lora`) off the event loop and the worker; the
+        served weights are untouched."""
+        if self.lora is not None:
+            args = (weight_dir, self.model, self.lora, self.base_weights, self.lora_targets)
+            return await asyncio.to_thread(load_adapter_dir, *args)
         return await asyncio.to_thread(load_weight_dir, weight_dir, self.model, self.checkpoint_specs)
+
+    @property
+    def adapter(self) -> str | None:
+        """The name of the LoRA adapter merged into the served weights (None: the base, or full weights)."""
+        return self.lora.name if self.lora is not None and self.step > 0 else None
 
     async def receive_weights(self, request) -> LoadedWeights:
         """Receive a broadcast weight step (a BroadcastRequest) off the event loop; the served weights are
         untouched."""
+        if self.lora is not None:
+            raise WeightsError("this server serves LoRA adapters (model.lora): send them as weight dirs")
         return await asyncio.to_thread(receive_weights, self.receiver, request, self.model, self.checkpoint_specs)
 
     async def reload_weights(self) -> int:
@@ -541,6 +563,7 @@ def build_engine(
     seed: int = 0,
     cpu_threads: int = 0,
     model_impl: str = "auto",
+    lora: LoraConfig | None = None,
 ) -> Engine:
     """Load the model and tokenizer on `device` (auto = CUDA when present) and start the worker."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -556,5 +579,6 @@ def build_engine(
         model = AutoModelForCausalLM.from_pretrained(model_name, dtype=getattr(torch, dtype)).to(device)
     except (OSError, ValueError) as e:  # missing path / not a model dir / hub id unreachable
         raise StartupError(f"cannot load model {model_name!r}: {e}") from None
-    engine = Engine(model, tokenizer, torch.device(device), max_batch_size, max_waiting, seed, cpu_threads, model_impl)
+    device = torch.device(device)
+    engine = Engine(model, tokenizer, device, max_batch_size, max_waiting, seed, cpu_threads, model_impl, lora)
     return engine.start()

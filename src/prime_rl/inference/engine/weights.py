@@ -6,6 +6,12 @@ vLLM): the names and shapes the trainer exports. For an architecture transformer
 experts fused into 3-D tensors) transformers loads the dir, so the same conversion applies; for the others
 the files are read as they are. Tensors are then cast to the model's device and precision (the trainer may
 save float32 for a bfloat16 server). The worker only copies the checked tensors in between two iterations.
+
+A LoRA adapter (a server with `model.lora`) is merged here, also off the worker: every targeted linear layer
+gets W = W_base + (alpha / r) · B @ A, computed in float32 from the engine's pristine base copy and cast to
+the served precision, so each adapter lands on the base (never on the previous merge), layers this adapter
+leaves out go back to the base, and the swap is the same copy as a full update. Merged weights decode at
+the base model's speed (benchmarks/lora_serving.py measured runtime LoRA matmuls slower).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from prime_rl.inference.weights import BroadcastReceiver, WeightsError, check_weight_dir
+from prime_rl.inference.weights import BroadcastReceiver, WeightsError, check_weight_dir, read_adapter, targeted
+from prime_rl.utils.config import LoraConfig
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict
 
 
@@ -64,6 +71,53 @@ def servable(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], 
     if broken:
         raise WeightsError(f"{source}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
     return {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in tensors.items()}
+
+
+def model_linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """module -> (in_features, out_features) of the model's linear layers (the names peft adapters use)."""
+    return {
+        name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+
+
+def lora_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """The linear layers an adapter may change (model.lora.target_modules): what every merge rewrites."""
+    return [m for m in model_linears(model) if targeted(m, lora.target_modules)]
+
+
+def load_adapter_dir(
+    weight_dir: Path, model: torch.nn.Module, lora: LoraConfig, base: dict[str, torch.Tensor], targets: list[str]
+) -> LoadedWeights:
+    """Read a checked adapter dir and merge it onto the base: the new weights of every layer in `targets`."""
+    adapter = read_adapter(Path(weight_dir), lora, model_linears(model))
+    return LoadedWeights(
+        adapter.step, Path(weight_dir), merge_adapter(adapter.pairs, adapter.scale, base, targets, model)
+    )
+
+
+def merge_adapter(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    base: dict[str, torch.Tensor],
+    targets: list[str],
+    model: torch.nn.Module,
+) -> dict[str, torch.Tensor]:
+    """`{module}.weight` = base + (B @ A) · scale for each target (peft's merge, in float32), cast to the served
+    device and precision; targets without a pair get their base weight back.
+
+    E.g. base [[1, 0], [0, 1]], A [[1, 2]], B [[1], [0]], scale 2 -> [[3, 4], [0, 1]].
+    """
+    params = model.state_dict()
+    merged = {}
+    for module in targets:
+        name = f"{module}.weight"
+        param = params[name]
+        weight = base[name].to(device=param.device, dtype=torch.float32)
+        if module in pairs:
+            a, b = (t.to(param.device) for t in pairs[module])
+            weight = weight + (b @ a) * scale
+        merged[name] = weight.to(param.dtype)
+    return merged
 
 
 def receive_weights(receiver: BroadcastReceiver, request, model: torch.nn.Module, specs: TensorSpecs) -> LoadedWeights:

@@ -10,8 +10,10 @@ Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
 
 from __future__ import annotations
 
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig, StartupError
 
+# `--max-lora-rank` values vLLM 0.26 accepts (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 WORKER_EXTENSION = "prime_rl.inference.vllm.worker.WeightUpdateExtension"
 CONTROL_PLANE = "prime_rl.inference.vllm.server.VllmControlPlane"
 
@@ -38,6 +40,9 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
         args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.trust_request_chat_template:
         args.append("--trust-request-chat-template")
+    if config.model.lora is not None:
+        # One adapter (the policy's), replaced in place at each step (server.py).
+        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(config.model.lora.rank)), "--max-loras", "1"]
     multi_node = {
         "--data-parallel-size-local": config.data_parallel_size_local,
         "--data-parallel-address": config.data_parallel_address,
@@ -54,3 +59,11 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
         args += ["--api-server-count", "1", "--middleware", CONTROL_PLANE]
     args += ["--disable-uvicorn-access-log", "--disable-fastapi-docs"]
     return args
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`: 4 -> 8, 16 -> 16."""
+    fitting = [r for r in LORA_RANKS if r >= rank]
+    if not fitting:
+        raise StartupError(f"model.lora.rank {rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+    return fitting[0]

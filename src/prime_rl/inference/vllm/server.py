@@ -7,6 +7,13 @@ behave exactly as on the built-in engine. A weight swap, once no request is in f
 scheduler (clearing the prefix cache, which holds keys of the old weights), has every worker load the
 tensors (`collective_rpc("update_weights_from_path")`, worker.py) and resumes. Only one API server runs
 (in this process); `--headless` nodes run engines only and serve no routes.
+
+With `model.lora` vLLM runs with `--enable-lora` and the weight dirs are peft adapters: each is checked
+(inference/weights.py) and, at the gate, loaded through vLLM's own LoRA API in place of the previous one under
+the name `model.lora.name` (`OpenAIServingModels.load_lora_adapter(load_inplace=True)`, the object behind
+vLLM's `/v1/load_lora_adapter`), so requests naming the adapter get base + adapter; `/reload_weights`
+unloads it. Requests naming the base model keep getting the base weights, and say so: their
+`x-weight-step` is 0 (`base_name`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.control import BroadcastRequest, ControlPlane
 from prime_rl.inference.vllm.args import vllm_serve_args
-from prime_rl.inference.weights import WeightsError, check_weight_dir, read_specs
+from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
 logger = logging.getLogger("prime_rl")
@@ -52,6 +59,7 @@ class VllmControlPlane(ControlPlane):
     async def __call__(self, scope, receive, send):
         if self.served.client is None and "app" in scope:
             self.served.client = scope["app"].state.engine_client
+            self.served.models = getattr(scope["app"].state, "openai_serving_models", None)
         await super().__call__(scope, receive, send)
 
 
@@ -63,7 +71,10 @@ class VllmModel:
     def __init__(self, config: InferenceConfig):
         self.model = config.model.name
         self.receivers = config.parallel.tp * config.parallel.dp  # one seat per worker
+        self.lora = config.model.lora
+        self.adapter: str | None = None  # the LoRA adapter loaded (its name), None: none
         self.client: Any = None
+        self.models: Any = None  # vLLM's OpenAIServingModels, which loads LoRA adapters
         self._specs: TensorSpecs | None = None
 
     def served_specs(self) -> TensorSpecs:
@@ -75,9 +86,21 @@ class VllmModel:
             self._specs = read_specs(files)
         return self._specs
 
+    @property
+    def base_name(self) -> str | None:
+        """While an adapter is loaded, the name under which requests still get the base weights (step 0)."""
+        return self.model if self.adapter is not None else None
+
     async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Path | BroadcastRequest | None]:
         if source is None:
             return 0, None
+        if self.lora is not None:
+            if isinstance(source, BroadcastRequest):
+                raise WeightsError("this server serves LoRA adapters (model.lora): send them as weight dirs")
+            # The tensors are read once here for the finite-values check; vLLM reads the dir again to load it.
+            linears = linear_shapes(self.served_specs())
+            adapter = await asyncio.to_thread(read_adapter, source, self.lora, linears)
+            return adapter.step, source
         hf_config = self.client.model_config.hf_config.to_dict()
         if isinstance(source, BroadcastRequest):
             served = [(name, list(shape), floating) for name, (shape, floating) in self.served_specs().items()]
@@ -91,9 +114,13 @@ class VllmModel:
         return step, source
 
     async def apply(self, source: Path | BroadcastRequest | None) -> None:
+        # Pausing clears the prefix cache: its blocks hold keys of the old weights (or the old adapter,
+        # whose id an in-place load keeps).
         await self.client.pause_generation(mode="wait", clear_cache=True)
         try:
-            if source is None:
+            if self.lora is not None:
+                await (self.unload_adapter() if source is None else self.load_adapter(source))
+            elif source is None:
                 await self.client.collective_rpc("reload_base_weights")
             elif isinstance(source, BroadcastRequest):
                 await self.client.collective_rpc("apply_received")
@@ -102,5 +129,26 @@ class VllmModel:
         finally:
             await self.client.resume_generation()
 
+    async def load_adapter(self, weight_dir: Path) -> None:
+        """Serve the adapter in `weight_dir` under `model.lora.name`, replacing the loaded one."""
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        request = LoadLoRAAdapterRequest(lora_name=self.lora.name, lora_path=str(weight_dir), load_inplace=True)
+        result = await self.models.load_lora_adapter(request)
+        if isinstance(result, ErrorResponse):  # vLLM loads the new one before evicting: the old one serves on
+            raise WeightsError(f"{weight_dir}: vLLM cannot load the adapter: {result.error.message}")
+        self.adapter = self.lora.name
+
+    async def unload_adapter(self) -> None:
+        """Serve the base model only (a request naming the adapter is then a 404)."""
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        loaded = self.models.lora_requests.get(self.lora.name)
+        if loaded is not None:
+            await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=self.lora.name))
+            await self.client.remove_lora(loaded.lora_int_id)
+        self.adapter = None
+
     def health(self) -> dict[str, Any]:
-        return {}
+        return {"adapter": self.adapter} if self.lora is not None else {}
