@@ -10,6 +10,10 @@ that computed all of its tokens), never with the client's guess of what the serv
 `floor` (the oldest policy the current step may use) is thrown away: that server gets the pool's weights
 again and the request is retried.
 
+With LoRA (`adapter`, the servers' `model.lora.name`), requests name the adapter once the servers hold one
+(after `update_weights`) and the base model before it and after `reload_weights`; the name is chosen at each
+attempt, so a request retried after its server got the pool's weights again names what that server holds.
+
 Completions come back as token ids (never re-tokenized text): the response's `prompt_token_ids`, each
 choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token_id:<id>`.
 """
@@ -113,9 +117,16 @@ def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], li
 class InferenceClient:
     """Async client for a pool of inference servers. Use as `async with InferenceClient(...) as client:`."""
 
-    def __init__(self, config: ClientConfig, model: str, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        config: ClientConfig,
+        model: str,
+        transport: httpx.AsyncBaseTransport | None = None,
+        adapter: str | None = None,
+    ):
         self.config = config
         self.model = model
+        self.adapter = adapter  # the LoRA adapter's served name (model.lora.name); None: full weights
         self.pool = ServerPool(config.base_url, config.traffic_share, config.max_concurrency)
         headers = {}
         api_key = os.environ.get(config.api_key_var, "") if config.api_key_var else ""
@@ -192,6 +203,7 @@ class InferenceClient:
             if server is None:
                 raise InferenceError(f"no live inference server left (all of {self.pool.base_urls} were taken out)")
             url = f"{server.base}{path}"
+            body = body | {"model": self.request_model}
             server.requests += 1
             try:
                 data, headers = await self._exchange("POST", url, body, server)
@@ -217,6 +229,11 @@ class InferenceClient:
                     f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
                 )
             return [Completion(*choice, weight_step=weight_step) for choice in choices]
+
+    @property
+    def request_model(self) -> str:
+        """The model requests name: the LoRA adapter once the pool serves one, else the base model."""
+        return self.adapter if self.adapter is not None and self.weight_dir is not None else self.model
 
     def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
         # Every sampling parameter is sent, neutral ones too, so no server default (vLLM's, or a checkpoint's
