@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prime_rl.utils.config import Section
 
 
 class OptimConfig(Section):
+    type: Annotated[
+        Literal["adamw", "muon"],
+        Field(
+            description="adamw: fused AdamW for every trainable parameter; muon: torch's Muon for the 2-D weight "
+            "matrices of the decoder layers and fused AdamW for the rest (embeddings, head, norms, biases)"
+        ),
+    ] = "adamw"
     lr: Annotated[float, Field(gt=0, description="AdamW learning rate (peak, after warmup)")] = 1e-6
     weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay")] = 0.0
     betas: Annotated[tuple[float, float], Field(description="AdamW betas")] = (0.9, 0.999)
@@ -19,3 +26,31 @@ class OptimConfig(Section):
         Field(description="learning-rate schedule after warmup: constant, or decay to 0 at max_steps"),
     ] = "constant"
     warmup_steps: Annotated[int, Field(ge=0, description="steps of linear warmup from 0 to lr")] = 0
+    muon_lr: Annotated[
+        float | None,
+        Field(gt=0, description="Muon learning rate (peak, after warmup; same schedule as lr); unset = lr"),
+    ] = None
+    muon_weight_decay: Annotated[
+        float | None, Field(ge=0, description="Muon decoupled weight decay; unset = weight_decay")
+    ] = None
+    muon_momentum: Annotated[float, Field(ge=0, lt=1, description="Muon momentum")] = 0.95
+    muon_nesterov: Annotated[bool, Field(description="Muon: Nesterov momentum")] = True
+    muon_ns_steps: Annotated[
+        int, Field(ge=1, lt=100, description="Muon: Newton–Schulz iterations orthogonalizing each update")
+    ] = 5
+    muon_adjust_lr_fn: Annotated[
+        Literal["original", "match_rms_adamw"],
+        Field(
+            description="Muon's per-matrix lr scale: match_rms_adamw (0.2·sqrt(max(rows, cols)), Moonshot) gives "
+            "updates of AdamW's size, so AdamW's lr and weight decay carry over; original (sqrt(max(1, rows/cols)), "
+            "Keller Jordan) wants a lr around 0.02"
+        ),
+    ] = "match_rms_adamw"
+
+    @model_validator(mode="after")
+    def _muon_settings_need_muon(self):
+        muon_only = sorted(k for k in self.model_fields_set if k.startswith("muon_"))
+        if self.type != "muon" and muon_only:
+            keys = ", ".join("optim." + k.replace("_", "-") for k in muon_only)
+            raise ValueError(f"{keys} apply only with optim.type = 'muon' (it is {self.type!r})")
+        return self
