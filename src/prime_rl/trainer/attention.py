@@ -17,6 +17,17 @@ Rather than materialising that L×L mask, the model gets the sample boundaries (
   Either way attention costs Σ len² rather than L² (our CPU kernel: Σ len²/2). `packed_attention_mask`
   is the same rule as an explicit mask, kept as the reference the tests compare against.
 
+Models may ask the attention function for two more things (Gemma 2 asks for both):
+- `softcap`: scores become tanh(scores / softcap)·softcap before the softmax;
+- `sliding_window` w: a query sees only itself and the w − 1 keys before it.
+Our fast kernels implement neither, so `packed_attention` then runs `capped_window_attention` per sample,
+transformers' eager attention on plain torch ops (memory Σ len², like its eager path). transformers'
+`flash_attention_2` honours both on packed rows: `_flash_attention_forward` takes the varlen path for
+`cu_seq_lens_*` and `_process_flash_attention_kwargs` passes `softcap` and window_size = (w − 1, w − 1)
+to flash-attn, whose window is per sample on varlen input (read in transformers 5.x, not run here). A
+flash-attn without those parameters (< 2.3: no window_size, < 2.6: no softcap) would have the window
+dropped silently (softcap raises); that, and what no path reproduces, `check_supported` refuses at load.
+
 On CPU the op is opaque to torch.compile, so a compiled decoder layer stays one graph around it whatever
 the sample lengths. Its kernel is ours (`csrc/causal_attention.cpp`, built with the local C++ compiler on
 first use and cached per machine): query blocks of 64 rows read only the keys up to their last row, so a
@@ -32,6 +43,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger("prime_rl")
 
@@ -152,14 +164,29 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
     """HF attention interface: query/key/value [1, heads, L, dim] → out [1, L, heads, dim].
 
     Without `cu_seq_lens_q` (a plain HF forward, e.g. generation) it is ordinary SDPA with the given mask.
+    With `softcap` or a `sliding_window` that some sample outgrows (Gemma 2/3, Mistral, Qwen2 with
+    use_sliding_window) it is `capped_window_attention`, per sample (or on the whole rows of a plain forward).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    for unused in ("cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
+    for unused in ("cu_seq_lens_k", "max_length_k", "is_causal"):
         kwargs.pop(unused, None)
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    longest = kwargs.pop("max_length_q", None)
+    softcap, window = kwargs.pop("softcap", None), kwargs.pop("sliding_window", None)
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    if cu_seq_lens_q is None:
+        if softcap is None and window is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        dropout = kwargs.get("dropout", 0.0)
+        return capped_window_attention(query, key, value, scale, softcap, window, dropout, attention_mask), None
+    if window is not None and longest is not None and longest <= window:
+        window = None  # every sample fits in the window: it hides no key (Mistral's 4096 on short samples)
+    if softcap is not None or window is not None:
+        lengths = cu_seq_lens_q.diff().tolist()
+        per_sample = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+        dropout = kwargs.get("dropout", 0.0)
+        outs = [capped_window_attention(q, k, v, scale, softcap, window, dropout) for q, k, v in per_sample]
+        return torch.cat(outs, dim=1), None
     if query.device.type == "cpu" and not kwargs.get("dropout"):
         return packed_causal_attention(query, key, value, cu_seq_lens_q, scale)[0], None
     # `split`, not slicing: the backward of n slices zero-fills and adds n full-length [1, heads, L, dim]
@@ -172,6 +199,52 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
     return torch.cat(outs, dim=1), None
 
 
+def capped_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    dropout: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sample as transformers' eager attention computes it (Gemma 2's
+    `eager_attention_forward`): query [B, H, q, D], key/value [B, KV, k, D] (KV divides H; the queries are
+    the last q of the k positions) → out [B, q, H, D].
+
+    scores = (query @ keyᵀ)·scale, then with `softcap` tanh(scores / softcap)·softcap, then masked and
+    softmaxed in float32. With `window` a query sees itself and the `window − 1` keys before it: transformers'
+    `sliding_window_overlay` keeps kv > q − window, and its flash-attention path passes window_size
+    (window − 1, window − 1). `mask` (a 4-D HF mask, boolean or additive) further restricts the keys.
+    Without softcap (and additive mask) the boolean mask goes to SDPA, which need not hold the [q, k] weights
+    per head. Memory is q·k (per head with softcap): a packed row costs Σ len² here, not the fast kernels' Σ len.
+    """
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    q_len, k_len = query.shape[2], key.shape[2]
+    q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+    k_pos = torch.arange(k_len, device=query.device)[None]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    if mask is not None and mask.dtype == torch.bool:
+        allowed, mask = allowed & mask, None
+    if softcap is None and mask is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scale)
+        return out.transpose(1, 2)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout:
+        weights = F.dropout(weights, p=dropout)
+    return torch.matmul(weights, value).transpose(1, 2)
+
+
 def packed_attention_mask(cu_seqlens: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
     """Boolean [1, 1, L, L] mask: causal within each sample of the packed row, nothing across samples."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
@@ -179,3 +252,43 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, length: int, device: torch.d
     same_sample = sample_of[:, None] == sample_of[None, :]
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     return (same_sample & causal)[None, None]
+
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise TrainerError naming any attention feature of `model` that packed rows would silently get wrong.
+
+    The packed paths know causal attention within each sample, softcap and sliding windows. They ignore the
+    attention mask (HF builds none for a custom attention function), so mask-only features are lost:
+    chunked attention (Llama 4), bidirectional attention (Gemma 3 `use_bidirectional_attention`), and
+    layers that are not attention (linear attention / state-space layers would run across sample
+    boundaries). Attention sinks (gpt-oss) are an extra softmax column no packed path adds.
+    """
+    from prime_rl.trainer.errors import TrainerError
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    arch = type(model).__name__
+    features = []
+    if getattr(config, "attention_chunk_size", None):
+        features.append(f"chunked attention (attention_chunk_size = {config.attention_chunk_size})")
+    if getattr(config, "use_bidirectional_attention", False):
+        features.append("bidirectional attention (use_bidirectional_attention)")
+    other = sorted(set(getattr(config, "layer_types", None) or []) - set(SUPPORTED_LAYER_TYPES))
+    if other:
+        features.append(f"layer types {', '.join(other)} (only {' and '.join(SUPPORTED_LAYER_TYPES)})")
+    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
+        features.append("attention sinks")
+    if model.config._attn_implementation == "flash_attention_2":
+        import inspect
+
+        from flash_attn import flash_attn_varlen_func
+
+        supported = inspect.signature(flash_attn_varlen_func).parameters
+        if getattr(config, "sliding_window", None) is not None and "window_size" not in supported:
+            features.append("sliding windows with this flash-attn (< 2.3, no window_size)")
+        if getattr(config, "attn_logit_softcapping", None) is not None and "softcap" not in supported:
+            features.append("attention softcapping with this flash-attn (< 2.6, no softcap)")
+    if features:
+        raise TrainerError(f"{arch}: the trainer's packed attention cannot reproduce {'; '.join(features)}")

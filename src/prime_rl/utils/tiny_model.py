@@ -2,8 +2,9 @@
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained (deterministically) on a small
 generated corpus, with ChatML special tokens and a chat template; the model is a randomly
-initialised Qwen3 or Llama of ~0.3M parameters, or a Qwen3-MoE / Mixtral with 4 experts (2 per token).
-Both are written with `save_pretrained`, so every part of prime-rl loads them exactly like a hub model.
+initialised Qwen3 or Llama of ~0.3M parameters, a Qwen3-MoE / Mixtral with 4 experts (2 per token), or a
+Gemma2 with attention-logit and final-logit softcapping and sliding-window layers (window 8) alternating with
+full ones. Each is written with `save_pretrained`, so every part of prime-rl loads them exactly like a hub model.
 
     uv run tiny-model outputs/tiny-qwen3 --arch qwen3
 """
@@ -14,7 +15,7 @@ import argparse
 import random
 from pathlib import Path
 
-ARCHS = ("qwen3", "llama", "qwen3_moe", "mixtral")
+ARCHS = ("qwen3", "llama", "qwen3_moe", "mixtral", "gemma2")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -24,6 +25,10 @@ CHAT_TEMPLATE = (
 )
 # Letters and short words: enough structure for BPE merges, and what the built-in environments write.
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+# The tiny Gemma2's softcaps (attention scores, final logits) and its sliding window (keys a query sees).
+GEMMA2_ATTN_SOFTCAP = 2.0
+GEMMA2_FINAL_SOFTCAP = 5.0
+GEMMA2_SLIDING_WINDOW = 8
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
@@ -64,7 +69,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 
 
 def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 2, max_len: int = 4096):
-    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma2Config, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -91,6 +96,20 @@ def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: 
         )
     if arch == "mixtral":
         return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+    if arch == "gemma2":
+        # Weights 5× the usual init scale and low caps (the released models use 50 and 30) so that both caps
+        # bite at random init: ignoring the attention cap moves logprobs by ~0.2, the final one by ~0.05.
+        # Layers alternate sliding / full as in Gemma 2; the window is shorter than the test samples.
+        return Gemma2Config(
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            initializer_range=0.1,
+            attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+            final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
+            sliding_window=GEMMA2_SLIDING_WINDOW,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            **common,
+        )
     raise ValueError(f"unknown tiny-model arch {arch!r}; choose from {ARCHS}")
 
 
