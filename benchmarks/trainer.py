@@ -153,20 +153,15 @@ def serve_variant(args: argparse.Namespace) -> None:
 
 def build_ours(args, samples):
     from prime_rl.trainer.fake_data import pack_samples
-    from prime_rl.trainer.model import build_model
-    from prime_rl.trainer.optim import build_optimizer
-    from prime_rl.trainer.parallel import apply_fsdp, init_distributed
+    from prime_rl.trainer.model import build_training
+    from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.config import TrainerConfig
     from prime_rl.trainer.rl.train import train_step
 
     compile = args.variant == "ours-compile"
     config = TrainerConfig(model={"name": str(args.model)}, device="cpu", optim={"lr": 1e-5}, compile=compile)
     d = init_distributed("cpu")
-    model = build_model(str(args.model), device_type="cpu", compile=compile)
-    import torch
-
-    apply_fsdp(model, d, torch.float32)
-    optimizer = build_optimizer(model, config.optim)
+    model, optimizer, _ = build_training(config, d, max_steps=1)
     rows = pack_samples(samples, args.seq_len, seed=0)
 
     def step() -> int:

@@ -691,7 +691,8 @@ def trainer_logprobs(model, prompt: list[int], completion: list[int], temperatur
     """The trainer's logprobs of `completion` after `prompt`: its model (a dir, or one it built), its packed
     forward, its loss positions."""
     from prime_rl.protocol.records import MicroBatch
-    from prime_rl.trainer.model import build_model, forward_logprobs
+    from prime_rl.trainer.logprobs import forward_logprobs
+    from prime_rl.trainer.model import build_model
 
     ids = torch.tensor([prompt + completion])
     mask = torch.tensor([[False] * len(prompt) + [True] * len(completion)])

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import is_stable, weights_dir
 from prime_rl.protocol.records import MicroBatch, write_rank_file
-from prime_rl.trainer.model import build_model, forward_logprobs
+from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.model import build_model
 from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port

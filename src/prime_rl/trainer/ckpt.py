@@ -5,7 +5,9 @@ A checkpoint at step n is the trainer's state after n optimizer steps, shared by
     .metadata, __<rank>_0.distcp   DCP: model + optimizer (sharded as trained), scheduler, progress
     rng_rank<r>.pt                  torch RNG state of rank r (restored when the world size matches)
     hf/                             config, generation config and tokenizer, so `convert-checkpoint`
-                                    can write a standalone HF model from this directory alone
+                                    can write a standalone HF model from this directory alone; with
+                                    LoRA also `adapter_config.json` (the shards then hold the adapter
+                                    and its optimizer state only; the base is the one it names)
     STABLE                          written last by rank 0 after every rank finished: only then it counts
 
 DCP reshards on load, so a checkpoint resumes on any world size. `load_hf_state_dict` reads the model
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir, writing
 from prime_rl.protocol.paths import STABLE
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.weights import adapter_config
 
 logger = logging.getLogger("prime_rl")
 
@@ -100,10 +103,19 @@ class Progress:
     position: int = 0  # SFT: samples of the current epoch already used
 
 
+def state_dict_options(model):
+    """With LoRA the base is frozen and stays the base model's: a checkpoint holds the adapter (and its
+    optimizer state) only, and loading one leaves the frozen base as loaded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _app_state(model, optimizer, scheduler, progress: Progress) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
     return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "progress": asdict(progress)}
 
 
@@ -128,6 +140,8 @@ def save_checkpoint(
             files.config.save_pretrained(hf)
             files.generation_config.save_pretrained(hf)
             files.tokenizer.save_pretrained(hf)
+            if files.lora is not None:  # the shards hold the adapter only; this names its base
+                adapter_config(files).save_pretrained(hf)
     dist.barrier()
     if rank == 0:
         mark_stable(path)
@@ -143,7 +157,8 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     base_lrs = list(scheduler.base_lrs)
     state = _app_state(model, optimizer, scheduler, Progress())
     dcp.load(state, storage_reader=_safe_reader(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = state_dict_options(model)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(state["scheduler"])
     # The schedule follows this run's config (lr, warmup, max_steps may have changed, e.g. a longer run):
     # keep the step count from the checkpoint but recompute the current learning rate from it.

@@ -1,4 +1,5 @@
-"""Config sections shared by the RL trainer and SFT (optimizer, schedule). Imports no torch."""
+"""Config shared by the RL trainer and SFT: the optimizer and every common field (`TrainingConfig`).
+Imports no torch."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import Section
+from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
 
 
 class OptimConfig(Section):
@@ -54,3 +55,28 @@ class OptimConfig(Section):
             keys = ", ".join("optim." + k.replace("_", "-") for k in muon_only)
             raise ValueError(f"{keys} apply only with optim.type = 'muon' (it is {self.type!r})")
         return self
+
+
+class TrainingConfig(BaseConfig):
+    """The fields every trainer (RL `trainer`, `sft`) has, from this one place: the model and how it is
+    placed, parallelized and optimized, checkpoints and logging."""
+
+    model: Annotated[ModelConfig, Field(description="the policy model (and its LoRA adapter, if any)")] = ModelConfig()
+    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto = CUDA when present")] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16"], Field(description="parameter dtype; auto = fp32 on CPU, bf16 on CUDA")
+    ] = "auto"
+    seed: Annotated[int, Field(description="torch seed (SFT: also the data order)")] = 0
+    activation_checkpointing: Annotated[
+        bool, Field(description="recompute each decoder layer's activations in backward (less memory, ~30% slower)")
+    ] = False
+    compile: Annotated[
+        bool,
+        Field(description="torch.compile each decoder layer (fused elementwise ops; the first step compiles, ~30 s)"),
+    ] = False
+    cpu_offload: Annotated[
+        bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
+    ] = False
+    optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig()
+    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
+    log: Annotated[LogConfig, Field(description="logging")] = LogConfig()

@@ -51,6 +51,47 @@ def init_distributed(device_type: str) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+def parallelize(model: torch.nn.Module, d: Dist, config) -> None:
+    """Make a trainer config's (RL or SFT) model ready to train on `d`, in the one order that works:
+    activation checkpointing wraps each decoder layer, compile then compiles the layer's forward (the
+    checkpoint and FSDP hooks stay eager, parameter names unchanged), FSDP shards last."""
+    if config.activation_checkpointing:
+        apply_ac(model)
+    if config.compile:
+        apply_compile(model, d.device.type)
+    apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
+
+
+def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """Dtype of the weights in forward/backward; the master copy is always float32."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, choice)
+
+
+def apply_ac(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (HF's own hook keeps parameter names intact)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers; the old name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def apply_compile(model: torch.nn.Module, device_type: str) -> None:
+    """Compile each decoder layer's `forward` (not `__call__`: hooks stay eager, parameter names unchanged).
+
+    Each layer compiles once for every row length (dynamic shapes): inductor fuses the norms, rotary
+    embedding and SwiGLU around the matmuls; the packed attention op stays opaque."""
+    import shutil
+
+    compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if device_type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        raise TrainerError("--compile on CPU needs a C++ compiler (g++, or $CXX); install one or drop --compile")
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
     """Shard every decoder layer, then the root (embeddings, final norm, head), over all ranks.
 

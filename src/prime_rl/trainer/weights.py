@@ -11,6 +11,11 @@ fused into 3-D `mlp.experts.gate_up_proj`/`down_proj`; Mixtral's `block_sparse_m
 The inference servers load by checkpoint names, so the export undoes that conversion exactly as
 `save_pretrained` does, and `check_export_layout` refuses at start-up a model where that would not
 give back its checkpoint's names and shapes.
+
+With `[model.lora]` only the adapter is shipped: `weights/step_n` is then a peft adapter dir,
+`adapter_config.json` + `adapter_model.safetensors` (float32, peft's names
+`base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]) + `STABLE`, which vLLM's
+LoRA loader and peft read as they are and the built-in engine merges into its base weights.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from prime_rl.protocol import (
     writing,
 )
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.utils.config import LoraConfig
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
+from prime_rl.utils.lora import ADAPTER_WEIGHTS, PEFT_PREFIX
 from prime_rl.utils.memory import PeakMemory
 
 logger = logging.getLogger("prime_rl")
@@ -56,9 +63,11 @@ class ModelFiles:
     generation_config: object  # transformers.GenerationConfig
     tokenizer: object  # transformers.PreTrainedTokenizerBase
     dtype: torch.dtype  # dtype the weights are saved in: the base model's own
+    name: str = ""  # the base model (hub id or path), which an adapter names
+    lora: LoraConfig | None = None  # set: only the adapter is exported
 
 
-def build_model_files(name: str) -> ModelFiles:
+def build_model_files(name: str, lora: LoraConfig | None = None) -> ModelFiles:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(name)
@@ -66,7 +75,8 @@ def build_model_files(name: str) -> ModelFiles:
         generation_config = GenerationConfig.from_pretrained(name)
     except OSError:  # not every model ships one; derive it from the model config like transformers does
         generation_config = GenerationConfig.from_model_config(config)
-    return ModelFiles(config, generation_config, AutoTokenizer.from_pretrained(name), saved_dtype(config))
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    return ModelFiles(config, generation_config, tokenizer, saved_dtype(config), name, lora)
 
 
 def saved_dtype(config) -> torch.dtype:
@@ -143,11 +153,15 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
             if rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)  # a leftover of an interrupted save
                 partial.mkdir(parents=True)
-                files.config.save_pretrained(partial)
-                files.generation_config.save_pretrained(partial)
-                files.tokenizer.save_pretrained(partial)
+                if files.lora is None:
+                    files.config.save_pretrained(partial)
+                    files.generation_config.save_pretrained(partial)
+                    files.tokenizer.save_pretrained(partial)
             dist.barrier()  # the dir exists before any rank writes into it
-            if reverts_conversion(model):
+            if files.lora is not None:
+                write_adapter(model, files, partial, rank)
+                written = []
+            elif reverts_conversion(model):
                 state_dict = gather_full_state_dict(model)
                 if rank == 0:
                     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -177,6 +191,43 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
     _fsync(path.parent)
     shutil.rmtree(replaced, ignore_errors=True)
     return path
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the model's state dict (possibly FSDP shards) under peft's file names:
+    `model.layers.0.mlp.up_proj.lora_A.default.weight` → `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
+    from prime_rl.trainer.model import ADAPTER
+
+    tag = f".{ADAPTER}."
+    return {
+        PEFT_PREFIX + name.replace(tag, "."): t
+        for name, t in model.state_dict().items()
+        if (".lora_A." in name or ".lora_B." in name) and tag in name
+    }
+
+
+def adapter_config(files: ModelFiles):
+    """peft's LoraConfig of the exported adapter (dropout 0: serving never drops)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    lora = files.lora
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=sorted(lora.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=files.name,
+    )
+
+
+def write_adapter(model: torch.nn.Module, files: ModelFiles, path: Path, rank: int) -> None:
+    """Collective: every rank takes part in gathering the (small) adapter tensors; rank 0 writes them."""
+    tensors = {name: full_tensor(t).detach().float().cpu() for name, t in adapter_state(model).items()}
+    if rank == 0:
+        adapter_config(files).save_pretrained(path)
+        write_safetensors(tensors, path, torch.float32, tied=False, filename=ADAPTER_WEIGHTS)
 
 
 def reverts_conversion(model: torch.nn.Module) -> bool:
@@ -278,6 +329,7 @@ def write_safetensors(
     dtype: torch.dtype,
     tied: bool,
     max_shard_size: str = MAX_SHARD_SIZE,
+    filename: str = "model.safetensors",
 ) -> None:
     """Shards named like `save_pretrained`'s (`model.safetensors` or `model-0000i-of-0000n.safetensors` + index)."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -285,14 +337,15 @@ def write_safetensors(
 
     state_dict = drop_tied_head(state_dict, tied)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    pattern = filename.replace(".safetensors", "{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         shard = {name: tensors[name] for name in names}
         atomic_write(path / filename, lambda f, shard=shard: f.write(save(shard, metadata={"format": "pt"})))
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
         index["weight_map"] = split.tensor_to_filename
-        atomic_write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
+        atomic_write_text(path / f"{filename}.index.json", json.dumps(index, indent=2))
 
 
 def prune_weights(output_dir: Path, keep: int) -> list[int]:

@@ -401,7 +401,7 @@ class LoraConfig(Section):
     alpha: Annotated[float, Field(gt=0, description="scale: the update is (alpha / rank) * B A")] = 32.0
     dropout: Annotated[
         float,
-        Field(ge=0, lt=1, description="dropout on the adapter's input (SFT only: RL needs the served policy's logprobs)"),
+        Field(ge=0, lt=1, description="dropout on the adapter's input (SFT only: RL needs the policy's own logprobs)"),
     ] = 0.0
     target_modules: Annotated[
         list[str], Field(min_length=1, description="names of the linear layers that get an adapter")
@@ -411,9 +411,7 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     name: Annotated[str, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
-    lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = (
-        None
-    )
+    lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = None
 
 
 class LogConfig(Section):

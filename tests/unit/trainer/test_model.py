@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from prime_rl.protocol.records import MicroBatch
-from prime_rl.trainer.model import build_model, forward_logprobs, sample_starts
+from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
+from prime_rl.trainer.model import build_model
+from prime_rl.trainer.parallel import apply_ac, apply_compile
 
 
 def _sample(ids: list[int]) -> dict:
@@ -41,7 +43,9 @@ def test_activation_checkpointing_leaves_gradients_unchanged(tiny_model):
     mb = MicroBatch.pack([_sample(list(range(5, 17))), _sample(list(range(40, 47)))], temperature=1.0)
     grads = []
     for ac in (False, True):
-        model = build_model(str(tiny_model), activation_checkpointing=ac)
+        model = build_model(str(tiny_model))
+        if ac:
+            apply_ac(model)
         forward_logprobs(model, mb, torch.device("cpu")).logprobs.sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
@@ -81,7 +85,9 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients_for_any_row_lengt
         for lengths in ([9, 300], [40, 7, 3], [5])
     ]
     eager = build_model(str(tiny_model))
-    compiled = build_model(str(tiny_model), activation_checkpointing=True, compile=True)
+    compiled = build_model(str(tiny_model))
+    apply_ac(compiled)
+    apply_compile(compiled, "cpu")
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     for mb in rows:
         for model in (eager, compiled):

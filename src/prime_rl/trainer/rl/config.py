@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from prime_rl.trainer.config import OptimConfig
+from prime_rl.trainer.config import TrainingConfig
 from prime_rl.utils.config import (
-    BaseConfig,
-    CkptConfig,
-    LogConfig,
-    ModelConfig,
     OutputDir,
     Section,
     WeightBroadcastConfig,
@@ -59,37 +55,19 @@ class DataConfig(Section):
     fake_max_len: Annotated[int, Field(ge=2, description="fake data: longest sample")] = 512
 
 
-class TrainerConfig(BaseConfig):
+class TrainerConfig(TrainingConfig):
     """FSDP2 RL trainer: reads packed rollouts, updates the policy, writes HF weights every step."""
 
-    model: Annotated[ModelConfig, Field(description="the policy model")] = ModelConfig()
     output_dir: OutputDir
     max_steps: Annotated[int, Field(ge=1, description="optimizer steps to run")] = 20
     async_level: Annotated[
         int, Field(ge=0, description="orchestrator lag; the newest async_level + 1 weight steps are kept")
     ] = 1
-    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto = CUDA when present")] = "auto"
-    dtype: Annotated[
-        Literal["auto", "float32", "bfloat16"], Field(description="parameter dtype; auto = fp32 on CPU, bf16 on CUDA")
-    ] = "auto"
-    seed: Annotated[int, Field(description="torch seed")] = 0
-    activation_checkpointing: Annotated[
-        bool, Field(description="recompute each decoder layer's activations in backward (less memory, ~30% slower)")
-    ] = False
-    compile: Annotated[
-        bool,
-        Field(description="torch.compile each decoder layer (fused elementwise ops; the first step compiles, ~30 s)"),
-    ] = False
-    cpu_offload: Annotated[
-        bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
-    ] = False
-    optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig()
     loss: Annotated[LossConfig, Field(description="RL loss")] = LossConfig()
     data: Annotated[DataConfig, Field(description="reading rollouts")] = DataConfig()
     keep_weights: Annotated[
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None
-    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     weight_transfer: WeightTransfer = "filesystem"
     weight_broadcast: Annotated[WeightBroadcastConfig, Field(description="weight_transfer = broadcast")] = (
         WeightBroadcastConfig()
@@ -100,4 +78,18 @@ class TrainerConfig(BaseConfig):
     bench_peak_tflops: Annotated[
         float | None, Field(gt=0, description="device peak TFLOP/s for MFU; unset = known GPUs only")
     ] = None
-    log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+
+    @model_validator(mode="after")
+    def _lora_reproducible(self):
+        lora = self.model.lora
+        if lora is not None and lora.dropout > 0:
+            raise ValueError(
+                f"model.lora.dropout = {lora.dropout}: with adapter dropout the trainer's logprobs are not the "
+                "served policy's, which RL's importance ratios need; set it to 0 (SFT accepts it)"
+            )
+        if lora is not None and self.weight_transfer == "broadcast":
+            raise ValueError(
+                "model.lora with weight_transfer = broadcast: adapters reach the servers as files (a few MB); "
+                "use weight_transfer = filesystem"
+            )
+        return self

@@ -11,124 +11,85 @@ micro batches (gradient accumulation), the ranks clip and step AdamW together, a
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import signal
 import time
-from dataclasses import dataclass
 
-from prime_rl.protocol import DiskFull, RunLocked, WaitTimeout, WriterDead
+from prime_rl.trainer import service
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.parallel import run_lock
 from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.utils.config import parse_config, write_run_config
-from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.process import die_with_parent
 
 logger = logging.getLogger("prime_rl")
 
 
 def main() -> None:
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent (it may be SIGKILLed)
-        die_with_parent(signal.SIGKILL)
-    config = parse_config(TrainerConfig)
-    rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
-        setup_logging("trainer", config.output_dir, config.log.level, config.log.file)
-    else:  # one log per service: other ranks only surface problems, on their stderr
-        setup_logging(f"trainer-rank{rank}", None, "WARNING", to_file=False)
-    try:
-        with run_lock(config.output_dir, "trainer", rank):
-            if rank == 0:
-                write_run_config(config, "trainer", config.output_dir)
-            run(config)
-    except (WaitTimeout, WriterDead, TrainerError, RunLocked, DiskFull) as e:
-        logger.error(str(e))
-        raise SystemExit(1) from None
+    service.main(TrainerConfig, "trainer", run)
 
 
 def run(config: TrainerConfig) -> None:
-    import torch
-
     from prime_rl.protocol import Heartbeat
     from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.model import build_sharded
-    from prime_rl.trainer.parallel import close_distributed, init_distributed, resolve_device
-    from prime_rl.trainer.weights import build_model_files
+    from prime_rl.trainer.step import step_metrics
     from prime_rl.utils.metrics import MetricsWriter
     from prime_rl.utils.timer import timer
 
-    torch.manual_seed(config.seed)
-    d = init_distributed(resolve_device(config.device))
-    try:
-        with Heartbeat(config.output_dir, f"trainer-rank{d.rank}") as heartbeat:
-            model, optimizer, scheduler = build_sharded(config, d, config.max_steps)
-            files = build_model_files(config.model.name)  # every rank writes weight files in its dtype
-            progress = resume(config, model, optimizer, scheduler, files, d) or Progress()
-            sender = WeightSender(config, model, files, d) if config.weight_transfer == "broadcast" else None
-            metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if d.is_main else None
-            logger.info(f"training {config.model.name} on {d.world_size} rank(s), device {d.device.type}")
+    with service.training(config, config.max_steps) as t, Heartbeat(config.output_dir, f"trainer-rank{t.d.rank}") as hb:
+        d = t.d
+        progress = resume(config, t) or Progress()
+        sender = WeightSender(config, t.model, t.files, d) if config.weight_transfer == "broadcast" else None
+        metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if d.is_main else None
+        logger.info(f"training {config.model.name} on {d.world_size} rank(s), device {d.device.type}")
 
-            history = []
-            for step in range(progress.step, config.max_steps):
-                heartbeat.step = step
-                times: dict[str, float] = {}
-                start = time.perf_counter()
-                micro_batches = load_micro_batches(config, step, d, times)
-                with timer(times, "train"):
-                    stats = train_step(model, optimizer, micro_batches, config, d)
-                    lr = scheduler.get_last_lr()[0]
-                    scheduler.step()
-                optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
-                progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
-                if not config.bench:
-                    publish(config, model, optimizer, scheduler, progress, files, d, times, sender)
-                times["step"] = time.perf_counter() - start
-                record = step_metrics(stats, times, lr, progress) | {"optimized_at": optimized_at}
-                history.append(record)
-                if d.is_main:
-                    metrics.log(step, record)
-                    log_step(step, record)
-            if metrics is not None:
-                metrics.close()
-            if config.bench and d.is_main:
-                print_bench_table(history, model, config, d)
-            written = "benchmark, no weights written" if config.bench else f"weights in {config.output_dir / 'weights'}"
-            logger.info(f"done: {config.max_steps} steps, {written}")
-    finally:
-        close_distributed()
+        history = []
+        for step in range(progress.step, config.max_steps):
+            hb.step = step
+            times: dict[str, float] = {}
+            start = time.perf_counter()
+            micro_batches = load_micro_batches(config, step, d, times)
+            with timer(times, "train"):
+                stats = train_step(t.model, t.optimizer, micro_batches, config, d)
+                lr = t.scheduler.get_last_lr()[0]
+                t.scheduler.step()
+            optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
+            progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
+            if not config.bench:
+                publish(config, t, progress, times, sender)
+            times["step"] = time.perf_counter() - start
+            record = step_metrics(stats, times, lr, progress) | {"optimized_at": optimized_at}
+            history.append(record)
+            if d.is_main:
+                metrics.log(step, record)
+                log_step(step, record)
+        if metrics is not None:
+            metrics.close()
+        if config.bench and d.is_main:
+            print_bench_table(history, t.model, config, d)
+        written = "benchmark, no weights written" if config.bench else f"weights in {config.output_dir / 'weights'}"
+        logger.info(f"done: {config.max_steps} steps, {written}")
 
 
-def resume(config: TrainerConfig, model, optimizer, scheduler, files, d):
+def resume(config: TrainerConfig, t):
     """Restore `--ckpt.resume-step` (None = fresh start); make sure `weights/step_N` exists for the orchestrator."""
-    from prime_rl.protocol import is_stable, resolve_resume_step, weights_dir
-    from prime_rl.trainer.ckpt import load_checkpoint
+    from prime_rl.protocol import is_stable, weights_dir
     from prime_rl.trainer.weights import save_weights
 
-    try:
-        step = resolve_resume_step(config.output_dir, config.ckpt and config.ckpt.resume_step, "trainer")
-    except ValueError as e:
-        raise TrainerError(str(e)) from None
+    step = service.resume_step(config)
     if step is None:
         return None
-    progress = load_checkpoint(config.output_dir, step, model, optimizer, scheduler, d.rank)
-    if progress.step != step:
-        raise TrainerError(f"checkpoint step_{step} holds trainer progress of step {progress.step}")
+    progress = service.load(config, t, step)
     # An orchestrator resuming at step N waits for weights/step_N (pruning keeps it, but it may be gone).
     if step > 0 and not is_stable(weights_dir(config.output_dir, step)):
-        save_weights(model, files, config.output_dir, step)
+        save_weights(t.model, t.files, config.output_dir, step)
     logger.info(f"resumed from checkpoints/step_{step} ({progress.tokens} tokens, {progress.samples} samples so far)")
     return progress
 
 
-def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files, d, times: dict, sender) -> None:
+def publish(config: TrainerConfig, t, progress, times: dict, sender) -> None:
     """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more.
 
     With a broadcast `sender` the weights go over the process group, and `weights/step_n` is written only
     with a checkpoint (a resumed orchestrator loads it) and at the last step (for eval; never broadcast)."""
-    from prime_rl.protocol import checkpoint_due, prune_checkpoints
-    from prime_rl.trainer.ckpt import save_checkpoint
+    from prime_rl.protocol import checkpoint_due
     from prime_rl.trainer.weights import save_weights
     from prime_rl.utils.timer import timer
 
@@ -137,16 +98,12 @@ def publish(config: TrainerConfig, model, optimizer, scheduler, progress, files,
     last = progress.step == config.max_steps  # no rollouts are sampled from the last weights: disk only
     if sender is not None and not last:
         with timer(times, "broadcast_weights"):
-            sender.send(model, progress.step)
+            sender.send(t.model, progress.step)
     if sender is None or due or last:
         with timer(times, "save_weights"):
-            save_weights(model, files, config.output_dir, progress.step)
-    if due:
-        with timer(times, "save_ckpt"):
-            save_checkpoint(config.output_dir, progress.step, model, optimizer, scheduler, progress, files, d.rank)
-        if d.is_main:
-            prune_checkpoints(config.output_dir, "trainer", ckpt.keep, config.max_steps, ckpt.interval)
-    if d.is_main:
+            save_weights(t.model, t.files, config.output_dir, progress.step)
+    service.checkpoint_if_due(config, t, progress, config.max_steps, times)
+    if t.d.is_main:
         prune_old_steps(config, progress.step - 1)
 
 
@@ -202,96 +159,35 @@ def generated_micro_batches(config: TrainerConfig, step: int, d) -> list:
     )
 
 
-@dataclass
-class StepStats:
-    loss: float
-    entropy: float  # mean over loss tokens
-    mismatch_kl: float  # mean k3 KL(μ‖π) over loss tokens
-    clip_frac: float  # fraction of loss tokens whose ratio was truncated
-    grad_norm: float  # before clipping
-    num_tokens: int  # tokens processed (all ranks, padding included)
-    num_loss_tokens: int
-    num_samples: int  # packed samples with at least one loss token
-    peak_memory_gib: float  # max over ranks
+def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d):
+    """One optimizer step of the RL loss (`loss.py`) over this rank's micro batches (`step.train_step`)."""
+    from prime_rl.trainer.step import train_step as step
+
+    c = config.loss
+    return step(model, optimizer, micro_batches, d, rl_loss(c), config.optim.max_norm, c.norm, c.entropy_coef > 0)
 
 
-def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d) -> StepStats:
-    """Accumulate gradients over the micro batches, clip, and take one AdamW step."""
+def rl_loss(c):
+    """The step's loss callback: `policy_loss` on the policy's logprobs, with entropy, mismatch KL and the
+    fraction of clipped tokens reported per loss token."""
     import torch
 
-    from prime_rl.trainer.model import forward_logprobs, sample_starts
-    from prime_rl.trainer.parallel import all_reduce, set_micro_batch_sync
     from prime_rl.trainer.rl.loss import policy_loss, sample_index
 
-    # The first token of each sample has no prefix, so it never carries a logprob to train on.
-    masks = [(mb.loss_mask & ~sample_starts(mb)).to(d.device) for mb in micro_batches]
-    local_counts = [
-        sum(mb.num_tokens for mb in micro_batches),
-        sum(int(m.sum()) for m in masks),
-        sum(_samples_with_loss(mb.cu_seqlens, m) for mb, m in zip(micro_batches, masks, strict=True)),
-    ]
-    num_tokens, num_loss_tokens, num_samples = all_reduce(local_counts, d.device)
-    # Every loss token (or sample) of the step weighs 1/N; × world_size undoes FSDP's gradient averaging.
-    denominator = max(num_loss_tokens if config.loss.norm == "token" else num_samples, 1)
-    scale = d.world_size / denominator
+    def loss(out, mb, mask, scale):
+        device = mask.device
+        samples = sample_index(mb.cu_seqlens.to(device), mb.num_tokens)
+        inference_logprobs, advantages = mb.inference_logprobs.to(device), mb.advantages.to(device)
+        terms = policy_loss(out.logprobs, inference_logprobs, advantages, mask, samples, c, scale, entropy=out.entropy)
+        reported = {
+            "loss": terms.loss_sum,
+            "entropy": torch.where(mask, out.entropy.detach(), 0.0).sum(),
+            "mismatch_kl": terms.mismatch_kl_sum,
+            "clip_frac": terms.clipped.float(),
+        }
+        return terms.loss, reported
 
-    if d.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(d.device)
-    sums = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss, entropy, mismatch kl, clipped
-    for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
-        set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
-        out = forward_logprobs(model, mb, d.device, config.loss.entropy_coef > 0, where=mask)
-        terms = policy_loss(
-            out.logprobs,
-            mb.inference_logprobs.to(d.device),
-            mb.advantages.to(d.device),
-            mask,
-            sample_index(mb.cu_seqlens.to(d.device), mb.num_tokens),
-            config.loss,
-            scale,
-            entropy=out.entropy,
-        )
-        terms.loss.backward()
-        entropy_sum = torch.where(mask, out.entropy.detach(), 0.0).sum()
-        sums += torch.stack([terms.loss_sum, entropy_sum, terms.mismatch_kl_sum, terms.clipped.float()]).double()
-
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if torch.isfinite(torch.tensor(grad_norm)):
-        optimizer.step()
-    else:  # every rank sees the same (reduced) norm, so all skip together
-        logger.warning(f"non-finite gradient norm ({grad_norm}); skipping this update")
-    optimizer.zero_grad(set_to_none=True)
-
-    loss_sum, entropy_sum, kl_sum, clipped = all_reduce(sums.tolist(), d.device)
-    (peak,) = all_reduce([_peak_memory_gib(d.device)], d.device, op="max")
-    n = max(num_loss_tokens, 1)
-    return StepStats(
-        loss=loss_sum / denominator,
-        entropy=entropy_sum / n,
-        mismatch_kl=kl_sum / n,
-        clip_frac=clipped / n,
-        grad_norm=grad_norm,
-        num_tokens=int(num_tokens),
-        num_loss_tokens=int(num_loss_tokens),
-        num_samples=int(num_samples),
-        peak_memory_gib=peak,
-    )
-
-
-def _samples_with_loss(cu_seqlens, mask) -> int:
-    per_sample = [int(seg.any()) for seg in mask[0].cpu().split(cu_seqlens.diff().tolist())]
-    return sum(per_sample)
-
-
-def _peak_memory_gib(device) -> float:
-    import resource
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return loss
 
 
 def prune_old_steps(config: TrainerConfig, step: int) -> None:
@@ -301,32 +197,6 @@ def prune_old_steps(config: TrainerConfig, step: int) -> None:
 
     prune_weights(config.output_dir, keep=config.keep_weights or config.async_level + 1)
     prune_rollouts(config.output_dir, step, config.data.keep_rollouts, resumable=config.ckpt is not None)
-
-
-def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress) -> dict:
-    return {
-        "loss": stats.loss,
-        "entropy": stats.entropy,
-        "mismatch_kl": stats.mismatch_kl,
-        "clip_frac": stats.clip_frac,
-        **shared_step_metrics(stats, times, lr, progress),
-    }
-
-
-def shared_step_metrics(stats, times: dict[str, float], lr: float, progress) -> dict:
-    """What RL and SFT steps both report: gradient, lr, token counts, throughput, memory, progress, timers."""
-    return {
-        "grad_norm": stats.grad_norm,
-        "lr": lr,
-        "num_tokens": stats.num_tokens,
-        "num_loss_tokens": stats.num_loss_tokens,
-        "num_samples": stats.num_samples,
-        "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),
-        "peak_memory_gib": stats.peak_memory_gib,
-        "progress/tokens": progress.tokens,
-        "progress/samples": progress.samples,
-        **{f"time/{k}": v for k, v in times.items()},
-    }
 
 
 # Dense bf16 peak of common training GPUs, for MFU when --bench-peak-tflops is not given.

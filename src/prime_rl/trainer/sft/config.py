@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from prime_rl.trainer.config import OptimConfig
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
+from prime_rl.trainer.config import OptimConfig, TrainingConfig
+from prime_rl.utils.config import Section
 
 
 class SFTDataConfig(Section):
@@ -47,10 +47,9 @@ class SFTDataConfig(Section):
         return self
 
 
-class SFTConfig(BaseConfig):
+class SFTConfig(TrainingConfig):
     """FSDP2 supervised fine-tuning on prompt-completion data; loss only on completion tokens."""
 
-    model: Annotated[ModelConfig, Field(description="the model to fine-tune")] = ModelConfig()
     output_dir: Annotated[Path, Field(description="weights/, checkpoints/, logs/sft.log, metrics/sft.jsonl")] = Path(
         "outputs/sft"
     )
@@ -59,25 +58,8 @@ class SFTConfig(BaseConfig):
     batch_size: Annotated[int, Field(ge=1, description="samples per optimizer step, over all ranks")] = 32
     max_steps: Annotated[int | None, Field(ge=1, description="optimizer steps; unset = epochs over the data")] = None
     epochs: Annotated[int, Field(ge=1, description="passes over the data when max_steps is unset")] = 1
-    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto = CUDA when present")] = "auto"
-    dtype: Annotated[
-        Literal["auto", "float32", "bfloat16"], Field(description="parameter dtype; auto = fp32 on CPU, bf16 on CUDA")
-    ] = "auto"
-    seed: Annotated[int, Field(description="torch seed and data order")] = 0
-    activation_checkpointing: Annotated[
-        bool, Field(description="recompute each decoder layer's activations in backward (less memory)")
-    ] = False
-    compile: Annotated[
-        bool,
-        Field(description="torch.compile each decoder layer (fused elementwise ops; the first step compiles, ~30 s)"),
-    ] = False
-    cpu_offload: Annotated[
-        bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
-    ] = False
     optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig(lr=1e-5)
     weights_interval: Annotated[
         int | None, Field(ge=1, description="write weights/step_n every n steps; unset = only at the end")
     ] = None
     keep_weights: Annotated[int | None, Field(ge=1, description="newest weight steps kept on disk; unset = all")] = None
-    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
-    log: Annotated[LogConfig, Field(description="logging")] = LogConfig()

@@ -5,16 +5,14 @@ import math
 import pytest
 import torch
 
-from prime_rl.trainer.rl.config import LossConfig
-from prime_rl.trainer.rl.loss import (
-    policy_loss,
-    sample_index,
+from prime_rl.trainer.logprobs import (
     target_logprobs_and_entropy,
     token_entropy,
     token_logprobs,
     token_logprobs_and_entropy,
-    token_weights,
 )
+from prime_rl.trainer.rl.config import LossConfig
+from prime_rl.trainer.rl.loss import policy_loss, sample_index, token_weights
 
 
 def test_token_logprobs_position_t_holds_logprob_of_token_t():

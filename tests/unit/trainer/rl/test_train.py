@@ -6,7 +6,8 @@ import torch
 from prime_rl.protocol import list_steps, rank_file, rollout_step_dir, weights_dir, weights_root
 from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.model import build_model, forward_logprobs
+from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.rl.config import TrainerConfig
@@ -49,9 +50,9 @@ def test_train_step_moves_logprobs_along_advantages_and_reports_on_policy_metric
     # On-policy: every ratio is 1, so loss = −Σ A·log π / N, no mismatch, nothing clipped.
     expected_loss = -(before[g].sum() - before[b].sum()).item() / 14
     assert stats.loss == pytest.approx(expected_loss, rel=1e-5)
-    assert stats.mismatch_kl == pytest.approx(0.0, abs=1e-6)
-    assert stats.clip_frac == 0.0
-    assert stats.grad_norm > 0 and stats.entropy > 0 and stats.peak_memory_gib > 0
+    assert stats.means["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert stats.means["clip_frac"] == 0.0
+    assert stats.grad_norm > 0 and stats.means["entropy"] > 0 and stats.peak_memory_gib > 0
 
 
 def test_load_micro_batches_refuses_rollouts_split_over_more_ranks(tiny_model, tmp_path, one_rank):

@@ -1,0 +1,186 @@
+"""Token logprobs of the policy, the one module every trainer path computes them with (RL loss, SFT loss,
+tests against inference): the packed forward (`forward_logprobs`) and the log-softmax at the targets.
+
+Position t of a row's result is log π(input_ids[t] | sample prefix) under softmax(logits / temperature):
+the logits at t − 1 of the same sample predict token t, so a sample's first token has none (0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prime_rl.protocol.records import MicroBatch
+
+
+@dataclass
+class PolicyOutput:
+    logprobs: torch.Tensor  # [1, L], differentiable; position t = log π(input_ids[t] | sample prefix)
+    entropy: torch.Tensor  # [1, L], detached unless asked for with entropy_grad
+
+
+def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device, keep=None) -> torch.Tensor:
+    """Logits [1, L, V] of one packed row, every sample attending only to itself; with `keep` (positions,
+    long [K]) only those rows, [1, K, V]: the lm_head then never runs on the rest."""
+    cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
+    longest = int(mb.cu_seqlens.diff().max())
+    return model(
+        input_ids=mb.input_ids.to(device),
+        position_ids=mb.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=0 if keep is None else keep,  # 0 = every position
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
+    ).logits
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    entropy_grad: bool = False,
+    where: torch.Tensor | None = None,
+) -> PolicyOutput:
+    """Token logprobs and entropies of the policy on one packed micro batch.
+
+    With `where` (bool [1, L], e.g. the loss mask) only those positions are computed and the rest are 0:
+    the lm_head and the [L, V] log-softmax then skip the prompts, which the loss never reads.
+    """
+    ids = mb.input_ids.to(device)
+    if where is None:
+        logits = forward_logits(model, mb, device)
+        logprobs, entropy = token_logprobs_and_entropy(logits, ids, mb.temperature, entropy_grad)
+        return PolicyOutput(logprobs=logprobs, entropy=entropy)
+    # Token t is predicted by the logits at t − 1 of the same sample, so a sample's first token has none.
+    targets = (where.to(device) & ~sample_starts(mb).to(device))[0].nonzero().squeeze(-1)
+    logits = forward_logits(model, mb, device, keep=targets - 1)
+    logprobs, entropy = target_logprobs_and_entropy(logits, ids[:, targets], mb.temperature, entropy_grad)
+    index = targets[None]
+    zeros = torch.zeros(ids.shape, dtype=logprobs.dtype, device=device)
+    return PolicyOutput(logprobs=zeros.scatter(1, index, logprobs), entropy=zeros.scatter(1, index, entropy))
+
+
+def sample_starts(mb: MicroBatch) -> torch.Tensor:
+    """Bool [1, L]: True at the first token of each packed sample (it has no prefix to be predicted from)."""
+    starts = torch.zeros_like(mb.loss_mask)
+    starts[0, mb.cu_seqlens[:-1].long()] = True
+    return starts
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logprob of each token under softmax(logits / temperature), aligned with `input_ids`.
+
+    `logits[:, t]` predicts `input_ids[:, t + 1]`, so position t of the result holds the logprob of
+    `input_ids[:, t]` given the tokens before it; position 0 has no prediction and is 0.
+
+    Example (vocab 2, temperature 1): input_ids [[0, 1, 0]], logits [[[0, 0], [ln 3, 0], [9, 9]]]
+        position 1: softmax([0, 0])[1]    = 0.5  → log 0.5  = −0.693
+        position 2: softmax([ln 3, 0])[0] = 0.75 → log 0.75 = −0.288
+        result [[0, −0.693, −0.288]]   (the last logits row predicts beyond the row and is unused)
+    """
+    scaled = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # gather − logsumexp is log_softmax at the target without materialising a second [L, V] tensor.
+    logprobs = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return torch.nn.functional.pad(logprobs, (1, 0), value=0.0)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float, grad: bool = False) -> torch.Tensor:
+    """Entropy of the distribution that predicted each token, aligned like `token_logprobs` (position 0 = 0).
+
+    Differentiable only with `grad=True` (an entropy bonus needs it; plain logging does not).
+    Example: logits [[[0, 0], [ln 3, 0], ...]] → position 1: ln 2 = 0.693; position 2:
+    −(0.75 ln 0.75 + 0.25 ln 0.25) = 0.562.
+    """
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        scaled = logits[:, :-1].float() / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return torch.nn.functional.pad(entropy, (1, 0), value=0.0)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and `token_entropy` in one chunked pass over the vocabulary (the trainer's hot path;
+    those two are the plain references the tests hold it to, and the trainer itself no longer calls them).
+
+    Same values as the two functions (see their examples): `target_logprobs_and_entropy` on the logits
+    shifted against their next tokens, with position 0 (no prefix) set to 0.
+    """
+    logprobs, entropy = target_logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature, entropy_grad)
+    pad = torch.nn.functional.pad
+    return pad(logprobs, (1, 0), value=0.0), pad(entropy, (1, 0), value=0.0)
+
+
+def target_logprobs_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool = False,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature) at `targets` [B, K] and the entropy, for logits [B, K, V] already
+    aligned with their targets (no shift).
+
+    Same values and gradients as log_softmax + gather + −Σ p log p, but the [K, V] work runs `chunk_rows`
+    rows at a time (default: ~8 MiB of fp32, so each chunk stays in cache) and nothing of size [K, V] is
+    kept besides the logits themselves: forward and backward read the logits once each and the backward
+    writes the gradient once, where autograd's log-softmax makes ~10 passes over [K, V] in memory and
+    keeps a second [K, V] tensor (~30% of a CPU step at vocab 32k; 4% at 1k).
+    """
+    rows = chunk_rows or max(1, 2**21 // logits.shape[-1])
+    logprobs, entropy = _TargetLogprobs.apply(logits, targets, temperature, entropy_grad, rows)
+    return logprobs, entropy if entropy_grad else entropy.detach()
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """(logits [B, K, V], targets [B, K]) → (logprobs [B, K], entropy [B, K]), chunked over the K rows.
+
+    With z = logits / T, lse = logsumexp(z), p = softmax(z): logprob = z_target − lse, entropy = lse − Σ p z.
+    Gradients: d logprob / dz = onehot(target) − p;  d entropy / dz = −p (z − lse + entropy).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, entropy_grad, rows):
+        flat, index = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+        lse, target, entropy = (flat.new_empty(flat.shape[0], dtype=torch.float32) for _ in range(3))
+        for start in range(0, flat.shape[0], rows):
+            chunk = slice(start, start + rows)
+            z = _scaled(flat[chunk], temperature)
+            lse[chunk] = torch.logsumexp(z, -1)
+            target[chunk] = z.gather(-1, index[chunk]).squeeze(-1)
+            p = (z - lse[chunk, None]).exp_()
+            entropy[chunk] = lse[chunk] - torch.linalg.vecdot(p, z)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.entropy_grad, ctx.rows = temperature, entropy_grad, rows
+        return (target - lse).view(targets.shape), entropy.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        flat, index = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+        g_lp = grad_logprobs.reshape(-1, 1).float() / ctx.temperature  # dz/dlogits = 1 / T
+        g_ent = grad_entropy.reshape(-1, 1).float() / ctx.temperature if ctx.entropy_grad else None
+        grad = torch.empty_like(flat)
+        for start in range(0, flat.shape[0], ctx.rows):
+            chunk = slice(start, start + ctx.rows)
+            z = _scaled(flat[chunk], ctx.temperature)
+            p = (z - lse[chunk, None]).exp_()
+            if g_ent is None:
+                dz = p.mul_(-g_lp[chunk])
+            else:  # −g_lp p − g_ent p (z − lse + entropy)
+                shift = (entropy[chunk] - lse[chunk])[:, None]
+                dz = p.mul_((z + shift).mul_(g_ent[chunk]).add_(g_lp[chunk])).neg_()
+            dz.scatter_add_(-1, index[chunk], g_lp[chunk])
+            grad[chunk] = dz
+        return grad.view(logits.shape), None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature (the logits themselves at fp32 and T = 1: read, never written)."""
+    z = logits.float()
+    return z / temperature if temperature != 1.0 else z

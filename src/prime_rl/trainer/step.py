@@ -1,0 +1,129 @@
+"""One optimizer step, shared by the RL trainer and SFT: only the loss differs (a callback).
+
+For the micro batches (packed rows) of this rank: the policy's logprobs at the loss tokens
+(`logprobs.forward_logprobs`), the loss callback's term backward (gradient accumulation; FSDP reduces once
+per step on one rank), then clipping, the optimizer step (skipped, on every rank alike, when the gradient
+norm is not finite) and the step's metrics reduced over all ranks.
+
+Every loss token (or sample, `norm = "sequence"`) of the whole step weighs 1/N, N counted over all micro
+batches and ranks, so the update does not depend on how the samples were split; the callback gets
+`scale` = world_size / N (× world_size undoes FSDP's gradient averaging).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, sample_starts
+from prime_rl.trainer.parallel import all_reduce, set_micro_batch_sync
+
+logger = logging.getLogger("prime_rl")
+
+# (policy output, micro batch, loss mask, scale) → (the term to backpropagate, sums to report: "loss" and
+# any others, each a scalar summed over this micro batch's loss tokens)
+LossFn = Callable[[PolicyOutput, MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class StepStats:
+    loss: float  # Σ loss / N
+    grad_norm: float  # before clipping
+    num_tokens: int  # tokens processed (all ranks, padding included)
+    num_loss_tokens: int
+    num_samples: int  # packed samples with at least one loss token
+    peak_memory_gib: float  # max over ranks
+    means: dict[str, float] = field(default_factory=dict)  # the loss callback's other sums per loss token
+
+
+def train_step(
+    model,
+    optimizer,
+    micro_batches: list[MicroBatch],
+    d,
+    loss_fn: LossFn,
+    max_norm: float,
+    norm: Literal["token", "sequence"] = "token",
+    entropy_grad: bool = False,
+) -> StepStats:
+    """Accumulate `loss_fn`'s gradient over the micro batches, clip to `max_norm`, take one optimizer step."""
+    # The first token of each sample has no prefix, so it never carries a logprob to train on.
+    masks = [(mb.loss_mask & ~sample_starts(mb)).to(d.device) for mb in micro_batches]
+    local_counts = [
+        sum(mb.num_tokens for mb in micro_batches),
+        sum(int(m.sum()) for m in masks),
+        sum(samples_with_loss(mb.cu_seqlens, m) for mb, m in zip(micro_batches, masks, strict=True)),
+    ]
+    num_tokens, num_loss_tokens, num_samples = all_reduce(local_counts, d.device)
+    denominator = max(num_loss_tokens if norm == "token" else num_samples, 1)
+    scale = d.world_size / denominator
+
+    if d.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(d.device)
+    sums: dict[str, torch.Tensor] = {}
+    for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
+        set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
+        out = forward_logprobs(model, mb, d.device, entropy_grad, where=mask)
+        term, reported = loss_fn(out, mb, mask, scale)
+        term.backward()
+        for key, value in reported.items():
+            sums[key] = sums.get(key, 0.0) + value.detach().double()
+
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:  # every rank sees the same (reduced) norm, so all skip together
+        logger.warning(f"non-finite gradient norm ({grad_norm}); skipping this update")
+    optimizer.zero_grad(set_to_none=True)
+
+    keys = sorted(sums)
+    totals = dict(zip(keys, all_reduce([float(sums[k]) for k in keys], d.device), strict=True)) if keys else {}
+    (peak,) = all_reduce([peak_memory_gib(d.device)], d.device, op="max")
+    per_token = max(num_loss_tokens, 1)
+    return StepStats(
+        loss=totals.pop("loss", 0.0) / denominator,
+        grad_norm=grad_norm,
+        num_tokens=int(num_tokens),
+        num_loss_tokens=int(num_loss_tokens),
+        num_samples=int(num_samples),
+        peak_memory_gib=peak,
+        means={k: v / per_token for k, v in totals.items()},
+    )
+
+
+def samples_with_loss(cu_seqlens: torch.Tensor, mask: torch.Tensor) -> int:
+    return sum(int(seg.any()) for seg in mask[0].cpu().split(cu_seqlens.diff().tolist()))
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress) -> dict:
+    """What every step reports: loss (+ the loss's own means), gradient, lr, token counts, throughput,
+    memory, progress and timers."""
+    return {
+        "loss": stats.loss,
+        **stats.means,
+        "grad_norm": stats.grad_norm,
+        "lr": lr,
+        "num_tokens": stats.num_tokens,
+        "num_loss_tokens": stats.num_loss_tokens,
+        "num_samples": stats.num_samples,
+        "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),
+        "peak_memory_gib": stats.peak_memory_gib,
+        "progress/tokens": progress.tokens,
+        "progress/samples": progress.samples,
+        **{f"time/{k}": v for k, v in times.items()},
+    }
