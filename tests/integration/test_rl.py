@@ -4,9 +4,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from prime_rl.protocol import is_stable, list_steps, rollouts_dir, weights_dir, weights_root
+from prime_rl.protocol import is_stable, list_steps, rank_file, rollouts_dir, weights_dir, weights_root
+from prime_rl.protocol.records import read_rank_file
+from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
+from prime_rl.trainer.model import ADAPTER, build_model
+from prime_rl.utils.config import LoraConfig
+from prime_rl.utils.lora import PEFT_PREFIX
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port as another_free_port
 
@@ -509,3 +515,57 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
     expected = load_file(weights_dir(base, 12) / "model.safetensors")
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=0, atol=0, msg=key)
+
+
+LORA_STEPS = 5
+
+
+def test_lora_rl_ships_adapters_and_serves_exactly_the_trainers_policy(tiny_model, tmp_path, free_port):
+    out = tmp_path / "out"
+    args = [
+        "--model.name", str(tiny_model), "--model.lora.rank", "8", "--model.lora.alpha", "16",
+        "--output-dir", str(out), "--max-steps", str(LORA_STEPS), "--async-level", "0",
+        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8", "--trainer.optim.lr", "2e-2",
+        "--trainer.keep-weights", "10", "--trainer.data.keep-rollouts", "10",
+    ]  # fmt: skip
+    result = run_rl(args)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+
+    assert list_steps(weights_root(out)) == list(range(1, LORA_STEPS + 1))
+    for step in range(1, LORA_STEPS + 1):  # adapters only: no config, tokenizer or base tensor is shipped
+        assert sorted(p.name for p in weights_dir(out, step).iterdir()) == [
+            "STABLE", "adapter_config.json", "adapter_model.safetensors"
+        ]  # fmt: skip
+    served = (out / "logs" / "inference.log").read_text()
+    assert all(f"now serving weights step {step}" in served for step in range(1, LORA_STEPS))
+
+    # Each step's rollouts were sampled from weights step n (async_level 0): the trainer's model with that
+    # adapter gives the logprobs the server reported, token for token.
+    model = build_model(str(tiny_model), lora=LoraConfig(rank=8, alpha=16))  # B = 0: step 0 is the base
+    gaps = []
+    for step in range(LORA_STEPS):
+        if step > 0:
+            adapter = load_file(weights_dir(out, step) / "adapter_model.safetensors")
+            state = {
+                k.removeprefix(PEFT_PREFIX).replace(".weight", f".{ADAPTER}.weight"): t for k, t in adapter.items()
+            }
+            missing = model.load_state_dict(state, strict=False)
+            assert not missing.unexpected_keys
+        for mb in read_rank_file(rank_file(out, step, 0), step, 0):
+            mask = mb.loss_mask & ~sample_starts(mb)
+            if not mask.any():
+                continue
+            with torch.no_grad():
+                ours = forward_logprobs(model, mb, torch.device("cpu")).logprobs
+            gaps.append(float((ours - mb.inference_logprobs)[mask].abs().max()))
+    assert max(gaps) < 1e-5, gaps
+
+    # The adapter really changed the policy: later steps' logprobs differ from the base's.
+    metrics = read_metrics(out, "trainer")
+    assert [m["step"] for m in metrics] == list(range(LORA_STEPS))
+    assert all(m["mismatch_kl"] < 1e-6 for m in metrics)
+    first = load_file(weights_dir(out, 1) / "adapter_model.safetensors")
+    last = load_file(weights_dir(out, LORA_STEPS) / "adapter_model.safetensors")
+    assert any(not torch.equal(first[k], last[k]) for k in first)

@@ -145,7 +145,7 @@ def print_table(rows: list[dict]) -> None:
 async def evaluate(config: EvalConfig) -> list[dict]:
     steps = eval_steps(config)
     rows = []
-    async with InferenceClient(config.client, config.model.name) as client:
+    async with InferenceClient(config.client, config.model.name, adapter=config.model.adapter) as client:
         await client.wait_for_servers(config.client.health_timeout)
         for step in steps if steps is not None else [await client.server_step()]:
             if steps is not None:

@@ -509,7 +509,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     rng = new_rng(config.seed, resumed)
     wandb = build_wandb(config)
     progress = ProgressLine(config.progress, config.max_steps)
-    async with InferenceClient(config.client, config.model.name) as client:
+    async with InferenceClient(config.client, config.model.name, adapter=config.model.adapter) as client:
         stream = RolloutStream(client, mix, config, rng) if config.max_inflight is not None else None
         with (
             closing(MetricsWriter(config.output_dir, "orchestrator", state.step)) as metrics,

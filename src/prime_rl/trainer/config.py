@@ -50,7 +50,10 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _muon_settings_need_muon(self):
-        muon_only = sorted(k for k in self.model_fields_set if k.startswith("muon_"))
+        # Compared with the defaults, not `model_fields_set`: `rl` hands each service its resolved config as a
+        # file with every field written out.
+        fields = type(self).model_fields
+        muon_only = sorted(k for k in fields if k.startswith("muon_") and getattr(self, k) != fields[k].default)
         if self.type != "muon" and muon_only:
             keys = ", ".join("optim." + k.replace("_", "-") for k in muon_only)
             raise ValueError(f"{keys} apply only with optim.type = 'muon' (it is {self.type!r})")

@@ -413,6 +413,11 @@ class ModelConfig(Section):
     name: Annotated[str, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
     lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = None
 
+    @property
+    def adapter(self) -> str | None:
+        """The name requests give a trained LoRA adapter (None: full fine-tuning)."""
+        return self.lora.name if self.lora is not None else None
+
 
 class LogConfig(Section):
     level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Field(description="log level")] = "INFO"
