@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from prime_rl.protocol import is_stable, step_of
 from prime_rl.utils.hf_layout import TensorSpecs, header_specs
+from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pairs
 
 if TYPE_CHECKING:
     import torch
@@ -137,8 +138,6 @@ def check_specs(got: TensorSpecs, served: TensorSpecs, tied: bool) -> None:
 
 # ---- LoRA adapters ---------------------------------------------------------------------------------
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_FILE = "adapter_model.safetensors"
 # peft's saved names: `base_model.model.<module of the served model>.lora_{A,B}.weight`.
 ADAPTER_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 # adapter_config.json keys that change what the adapter computes, with the only value we serve: anything
@@ -213,9 +212,9 @@ def check_adapter_dir(weight_dir: Path, lora: LoraConfig, linears: dict[str, tup
     if foreign:
         allowed = ", ".join(lora.target_modules)
         raise WeightsError(f"{path}: target_modules {foreign} are not served (model.lora.target_modules: {allowed})")
-    if files != [weight_dir / ADAPTER_FILE]:
+    if files != [weight_dir / ADAPTER_WEIGHTS]:
         names = ", ".join(f.name for f in files)
-        raise WeightsError(f"{weight_dir}: an adapter dir holds exactly {ADAPTER_FILE}, this one has {names}")
+        raise WeightsError(f"{weight_dir}: an adapter dir holds exactly {ADAPTER_WEIGHTS}, this one has {names}")
     modules = check_adapter_specs(read_specs(files), rank, targets, linears)
     return AdapterDir(step=step, file=files[0], rank=rank, alpha=float(alpha), modules=modules)
 
@@ -289,7 +288,7 @@ def read_adapter(weight_dir: Path, lora: LoraConfig, linears: dict[str, tuple[in
     broken = [name for name, t in tensors.items() if not bool(torch.isfinite(t).all())]
     if broken:
         raise WeightsError(f"{checked.file}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
-    pairs = {m: tuple(tensors[f"base_model.model.{m}.lora_{h}.weight"].float() for h in "AB") for m in checked.modules}
+    pairs = {m: (a.float(), b.float()) for m, (a, b) in adapter_pairs(tensors).items()}
     return Adapter(step=checked.step, scale=checked.scale, pairs=pairs)
 
 

@@ -92,7 +92,7 @@ def convert_adapter(
     from prime_rl.trainer.model import ADAPTER
     from prime_rl.trainer.weights import saved_dtype, write_safetensors
     from prime_rl.utils.hf_layout import checkpoint_state_dict
-    from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_scale, merge_lora
+    from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_pairs, merge_weight
 
     adapter_config = json.loads((hf / ADAPTER_CONFIG).read_text())
     adapter = {PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v for k, v in state_dict.items()}
@@ -106,12 +106,15 @@ def convert_adapter(
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the adapter's base model {base!r} (pass --base): {e}") from None
-    merged = merge_lora(model.state_dict(), adapter, adapter_scale(adapter_config))
+    state = model.state_dict()
+    scale = adapter_config["lora_alpha"] / adapter_config["r"]
+    for module, (a, b) in adapter_pairs(adapter).items():
+        state[f"{module}.weight"] = merge_weight(state[f"{module}.weight"], a, b, scale)
     model.config.save_pretrained(output)
     GenerationConfig.from_pretrained(hf).save_pretrained(output)
     AutoTokenizer.from_pretrained(hf).save_pretrained(output)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    write_safetensors(checkpoint_state_dict(model, merged), output, saved_dtype(model.config), tied, max_shard_size)
+    write_safetensors(checkpoint_state_dict(model, state), output, saved_dtype(model.config), tied, max_shard_size)
     return output
 
 

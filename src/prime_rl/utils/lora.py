@@ -1,10 +1,11 @@
-"""LoRA adapters as files: peft's adapter dir (`adapter_config.json` + `adapter_model.safetensors`) and its
-merge into base weights, W' = W + (alpha / r) · B A, computed in float32 (one rule for every reader)."""
+"""LoRA adapters as files and their merge, one rule for every reader (the built-in engine, convert-checkpoint).
+
+An adapter dir is peft's: `adapter_config.json` + `adapter_model.safetensors`, tensors named
+`base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. Merged, the module's
+weight is W + (alpha / r) · B A.
+"""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 
@@ -13,25 +14,18 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def adapter_scale(adapter_config: dict) -> float:
-    return float(adapter_config["lora_alpha"]) / int(adapter_config["r"])
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale · B A, in float32 (peft's merge); the caller casts to the dtype it serves or saves.
+
+    E.g. W [[1, 0], [0, 1]], A [[1, 2]], B [[1], [0]], scale 2 → [[3, 4], [0, 1]].
+    """
+    return weight.float() + scale * (b.float() @ a.float())
 
 
-def read_adapter_config(path: Path) -> dict:
-    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
-
-
-def merge_lora(
-    state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale: float
-) -> dict[str, torch.Tensor]:
-    """`state` (the model's own parameter names) with every adapter pair (peft names, `...<module>.lora_A.weight`
-    and `.lora_B.weight`) merged into its `<module>.weight`; the merged tensors keep their dtype."""
-    merged = dict(state)
-    for name, a in adapter.items():
-        if ".lora_A." not in name:
-            continue
-        module = name.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
-        b = adapter[name.replace(".lora_A.", ".lora_B.")]
-        w = state[f"{module}.weight"]
-        merged[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
-    return merged
+def adapter_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module → (A, B) of an adapter file's tensors (peft names)."""
+    return {
+        name.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]: (a, tensors[name.replace(".lora_A.", ".lora_B.")])
+        for name, a in tensors.items()
+        if ".lora_A." in name
+    }

@@ -18,7 +18,7 @@ from prime_rl.trainer.model import build_training
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.trainer.rl.train import train_step
 from prime_rl.trainer.weights import save_weights
-from prime_rl.utils.lora import adapter_scale, merge_lora, read_adapter_config
+from prime_rl.utils.lora import adapter_pairs, merge_weight
 
 
 def _config(model, out, **lora) -> TrainerConfig:
@@ -81,7 +81,7 @@ def test_only_adapters_train_and_the_shipped_adapter_is_the_trainers_policy(tiny
     adapter = load_file(path / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
     assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (64, 4)
-    cfg = read_adapter_config(path)
+    cfg = json.loads((path / "adapter_config.json").read_text())
     assert (cfg["r"], cfg["lora_alpha"], cfg["lora_dropout"], cfg["base_model_name_or_path"]) == (
         4,
         8,
@@ -94,10 +94,13 @@ def test_only_adapters_train_and_the_shipped_adapter_is_the_trainers_policy(tiny
     with torch.no_grad():
         trainer = forward_logprobs(model, mb, torch.device("cpu")).logprobs
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), path)
-        merged = AutoModelForCausalLM.from_pretrained(tiny_model)
-        merged.load_state_dict(merge_lora(merged.state_dict(), adapter, adapter_scale(cfg)))
+        merged_model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        state = merged_model.state_dict()
+        for module, (a, b) in adapter_pairs(adapter).items():
+            state[f"{module}.weight"] = merge_weight(state[f"{module}.weight"], a, b, cfg["lora_alpha"] / cfg["r"])
+        merged_model.load_state_dict(state)
         ids = mb.input_ids[:, :12]
-        for other in (peft_model, merged):
+        for other in (peft_model, merged_model):
             logits = other(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
             torch.testing.assert_close(logits, trainer[0, 1:12], atol=1e-5, rtol=0)
 

@@ -24,6 +24,7 @@ import torch
 from prime_rl.inference.weights import BroadcastReceiver, WeightsError, check_weight_dir, read_adapter, targeted
 from prime_rl.utils.config import LoraConfig
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict
+from prime_rl.utils.lora import merge_weight
 
 
 @dataclass
@@ -102,11 +103,8 @@ def merge_adapter(
     targets: list[str],
     model: torch.nn.Module,
 ) -> dict[str, torch.Tensor]:
-    """`{module}.weight` = base + (B @ A) · scale for each target (peft's merge, in float32), cast to the served
-    device and precision; targets without a pair get their base weight back.
-
-    E.g. base [[1, 0], [0, 1]], A [[1, 2]], B [[1], [0]], scale 2 -> [[3, 4], [0, 1]].
-    """
+    """`{module}.weight` = base + scale · B A for each target (`utils.lora.merged`), cast to the served
+    device and precision; targets without a pair get their base weight back."""
     params = model.state_dict()
     merged = {}
     for module in targets:
@@ -114,8 +112,7 @@ def merge_adapter(
         param = params[name]
         weight = base[name].to(device=param.device, dtype=torch.float32)
         if module in pairs:
-            a, b = (t.to(param.device) for t in pairs[module])
-            weight = weight + (b @ a) * scale
+            weight = merge_weight(weight, *(t.to(param.device) for t in pairs[module]), scale)
         merged[name] = weight.to(param.dtype)
     return merged
 
