@@ -1,9 +1,14 @@
-"""Shared fixtures: tiny models built locally (no hub access), free loopback ports."""
+"""Shared fixtures: tiny models built locally (no hub access), free loopback ports, a real `inference` process."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import httpx
 import pytest
 
+from prime_rl.rl import Service, stop_all, wait_for_inference
 from prime_rl.utils.net import free_port as _free_port
 from prime_rl.utils.tiny_model import create_tiny_model
 
@@ -56,6 +61,40 @@ def one_rank():
 def free_port() -> int:
     """A free loopback port (also importable as prime_rl.utils.net.free_port)."""
     return _free_port()
+
+
+class InferenceProcess:
+    """One real `inference` process on a free loopback port, started and awaited as `rl` does (rl.Service,
+    rl.wait_for_inference, rl.stop_all). `extra_args` go to its command line after the common ones."""
+
+    START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}  # vLLM's CPU build takes minutes to start on 2 cores
+
+    def __init__(self, backend: str, model: Path, output_dir: Path, *extra_args: str):
+        self.backend, self.model, self.ready = backend, str(model), False
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", self.model, "--backend", backend]
+        cmd += ["--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file", *extra_args]
+        self.service = Service(backend, cmd, output_dir / "server.out", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+    def wait_ready(self) -> None:
+        wait_for_inference([self.service], f"{self.url}/health", self.START_TIMEOUT[self.backend])
+        self.ready = True
+
+    def output(self) -> str:
+        return self.service.log_path.read_text()
+
+    def stop(self) -> None:
+        stop_all([self.service])
+
+    def post(self, route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{self.url}{route}", json=body, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def inference_process() -> type[InferenceProcess]:
+    """The InferenceProcess class (test modules cannot import conftest under `--import-mode=importlib`)."""
+    return InferenceProcess
 
 
 def pytest_collection_modifyitems(config, items):

