@@ -88,8 +88,8 @@ def runs(tiny_model, tmp_path_factory):
     """Every trainer run of this file, started together: most of their time is importing torch, which overlaps."""
     root = tmp_path_factory.mktemp("trainer")
     batches = _micro_batches(tiny_model, 4)
-    dirs = {name: root / name for name in ("split", "whole", "uneven", "missing", "multi")}
-    for name in ("split", "multi"):
+    dirs = {name: root / name for name in ("split", "whole", "uneven", "missing", "multi", "lora")}
+    for name in ("split", "multi", "lora"):
         write_rank_file(dirs[name], 0, 0, batches[:2])
         write_rank_file(dirs[name], 0, 1, batches[2:])
     write_rank_file(dirs["whole"], 0, 0, batches)
@@ -102,6 +102,7 @@ def runs(tiny_model, tmp_path_factory):
         "whole": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["whole"])],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
         "uneven": _torchrun(2, _args(tiny_model, dirs["uneven"])),
+        "lora": _torchrun(2, [*_args(tiny_model, dirs["lora"]), *LORA]),
         "missing": subprocess.Popen([str(TRAINER), *_args(tiny_model, dirs["missing"], timeout=2)],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     }  # fmt: skip
@@ -132,11 +133,49 @@ def runs(tiny_model, tmp_path_factory):
                                     "--data.fake-max-len", "64", "--log.level", "DEBUG"])  # fmt: skip
     rdzv = f"127.0.0.1:{free_port()}"
     nodes = [_node(n, rdzv, [*_args(tiny_model, dirs["multi"]), "--ckpt"]) for n in (0, 1)]
-    yield {**{name: (procs[name], dirs[name]) for name in procs}, "multi": (nodes, dirs["multi"]), "ports": ports}
+    yield {
+        **{name: (procs[name], dirs[name]) for name in procs},
+        "multi": (nodes, dirs["multi"]),
+        "ports": ports,
+        "batches": batches,
+    }
     for proc in [*procs.values(), *nodes]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+LORA = ["--model.lora.rank", "4", "--model.lora.alpha", "8"]
+
+
+def test_lora_on_two_fsdp_ranks_trains_the_adapter_of_one_rank(tiny_model, runs, one_rank):
+    """FSDP2 over the LoRA-wrapped model (frozen base, trainable adapters in the same units): the 2-rank
+    step's adapter equals one rank's on the same 4 micro batches, and only the adapter is written."""
+    from prime_rl.trainer.model import build_training
+    from prime_rl.trainer.rl.config import TrainerConfig
+    from prime_rl.trainer.rl.train import train_step
+    from prime_rl.trainer.weights import adapter_state
+
+    proc, out = runs["lora"]
+    rc, output = _finish(proc)
+    assert rc == 0, output[-6000:]
+    assert sorted(p.name for p in weights_dir(out, 1).iterdir()) == [
+        "STABLE", "adapter_config.json", "adapter_model.safetensors"
+    ]  # fmt: skip
+    two_ranks = load_file(weights_dir(out, 1) / "adapter_model.safetensors")
+
+    config = TrainerConfig(
+        model={"name": str(tiny_model), "lora": {"rank": 4, "alpha": 8}}, output_dir=out, device="cpu",
+        optim={"lr": 1e-3},
+    )  # fmt: skip
+    torch.manual_seed(config.seed)  # the trainer's own seeding: lora_A starts from the same draw
+    model, optimizer, _ = build_training(config, one_rank, max_steps=1)
+    train_step(model, optimizer, runs["batches"], config, one_rank)
+    one_rank_adapter = adapter_state(model)
+    assert two_ranks.keys() == one_rank_adapter.keys()
+    for name, value in one_rank_adapter.items():
+        torch.testing.assert_close(two_ranks[name], value.detach(), atol=1e-5, rtol=0, msg=name)
+    assert any(two_ranks[n].abs().max() > 5e-4 for n in two_ranks if ".lora_B." in n)  # B moved off 0
 
 
 def test_two_ranks_and_one_rank_produce_the_same_weights(tiny_model, runs):
