@@ -85,17 +85,23 @@ def check_weight_files(weight_dir: Path) -> tuple[int, list[Path]]:
     return step, files
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object read from a weight dir, else WeightsError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot read: {e}") from None
+    if not isinstance(value, dict):
+        raise WeightsError(f"{path}: not a JSON object")
+    return value
+
+
 def check_config(weight_dir: Path, ours: dict) -> None:
     """Raise WeightsError when `weight_dir/config.json` describes another architecture than the served one."""
     path = weight_dir / "config.json"
     if not path.is_file():
         return  # a bare safetensors dir: the tensor check still catches shape mismatches
-    try:
-        theirs = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{path}: cannot read: {e}") from None
-    if not isinstance(theirs, dict):
-        raise WeightsError(f"{path}: not a JSON object")
+    theirs = read_json_object(path)
     differ = [
         f"{key} is {theirs[key]!r}, the served model has {ours.get(key)!r}"
         for key in ARCHITECTURE_KEYS
@@ -221,12 +227,7 @@ def check_adapter_dir(weight_dir: Path, lora: LoraConfig, linears: dict[str, tup
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
     """adapter_config.json, checked to describe a plain LoRA adapter (r, lora_alpha, a list of targets)."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{path}: cannot read: {e}") from None
-    if not isinstance(config, dict):
-        raise WeightsError(f"{path}: not a JSON object")
+    config = read_json_object(path)
     if config.get("peft_type", "LORA") != "LORA":
         raise WeightsError(f"{path}: peft_type {config['peft_type']!r}; only LORA adapters are served")
     rank, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")

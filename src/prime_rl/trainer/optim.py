@@ -57,6 +57,14 @@ def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optim
     return MultiOptimizer(optimizers)
 
 
+def evaluate(closure) -> torch.Tensor | None:
+    """An optimizer step's closure, evaluated with gradients on (torch's contract; the trainers pass none)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Muon):
     """torch's Muon, whose step also orthogonalizes DTensor (FSDP-sharded) updates as whole matrices.
 
@@ -66,10 +74,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -129,10 +134,7 @@ class MultiOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for opt in self.optimizers:
             opt.step()
         return loss
