@@ -1,4 +1,4 @@
-"""`sft`: supervised fine-tuning with the RL trainer's model, FSDP, checkpoint and weight-export code.
+"""`sft`: supervised fine-tuning on the trainer core RL uses (model, parallelize, step, checkpoints, weight export).
 
 Each step takes the next `batch_size` samples of the (seeded, per-epoch shuffled) data, gives rank r
 every world_size-th of them, packs them into rows of `seq_len`, and minimises the mean negative
