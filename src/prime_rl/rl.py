@@ -27,6 +27,7 @@ from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.protocol import DiskFull, RunLock, RunLocked
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
+from prime_rl.slurm.config import SlurmConfig
 from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.utils.config import (
     BaseConfig,
@@ -90,6 +91,7 @@ class RLConfig(BaseConfig):
         int, Field(ge=0, description="restart a service that dies, alone, up to this many times in all (needs ckpt)")
     ] = 0
     log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
+    slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
 
     @classmethod
     def prepare_args(cls, values: dict, sources: dict) -> dict:
@@ -512,6 +514,10 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     config = parse_config(RLConfig, prog="rl")
+    if config.slurm is not None:
+        from prime_rl.slurm.launch import submit
+
+        raise SystemExit(submit(config, "rl"))
     setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
     # Explicitly: a shell that starts us in the background leaves SIGINT ignored, and Ctrl-C must still stop us.
     signal.signal(signal.SIGINT, _terminate)

@@ -28,6 +28,10 @@ def main(config_cls, service: str, run: Callable[[Any], None]) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent (it may be SIGKILLed)
         die_with_parent(signal.SIGKILL)
     config = parse_config(config_cls, prog=service)
+    if getattr(config, "slurm", None) is not None:  # `sft --slurm`: submit the run as a Slurm job instead
+        from prime_rl.slurm.launch import submit
+
+        raise SystemExit(submit(config, service))
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         setup_logging(service, config.output_dir, config.log.level, config.log.file)

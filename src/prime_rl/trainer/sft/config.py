@@ -7,6 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from prime_rl.slurm.config import SlurmConfig
 from prime_rl.trainer.config import OptimConfig, TrainingConfig
 from prime_rl.utils.config import Section
 
@@ -63,3 +64,4 @@ class SFTConfig(TrainingConfig):
         int | None, Field(ge=1, description="write weights/step_n every n steps; unset = only at the end")
     ] = None
     keep_weights: Annotated[int | None, Field(ge=1, description="newest weight steps kept on disk; unset = all")] = None
+    slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None

@@ -1,0 +1,95 @@
+"""The `[slurm]` section of `rl` and `sft`: what the sbatch script asks for and how the job lays out the services.
+Imports no torch."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from prime_rl.utils.config import Section
+
+
+class SlurmConfig(Section):
+    """Submit the run as a Slurm batch job instead of running it here (`--slurm`, or a `[slurm]` table)."""
+
+    partition: Annotated[str | None, Field(description="#SBATCH --partition; unset = the cluster's default")] = None
+    account: Annotated[str | None, Field(description="#SBATCH --account")] = None
+    nodes: Annotated[
+        int | None,
+        Field(ge=1, description="#SBATCH --nodes; unset = what the layout needs (inference + trainer nodes, else 1)"),
+    ] = None
+    gpus_per_node: Annotated[
+        int | None, Field(ge=1, description="#SBATCH --gpus-per-node; unset = no GPUs (everything on the CPUs)")
+    ] = None
+    cpus_per_node: Annotated[
+        int | None, Field(ge=1, description="#SBATCH --cpus-per-task (one task per node); unset = Slurm's default")
+    ] = None
+    time: Annotated[str | None, Field(description="#SBATCH --time, e.g. 04:00:00 or 2-00:00:00")] = None
+    job_name: Annotated[str | None, Field(description="#SBATCH --job-name; unset = rl or sft")] = None
+    extra_sbatch: Annotated[
+        list[str], Field(description="more #SBATCH options, one per entry, e.g. --exclusive, --mem=0, --qos=high")
+    ] = []
+    setup: Annotated[
+        list[str],
+        Field(
+            description="shell lines the job runs first on the batch node (module load ..., source venv); its "
+            "environment reaches every step"
+        ),  # fmt: skip
+    ] = []
+    srun_args: Annotated[
+        list[str],
+        Field(description="extra options of every srun step, e.g. --container-image=... (pyxis), --mpi=none"),
+    ] = []
+    python: Annotated[
+        str | None, Field(description="Python of the compute nodes; unset = the interpreter submitting the job")
+    ] = None
+    inference_nodes: Annotated[
+        int | None,
+        Field(ge=1, description="RL across nodes: nodes running an inference server each (the first ones)"),
+    ] = None
+    trainer_nodes: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="RL across nodes: nodes of the torchrun trainer (the next ones; the orchestrator "
+            "runs on the first of them)",
+        ),  # fmt: skip
+    ] = None
+    traffic_share: Annotated[
+        list[float] | None,
+        Field(
+            description="RL across nodes: relative share of requests per inference node (orchestrator "
+            "client.traffic_share); unset = equal"
+        ),  # fmt: skip
+    ] = None
+    rdzv_port: Annotated[
+        int, Field(ge=1, le=65535, description="port of the torchrun rendezvous on the first trainer node")
+    ] = 29500
+    requeue: Annotated[
+        bool, Field(description="#SBATCH --requeue (else --no-requeue); resuming a requeued run is not wired yet")
+    ] = False
+    dry_run: Annotated[bool, Field(description="print the job script and submit nothing")] = False
+
+    @property
+    def multi_node(self) -> bool:
+        """RL: the services as srun steps on their own nodes, instead of `rl` on one node."""
+        return self.inference_nodes is not None or self.trainer_nodes is not None
+
+    @model_validator(mode="after")
+    def _layout(self) -> SlurmConfig:
+        if not self.multi_node:
+            if self.traffic_share is not None:
+                raise ValueError("slurm.traffic_share is per inference node: also set slurm.inference_nodes")
+            return self
+        inference, trainer = self.inference_nodes or 1, self.trainer_nodes or 1
+        if self.nodes is not None and self.nodes not in (inference + trainer, 1):
+            raise ValueError(
+                f"slurm.nodes={self.nodes} but the layout has {inference} inference + {trainer} trainer node(s); "
+                "leave it unset (or 1: every service on one node, with one inference and one trainer node)"
+            )
+        if self.nodes == 1 and (inference, trainer) != (1, 1):
+            raise ValueError("slurm.nodes=1 shares one node between 1 inference and 1 trainer node only")
+        if self.traffic_share is not None and len(self.traffic_share) != inference:
+            raise ValueError(f"slurm.traffic_share has {len(self.traffic_share)} entries for {inference} node(s)")
+        return self

@@ -1,0 +1,294 @@
+"""Render the sbatch script of a run and submit it (`rl --slurm ...`, `sft --slurm ...`).
+
+The job runs our own entrypoints on the exact config the user gave: the resolved config, without its `slurm`
+section and with `output_dir` made absolute, is written to OUTPUT_DIR/run/slurm/ beside the script
+(`job.sbatch`), so a job can be resubmitted as it is (`sbatch OUTPUT_DIR/run/slurm/job.sbatch`). Values only
+known in the job (node names, the API key) are flags of the steps, computed by the script at run time.
+
+Layouts:
+- `rl`, one node: one srun step runs `rl @ run/slurm/rl.toml` (inference, orchestrator and trainer as `rl` runs
+  them, logs in OUTPUT_DIR/logs/ as usual).
+- `rl` across nodes (`slurm.inference_nodes` / `slurm.trainer_nodes`): nodes from `$SLURM_JOB_NODELIST`, the
+  first ones each run an inference server (one srun step, logs/inference-<node>.log), the next ones the trainer
+  (one srun step of torchrun with a static rendezvous on the first trainer node, logs/trainer-<node>.log), and
+  exactly one orchestrator on the first trainer node (logs/orchestrator.log) with every server's URL. A fresh
+  API key is generated in the job into an env var the steps inherit: it is never written to disk. With
+  `slurm.nodes = 1` (and one node of each) all three steps share the node.
+- `sft` on any number of nodes: one srun step of torchrun over all of them (logs/sft-<node>.log).
+The script waits for the steps; the first one that fails stops the others and ends the job with its status,
+naming it (the inference step ending at all is a failure; it is stopped once trainer and orchestrator are done).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prime_rl.slurm.config import SlurmConfig
+
+KEY_VAR_DEFAULT = "INFERENCE_SERVER_API_KEY"
+
+
+@dataclass
+class Job:
+    """A rendered job: the script and the configs it runs (file name -> TOML data), all under run/slurm/."""
+
+    output_dir: Path
+    script: str
+    configs: dict[str, dict] = field(default_factory=dict)
+
+
+def job_dir(output_dir: Path) -> Path:
+    from prime_rl.protocol import run_dir
+
+    return run_dir(output_dir) / "slurm"
+
+
+def _toml_data(config, output_dir: Path, services: tuple[str, ...] = ()) -> dict:
+    """The config as the job runs it: no `slurm` section, an absolute output_dir (in each sub-config too)."""
+    from prime_rl.utils.config import to_toml_dict
+
+    data = to_toml_dict(config)
+    data.pop("slurm", None)
+    for node in [data, *(data[s] for s in services)]:
+        node["output_dir"] = str(output_dir)
+    return data
+
+
+def sh(*args: object) -> str:
+    """A shell command line: literal args quoted, args naming a $VAR in double quotes (expanded where it runs)."""
+    return " ".join(f'"{a}"' if "$" in str(a) else shlex.quote(str(a)) for a in args)
+
+
+def in_step(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """`cmd` as one srun step's program: its $VARS (SLURM_PROCID too) are expanded on each node by `bash -c`."""
+    prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+    return "bash -c " + shlex.quote("exec " + sh(*prefix, *cmd))
+
+
+def torchrun_nodes(nodes: int) -> list[str]:
+    """torchrun's static rendezvous across the step's nodes: rank 0 on $TRAINER_HEAD, the first
+    node of the step (one task per node: the task rank is the node rank)."""
+    return ["--nnodes", str(nodes), "--node-rank", "$SLURM_PROCID", "--rdzv-endpoint", "$TRAINER_HEAD:$RDZV_PORT"]
+
+
+def sbatch_header(slurm: SlurmConfig, name: str, nodes: int, output_dir: Path, argv: list[str]) -> list[str]:
+    options = [f"--job-name={slurm.job_name or name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    options += [f"--partition={slurm.partition}"] if slurm.partition else []
+    options += [f"--account={slurm.account}"] if slurm.account else []
+    options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
+    options += [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
+    options += [f"--time={slurm.time}"] if slurm.time else []
+    options += [f"--chdir={Path.cwd()}", f"--output={output_dir}/logs/slurm-%j.log"]
+    options += ["--requeue" if slurm.requeue else "--no-requeue", *slurm.extra_sbatch]
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options)]
+    lines += [f"# Rendered by `{name} --slurm`: {shlex.join([name, *argv])}", "set -euo pipefail", *slurm.setup]
+    python = slurm.python or sys.executable
+    lines += [f"export OUTPUT_DIR={shlex.quote(str(output_dir))}", f"export PY={shlex.quote(python)}"]
+    return lines
+
+
+def srun(slurm: SlurmConfig, *options: str) -> str:
+    return sh("srun", *options, *slurm.srun_args)
+
+
+NODE_LISTS = """mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+{arrays}
+join() {{ local IFS=,; echo "$*"; }}
+export TRAINER_HEAD=${{TRAINER_NODES[0]}} RDZV_PORT={port}"""
+
+# Bash that follows the steps started in the background (STEP_PIDS: name -> srun pid).
+WATCH_STEPS = r"""
+stop_steps() {
+  local pid
+  for pid in "${STEP_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 30); do
+    for pid in "${STEP_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && { sleep 1; continue 2; }; done
+    return 0
+  done
+}
+# Until trainer and orchestrator both exit 0; any step that fails (or inference ending at all) ends the job.
+while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
+  for name in "${!STEP_PIDS[@]}"; do
+    pid=${STEP_PIDS[$name]}
+    kill -0 "$pid" 2>/dev/null && continue
+    rc=0; wait "$pid" || rc=$?
+    unset "STEP_PIDS[$name]"
+    if [[ $rc -ne 0 || $name == inference ]]; then
+      echo "prime-rl: step $name failed (exit $rc); stopping the others; see $OUTPUT_DIR/logs/$name*.log" >&2
+      stop_steps
+      exit $((rc == 0 ? 1 : rc))
+    fi
+    echo "prime-rl: step $name done"
+  done
+  sleep 2
+done
+stop_steps
+echo "prime-rl: done; outputs in $OUTPUT_DIR"
+""".strip()
+
+
+def render_rl(config, argv: list[str]) -> Job:
+    from prime_rl.rl import SERVICES
+
+    slurm: SlurmConfig = config.slurm
+    output_dir = Path(config.orchestrator.output_dir).resolve()
+    if not slurm.multi_node:
+        if (slurm.nodes or 1) != 1:
+            raise ValueError(
+                "rl runs its services on one node: set slurm.inference_nodes and slurm.trainer_nodes to spread them"
+            )
+        lines = sbatch_header(slurm, "rl", 1, output_dir, argv)
+        lines.append(srun(slurm, "--nodes=1", "--ntasks=1") + " " + sh("$PY", "-m", "prime_rl.rl", "@",
+                                                                      "$OUTPUT_DIR/run/slurm/rl.toml"))  # fmt: skip
+        return Job(output_dir, "\n".join(lines) + "\n", {"rl.toml": _toml_data(config, output_dir, SERVICES)})
+    return _render_rl_nodes(config, slurm, output_dir, argv)
+
+
+def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[str]) -> Job:
+    from prime_rl.rl import assign_devices, service_commands
+
+    n_inf, n_train = slurm.inference_nodes or 1, slurm.trainer_nodes or 1
+    shared = slurm.nodes == 1
+    # Devices: a shared node splits them as `rl` does (its --*-gpu-ids); own nodes give each step all of theirs.
+    env, procs = assign_devices(config, slurm.gpus_per_node or 0)
+    if not shared and slurm.gpus_per_node:
+        env, procs = {s: {} for s in env}, slurm.gpus_per_node
+    world = n_train * procs
+    if "num_train_workers" in config.orchestrator.model_fields_set and config.orchestrator.num_train_workers != world:
+        raise ValueError(f"orchestrator.num_train_workers={config.orchestrator.num_train_workers} but the trainer "
+                         f"runs {world} ranks ({n_train} node(s) x {procs})")  # fmt: skip
+    key_var = config.orchestrator.client.api_key_var
+    configs = {s: _toml_data(getattr(config, s), output_dir) for s in ("inference", "orchestrator", "trainer")}
+    for data in configs.values():
+        data.setdefault("log", {})["file"] = False  # each step's output is its log, one file per node
+    configs["orchestrator"]["num_train_workers"] = world
+    configs["inference"]["api_key_var"] = key_var
+    configs["inference"].setdefault("server", {})["host"] = "0.0.0.0"
+    port = config.inference.server.port
+
+    commands = {k: ["$PY", *v[1:]] for k, v in service_commands(Path("$OUTPUT_DIR/run/slurm"), procs).items()}
+    at = commands["trainer"].index("--standalone")
+    commands["trainer"][at : at + 1] = torchrun_nodes(n_train)
+    orchestrator_flags = ["--client.base-url", "$BASE_URLS"]
+    if slurm.traffic_share:
+        orchestrator_flags += ["--client.traffic-share", ",".join(str(s) for s in slurm.traffic_share)]
+    trainer_flags = []
+    if config.trainer.weight_transfer == "broadcast":  # trainer rank 0 (on $TRAINER_HEAD) hosts the group
+        orchestrator_flags += ["--weight-broadcast.host", "$TRAINER_HEAD"]
+        trainer_flags += ["--weight-broadcast.host", "$TRAINER_HEAD"]
+
+    first_trainer = 0 if shared else n_inf
+    arrays = f'INFERENCE_NODES=("${{NODES[@]:0:{n_inf}}}")\nTRAINER_NODES=("${{NODES[@]:{first_trainer}:{n_train}}}")'
+    lines = sbatch_header(slurm, "rl", 1 if shared else n_inf + n_train, output_dir, argv)
+    lines += [
+        NODE_LISTS.format(arrays=arrays, port=slurm.rdzv_port),
+        f"export BASE_URLS=$(printf 'http://%s:{port}/v1\\n' \"${{INFERENCE_NODES[@]}}\" | paste -sd,)",
+        "# A fresh API key per job, in this job's environment only (every step inherits it): never on disk.",
+        f"export {key_var}=$(\"$PY\" -c 'import secrets; print(secrets.token_urlsafe(32))')",
+        'echo "prime-rl: inference on ${INFERENCE_NODES[*]}; trainer on ${TRAINER_NODES[*]} (rendezvous '
+        '$TRAINER_HEAD:$RDZV_PORT); orchestrator on $TRAINER_HEAD"',
+        "declare -A STEP_PIDS",
+        srun(slurm, "--overlap", f"--nodes={n_inf}", f"--ntasks={n_inf}", "--ntasks-per-node=1",
+             '--nodelist=$(join "${INFERENCE_NODES[@]}")', "--output=$OUTPUT_DIR/logs/inference-%N.log")
+        + " " + in_step(commands["inference"], env["inference"]) + " &",
+        "STEP_PIDS[inference]=$!",
+        srun(slurm, "--overlap", f"--nodes={n_train}", f"--ntasks={n_train}", "--ntasks-per-node=1",
+             '--nodelist=$(join "${TRAINER_NODES[@]}")', "--output=$OUTPUT_DIR/logs/trainer-%N.log")
+        + " " + in_step([*commands["trainer"], *trainer_flags], env["trainer"]) + " &",
+        "STEP_PIDS[trainer]=$!",
+        srun(slurm, "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=$TRAINER_HEAD",
+             "--output=$OUTPUT_DIR/logs/orchestrator.log")
+        + " " + in_step([*commands["orchestrator"], *orchestrator_flags], env["orchestrator"]) + " &",
+        "STEP_PIDS[orchestrator]=$!",
+        WATCH_STEPS,
+    ]  # fmt: skip
+    return Job(output_dir, "\n".join(lines) + "\n", {f"{s}.toml": data for s, data in configs.items()})
+
+
+def render_sft(config, argv: list[str]) -> Job:
+    slurm: SlurmConfig = config.slurm
+    if slurm.multi_node:
+        raise ValueError("slurm.inference_nodes / slurm.trainer_nodes are RL layouts; sft trains on slurm.nodes")
+    nodes, procs = slurm.nodes or 1, slurm.gpus_per_node or 1
+    output_dir = Path(config.output_dir).resolve()
+    data = _toml_data(config, output_dir)
+    data.setdefault("log", {})["file"] = False  # each node's output is its log
+    cmd = ["$PY", "-m", "torch.distributed.run", *torchrun_nodes(nodes), "--nproc-per-node", str(procs),
+           "-m", "prime_rl.trainer.sft.train", "@", "$OUTPUT_DIR/run/slurm/sft.toml"]  # fmt: skip
+    env = {} if slurm.gpus_per_node else {"CUDA_VISIBLE_DEVICES": ""}
+    lines = sbatch_header(slurm, "sft", nodes, output_dir, argv)
+    lines += [
+        NODE_LISTS.format(arrays='TRAINER_NODES=("${NODES[@]}")', port=slurm.rdzv_port),
+        'echo "prime-rl: sft on ${TRAINER_NODES[*]} (rendezvous $TRAINER_HEAD:$RDZV_PORT)"',
+        srun(slurm, f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+             "--output=$OUTPUT_DIR/logs/sft-%N.log") + " " + in_step(cmd, env),
+        'echo "prime-rl: done; outputs in $OUTPUT_DIR"',
+    ]  # fmt: skip
+    return Job(output_dir, "\n".join(lines) + "\n", {"sft.toml": data})
+
+
+def render(config, service: str, argv: list[str]) -> Job:
+    return render_rl(config, argv) if service == "rl" else render_sft(config, argv)
+
+
+def write_job(job: Job) -> Path:
+    """run/slurm/{job.sbatch, *.toml} and logs/ (sbatch does not create the directory of --output)."""
+    import tomli_w
+
+    from prime_rl.protocol import atomic_write_text, log_file
+
+    log_file(job.output_dir, "slurm").parent.mkdir(parents=True, exist_ok=True)
+    for name, data in job.configs.items():
+        atomic_write_text(job_dir(job.output_dir) / name, tomli_w.dumps(data))
+    return atomic_write_text(job_dir(job.output_dir) / "job.sbatch", job.script)
+
+
+def clear_for_fresh_run(config) -> None:
+    """As `rl` does before it starts anything: a fresh run must not see an earlier run's rollouts and weights
+    (the trainer starts beside the orchestrator, which clears them too late for it). Refused while a live run
+    holds the output dir."""
+    from prime_rl.protocol import RunLock, clear_previous_run, resolve_resume_step
+
+    output_dir, ckpt = config.orchestrator.output_dir, config.orchestrator.ckpt
+    if ckpt is not None and resolve_resume_step(output_dir, ckpt.resume_step, "orchestrator") is not None:
+        return
+    token = secrets.token_hex(8)
+    with RunLock(output_dir, "orchestrator", token), RunLock(output_dir, "trainer", token):
+        if removed := clear_previous_run(output_dir):
+            print(f"prime-rl: {removed}", file=sys.stderr)
+
+
+def submit(config, service: str, argv: list[str] | None = None) -> int:
+    """Render the job of `config` (`service` = rl or sft); print it (dry run) or write and sbatch it. Exit status."""
+    from prime_rl.protocol import RunLocked
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        job = render(config, service, argv)
+        if config.slurm.dry_run:
+            print(job.script, end="")
+            return 0
+        if service == "rl":
+            clear_for_fresh_run(config)
+        script = write_job(job)
+    except (ValueError, RunLocked) as e:
+        print(f"{service}: {e}", file=sys.stderr)
+        return 1
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        print(f"{service}: sbatch not found (is this a Slurm login node?); the job script is {script}", file=sys.stderr)
+        return 1
+    if out.returncode != 0:
+        print(f"{service}: sbatch failed: {out.stderr.strip()}; the job script is {script}", file=sys.stderr)
+        return 1
+    job_id = out.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id}: {script}")
+    print(f"  logs: {job.output_dir}/logs/ (slurm-{job_id}.log and one per service and node)")
+    print(f"  follow: squeue -j {job_id}; scontrol show job {job_id}; cancel: scancel {job_id}")
+    return 0

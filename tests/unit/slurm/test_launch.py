@@ -1,0 +1,159 @@
+"""The rendered job scripts of `rl --slurm` / `sft --slurm`: their #SBATCH lines, the configs the job runs, and
+the multi-node script itself run by bash against fake `scontrol` / `srun` / Python (the steps it starts, with
+their $VARS expanded as on the nodes; a failed step ends the job naming it)."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from prime_rl.rl import RLConfig
+from prime_rl.slurm.launch import render, write_job
+from prime_rl.trainer.sft.config import SFTConfig
+from prime_rl.utils.config import ConfigError, load_config
+
+ROOT = Path(__file__).parents[3]
+
+
+def rl(tmp_path, *flags: str) -> RLConfig:
+    return load_config(RLConfig, ["@", str(ROOT / "configs/debug/rl.toml"), "--output-dir", str(tmp_path / "out"),
+                                  *flags])  # fmt: skip
+
+
+def test_single_node_rl_runs_rl_on_the_resolved_config_with_the_sbatch_options(tmp_path):
+    config = rl(tmp_path, "--slurm.partition", "gpu", "--slurm.account", "proj", "--slurm.time", "01:00:00",
+                "--slurm.gpus-per-node", "2", "--slurm.job-name", "exp1", "--slurm.extra-sbatch=--exclusive",
+                "--slurm.setup", "module load cuda/12.4")  # fmt: skip
+    job = render(config, "rl", ["@", "configs/debug/rl.toml"])
+    lines = job.script.splitlines()
+    for option in ("--job-name=exp1", "--nodes=1", "--partition=gpu", "--account=proj", "--time=01:00:00",
+                   "--gpus-per-node=2", "--exclusive", "--no-requeue", f"--output={tmp_path}/out/logs/slurm-%j.log",
+                   f"--chdir={Path.cwd()}"):  # fmt: skip
+        assert f"#SBATCH {option}" in lines
+    assert lines.index("module load cuda/12.4") > lines.index("set -euo pipefail")
+    assert lines[-1] == 'srun --nodes=1 --ntasks=1 "$PY" -m prime_rl.rl @ "$OUTPUT_DIR/run/slurm/rl.toml"'
+    write_job(job)
+    toml = tmp_path / "out/run/slurm/rl.toml"
+    data = tomllib.loads(toml.read_text())
+    assert "slurm" not in data and data["output_dir"] == str(tmp_path / "out")
+    again = load_config(RLConfig, ["@", str(toml)])  # the job runs exactly the user's config, minus `slurm`
+    for service in ("inference", "orchestrator", "trainer"):
+        assert getattr(again, service).model_dump() == getattr(config, service).model_dump()
+    assert again.slurm is None
+    assert (tmp_path / "out/run/slurm/job.sbatch").read_text() == job.script
+
+
+def test_multi_node_rl_puts_servers_trainer_and_one_orchestrator_on_their_nodes(tmp_path):
+    config = rl(tmp_path, "--slurm.inference-nodes", "2", "--slurm.trainer-nodes", "2", "--slurm.gpus-per-node", "8",
+                "--slurm.traffic-share", "3,1", "--slurm.srun-args=--container-image=img.sqsh")  # fmt: skip
+    job = render(config, "rl", [])
+    script = job.script
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
+    assert 'INFERENCE_NODES=("${NODES[@]:0:2}")' in script and 'TRAINER_NODES=("${NODES[@]:2:2}")' in script
+    assert 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")' in script
+    assert "--nnodes 2 --node-rank \"$SLURM_PROCID\" --rdzv-endpoint \"$TRAINER_HEAD:$RDZV_PORT\" --nproc-per-node 8 " \
+           "-m prime_rl.trainer.rl.train" in script  # fmt: skip
+    assert '--client.base-url "$BASE_URLS" --client.traffic-share 3.0,1.0' in script
+    assert script.count("srun ") == 3 and script.count("--container-image=img.sqsh") == 3
+    assert script.count("prime_rl.orchestrator.orchestrator") == 1 and '"--nodelist=$TRAINER_HEAD"' in script
+    assert "export INFERENCE_SERVER_API_KEY=$(" in script  # generated in the job, never a literal
+    assert job.configs["orchestrator.toml"]["num_train_workers"] == 16
+    assert job.configs["inference.toml"]["api_key_var"] == "INFERENCE_SERVER_API_KEY"
+    assert job.configs["inference.toml"]["server"]["host"] == "0.0.0.0"
+    assert all(data["log"]["file"] is False for data in job.configs.values())  # srun writes one log per node
+
+
+def test_multi_node_sft_runs_torchrun_over_every_node(tmp_path):
+    config = load_config(SFTConfig, ["@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(tmp_path),
+                                     "--slurm.nodes", "2", "--slurm.gpus-per-node", "4"])  # fmt: skip
+    job = render(config, "sft", [])
+    assert "#SBATCH --nodes=2" in job.script and "#SBATCH --job-name=sft" in job.script
+    assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "--output=$OUTPUT_DIR/logs/sft-%N.log"' in job.script
+    assert "--nnodes 2 --node-rank \"$SLURM_PROCID\" --rdzv-endpoint \"$TRAINER_HEAD:$RDZV_PORT\" --nproc-per-node 4 " \
+           "-m prime_rl.trainer.sft.train @ \"$OUTPUT_DIR/run/slurm/sft.toml\"" in job.script  # fmt: skip
+    assert "slurm" not in job.configs["sft.toml"]
+    with pytest.raises(ValueError, match="RL layouts"):
+        render(load_config(SFTConfig, ["@", str(ROOT / "configs/sft/debug.toml"), "--slurm.trainer-nodes", "2"]),
+               "sft", [])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--slurm.inference-nodes", "2", "--slurm.nodes", "3"], "slurm.nodes=3 but the layout has 2 inference"),
+        (["--slurm.inference-nodes", "2", "--slurm.traffic-share", "1,1,1"], "3 entries for 2 node"),
+        (["--slurm.traffic-share", "1,1"], "also set slurm.inference_nodes"),
+    ],
+)
+def test_inconsistent_layouts_are_config_errors(tmp_path, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        rl(tmp_path, *flags)
+
+
+FAKE_SRUN = """#!/bin/bash
+while [[ $1 != bash ]]; do echo "$1" >> "$RECORD/srun"; shift; done
+echo --- >> "$RECORD/srun"
+SLURM_PROCID=0 exec "$@"
+"""
+FAKE_PY = """#!/bin/bash
+echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$RECORD/commands"
+[[ $* == *inference.server* ]] && exec sleep 60
+[[ $* == *$FAIL* ]] && exit 3
+exit 0
+"""
+
+
+def run_script(tmp_path, script: str, fail: str = "never") -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in {"srun": FAKE_SRUN, "python": FAKE_PY,
+                       "scontrol": "#!/bin/bash\nprintf 'n1\\nn2\\nn3\\nn4\\n'\n"}.items():  # fmt: skip
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(tmp_path), "FAIL": fail,
+           "SLURM_JOB_NODELIST": "n[1-4]"}  # fmt: skip
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_the_environment(tmp_path):
+    config = rl(tmp_path, "--slurm.inference-nodes", "2", "--slurm.trainer-nodes", "2",
+                "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
+    result = run_script(tmp_path, render(config, "rl", []).script)
+    assert result.returncode == 0, result.stderr
+    assert "step trainer done" in result.stdout and "step orchestrator done" in result.stdout
+    commands = (tmp_path / "commands").read_text().splitlines()
+    out = tmp_path / "out"
+    assert f"CUDA_VISIBLE_DEVICES= -m prime_rl.inference.server @ {out}/run/slurm/inference.toml" in commands
+    assert (f"CUDA_VISIBLE_DEVICES= -m torch.distributed.run --nnodes 2 --node-rank 0 --rdzv-endpoint n3:29500 "
+            f"--nproc-per-node 1 -m prime_rl.trainer.rl.train @ {out}/run/slurm/trainer.toml") in commands  # fmt: skip
+    assert (f"CUDA_VISIBLE_DEVICES= -m prime_rl.orchestrator.orchestrator @ {out}/run/slurm/orchestrator.toml "
+            "--client.base-url http://n1:8000/v1,http://n2:8000/v1") in commands  # fmt: skip
+    steps = (tmp_path / "srun").read_text().split("---\n")
+    assert "--nodelist=n1,n2" in steps[0] and "--nodelist=n3,n4" in steps[1] and "--nodelist=n3" in steps[2]
+    assert f"--output={out}/logs/inference-%N.log" in steps[0]
+
+
+def test_a_failed_step_stops_the_others_and_ends_the_job_naming_it(tmp_path):
+    config = rl(tmp_path, "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
+                "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
+    result = run_script(tmp_path, render(config, "rl", []).script, fail="trainer.rl.train")
+    assert result.returncode == 3
+    assert "step trainer failed (exit 3); stopping the others" in result.stderr
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/bash\ntouch {tmp_path}/submitted\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "prime_rl.rl", "@", "configs/debug/rl.toml", "--output-dir",
+                             str(out), "--slurm.dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=rl\n")
+    assert not (tmp_path / "submitted").exists() and not out.exists()
