@@ -153,3 +153,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """A real one-node Slurm cluster on this machine (scripts/slurm_cluster.sh, which CI runs first: here it only
+    starts the daemons). Skips, saying why, where Slurm is not installed or the cluster does not come up."""
+    import shutil
+    import subprocess
+
+    if shutil.which("sbatch") is None:
+        pytest.skip("slurm-wlm is not installed: sudo bash scripts/slurm_cluster.sh installs it (.ci/run does)")
+    script = Path(__file__).parents[1] / "scripts" / "slurm_cluster.sh"
+    result = subprocess.run(["bash", str(script), "--no-install"], capture_output=True, text=True, timeout=180)
+    if result.returncode != 0:
+        pytest.skip(f"the one-node Slurm cluster did not start: {(result.stderr or result.stdout).strip()[-300:]}")
