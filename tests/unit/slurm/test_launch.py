@@ -83,7 +83,7 @@ def test_multi_node_sft_runs_torchrun_over_every_node(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--slurm.inference-nodes", "2", "--slurm.nodes", "3"], "slurm.nodes=3 but the layout has 2 inference"),
+        (["--slurm.inference-nodes", "2", "--slurm.nodes", "4"], "slurm.nodes=4 but the layout has 2 inference"),
         (["--slurm.inference-nodes", "2", "--slurm.traffic-share", "1,1,1"], "3 entries for 2 node"),
         (["--slurm.traffic-share", "1,1"], "also set slurm.inference_nodes"),
     ],
@@ -94,8 +94,7 @@ def test_inconsistent_layouts_are_config_errors(tmp_path, flags, message):
 
 
 FAKE_SRUN = """#!/bin/bash
-while [[ $1 != bash ]]; do echo "$1" >> "$RECORD/srun"; shift; done
-echo --- >> "$RECORD/srun"
+while [[ $1 != bash ]]; do echo "$1" >> "$RECORD/srun.$$"; shift; done
 SLURM_PROCID=0 exec "$@"
 """
 FAKE_PY = """#!/bin/bash
@@ -131,9 +130,15 @@ def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_th
             f"--nproc-per-node 1 -m prime_rl.trainer.rl.train @ {out}/run/slurm/trainer.toml") in commands  # fmt: skip
     assert (f"CUDA_VISIBLE_DEVICES= -m prime_rl.orchestrator.orchestrator @ {out}/run/slurm/orchestrator.toml "
             "--client.base-url http://n1:8000/v1,http://n2:8000/v1") in commands  # fmt: skip
-    steps = (tmp_path / "srun").read_text().split("---\n")
-    assert "--nodelist=n1,n2" in steps[0] and "--nodelist=n3,n4" in steps[1] and "--nodelist=n3" in steps[2]
-    assert f"--output={out}/logs/inference-%N.log" in steps[0]
+    # The steps run at once: each srun's options were recorded in a file of its own, named by its log.
+    steps = {}
+    for record in tmp_path.glob("srun.*"):
+        options = record.read_text().splitlines()
+        log = next(o for o in options if o.startswith("--output="))
+        steps[log.removeprefix(f"--output={out}/logs/")] = options
+    assert "--nodelist=n1,n2" in steps["inference-%N.log"]
+    assert "--nodelist=n3,n4" in steps["trainer-%N.log"]
+    assert "--nodelist=n3" in steps["orchestrator.log"]
 
 
 def test_a_failed_step_stops_the_others_and_ends_the_job_naming_it(tmp_path):
