@@ -57,7 +57,7 @@ class Server:
         cmd += ["--server.port", port, "--output-dir", str(output_dir), "--no-log.file"]
         cmd += ["--weight-transfer", "broadcast"]  # accepts both transfers
         if backend == "vllm":
-            cmd += ["--max-model-len", "512"]  # a smaller warm-up pass at start
+            cmd += ["--max-model-len", "512", "--enforce-eager"]  # a shorter start: smaller warm-up, no compile
         cmd += [*args, *(["--api-key", api_key, "--server.host", "127.0.0.1"] if api_key else [])]
         self.log = open(self.log_path, "w")
         env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB; plenty for 512-token sequences

@@ -178,7 +178,7 @@ def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
     vLLM's worker over the gloo group (the filesystem route to vLLM is tested in test_inference_server)."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for vLLM's KV cache on CPU
     out = tmp_path / "out"
-    extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512"]
+    extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512", "--inference.enforce-eager"]
     result = run_rl(on_policy_broadcast_run(tiny_qwen3_hd32, out, free_port, *extra), timeout=900)
     assert result.returncode == 0, result.stderr + show_logs(out)
     assert_on_policy_over_broadcast(out)

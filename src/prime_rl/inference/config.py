@@ -93,6 +93,13 @@ class InferenceConfig(BaseConfig):
     gpu_memory_utilization: Annotated[
         float, Field(gt=0, le=1, description="fraction of GPU memory the engine may use (vLLM)")
     ] = 0.9
+    enforce_eager: Annotated[
+        bool,
+        Field(
+            description="vLLM: run the model eagerly, without torch.compile or CUDA graphs (starts faster, "
+            "decodes slower: tests, short jobs)"
+        ),
+    ] = False
     seed: Annotated[int, Field(description="seed for requests that give none")] = 0
     request_timeout: Annotated[
         float, Field(gt=0, description="seconds a generation request may take (queue + decode) before a 504")

@@ -38,6 +38,8 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
     if config.tool_call_parser is not None:
         # Parsed tool calls on chat requests with tools (tool_choice "auto"), as the built-in engine does.
         args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    if config.enforce_eager:
+        args.append("--enforce-eager")
     if config.trust_request_chat_template:
         args.append("--trust-request-chat-template")
     if config.model.lora is not None:

@@ -59,6 +59,8 @@ def test_config_maps_to_vllm_serve_arguments():
     # What the trainer recomputes, and no sampling defaults from the checkpoint's generation_config.json.
     assert got["--logprobs-mode"] == "processed_logprobs" and got["--generation-config"] == "vllm"
     assert "--headless" not in got and "--data-parallel-address" not in got
+    assert "--enforce-eager" not in got  # compiled (CUDA graphs on GPU) unless asked
+    assert "--enforce-eager" in vllm_serve_args(config.model_copy(update={"enforce_eager": True}), "127.0.0.1")
 
 
 def test_cpu_serves_float32_like_the_built_in_engine():
