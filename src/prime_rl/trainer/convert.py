@@ -89,13 +89,12 @@ def convert_adapter(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from prime_rl.trainer.model import ADAPTER
-    from prime_rl.trainer.weights import saved_dtype, write_safetensors
+    from prime_rl.trainer.weights import peft_name, saved_dtype, write_safetensors
     from prime_rl.utils.hf_layout import checkpoint_state_dict
-    from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_pairs, merge_weight
+    from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pairs, merge_weight
 
     adapter_config = json.loads((hf / ADAPTER_CONFIG).read_text())
-    adapter = {PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v for k, v in state_dict.items()}
+    adapter = {peft_name(k): v for k, v in state_dict.items()}
     output.mkdir(parents=True, exist_ok=True)
     if not merge:
         shutil.copyfile(hf / ADAPTER_CONFIG, output / ADAPTER_CONFIG)

@@ -82,10 +82,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> None:
     logger.info(f"LoRA rank {lora.rank} on {lora.target_modules}: {trainable:,} of {total:,} parameters train")
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    return getattr(model, "peft_config", None) is not None
-
-
 def build_training(config, d, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """The model of a trainer config (RL or SFT) parallelized over `d`, with its optimizer and lr schedule."""
     from prime_rl.trainer.optim import build_optimizer, build_scheduler

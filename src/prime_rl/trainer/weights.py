@@ -193,16 +193,22 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
     return path
 
 
-def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA tensors of the model's state dict (possibly FSDP shards) under peft's file names:
+def peft_name(name: str) -> str:
+    """An adapter tensor's name in peft's files, from the model's own:
     `model.layers.0.mlp.up_proj.lora_A.default.weight` → `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
     from prime_rl.trainer.model import ADAPTER
 
-    tag = f".{ADAPTER}."
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the model's state dict (possibly FSDP shards) under peft's file names."""
+    from prime_rl.trainer.model import ADAPTER
+
     return {
-        PEFT_PREFIX + name.replace(tag, "."): t
+        peft_name(name): t
         for name, t in model.state_dict().items()
-        if (".lora_A." in name or ".lora_B." in name) and tag in name
+        if (".lora_A." in name or ".lora_B." in name) and f".{ADAPTER}." in name
     }
 
 
