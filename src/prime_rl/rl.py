@@ -7,6 +7,10 @@ logs, and stop everything when one fails or on Ctrl-C (exit non-zero, naming the
 With `--restart N`, a service that dies is restarted alone, up to N times in all, while the others keep
 running: the trainer and the orchestrator from their newest checkpoint (`--ckpt.resume-step latest`), the
 inference server as it was started (the orchestrator waits for it and gives it the current weights).
+
+With checkpoints on, USR1 or SIGTERM (Slurm's time-limit and preemption signals) stop the run cleanly: the
+trainer checkpoints after its current step, the orchestrator stops with its progress saved, and `rl` exits
+with status 3 (PREEMPTED); `--ckpt.resume-step latest` goes on from there with no step lost or repeated.
 """
 
 from __future__ import annotations
@@ -40,7 +44,15 @@ from prime_rl.utils.config import (
     write_run_config,
 )
 from prime_rl.utils.logging import logger, setup_logging
-from prime_rl.utils.process import die_with_parent
+from prime_rl.utils.process import (
+    PREEMPTED,
+    StopRequested,
+    catch_stop_signals,
+    descendants,
+    die_with_parent,
+    ignore_usr1,
+    stop_requested,
+)
 
 SERVICES = ("inference", "orchestrator", "trainer")
 # Shared key -> the sub-configs that carry it. A value set at the top goes to all of them;
@@ -90,6 +102,14 @@ class RLConfig(BaseConfig):
     restart: Annotated[
         int, Field(ge=0, description="restart a service that dies, alone, up to this many times in all (needs ckpt)")
     ] = 0
+    stop_timeout: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="seconds trainer and orchestrator get to save and exit after a stop signal (USR1, "
+            "SIGTERM), before they are killed",
+        ),  # fmt: skip
+    ] = 600.0
     log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
 
@@ -235,7 +255,7 @@ class Service:
         # Own process group, so stopping it also stops torchrun's workers; SIGTERM when `rl` dies, however.
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **env}, start_new_session=True, preexec_fn=die_with_parent,
+            env={**os.environ, **env}, start_new_session=True, preexec_fn=_child_setup,
         )  # fmt: skip
 
     @property
@@ -269,6 +289,12 @@ class Service:
                 return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:]) or "(nothing logged)"
         except OSError:
             return "(no log)"
+
+
+def _child_setup() -> None:
+    """In each service before exec: die with `rl`, and ignore USR1 unless the service catches it (it saves)."""
+    die_with_parent()
+    ignore_usr1()
 
 
 def stop_all(services: list[Service], timeout: float = 15.0) -> None:
@@ -372,6 +398,8 @@ def wait_for_inference(services: list[Service], url: str, timeout: float) -> Non
 
     start = time.monotonic()
     while time.monotonic() - start < timeout:
+        if signal_name := stop_requested():
+            raise StopRequested(f"{signal_name} received while waiting for the inference server; nothing to save")
         for service in services:
             if service.returncode is not None:
                 raise ServiceFailed(service)
@@ -452,7 +480,7 @@ def _run(config: RLConfig, lock_token: str) -> None:
         logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
         services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
                                 env["orchestrator"]))  # fmt: skip
-        watch(services, Restarter(config, commands, env))
+        watch(services, Restarter(config, commands, env), config)
         logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
         from prime_rl.utils.plot import plot_runs
 
@@ -496,16 +524,50 @@ class Restarter:
         services[services.index(dead)] = Service(dead.name, cmd, dead.log_path, self.env[dead.name])
 
 
-def watch(services: list[Service], restart: Restarter) -> None:
-    """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service fails."""
+def watch(services: list[Service], restart: Restarter, config: RLConfig) -> None:
+    """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service fails;
+    on a stop signal (ours, or the orchestrator's: it exits PREEMPTED) stop the run (`stop_run`)."""
     while True:
         if all(s.returncode == 0 for s in services if s.name != "inference"):
             return
+        if stop_requested() or any(s.returncode == PREEMPTED for s in services if s.name == "orchestrator"):
+            stop_run(services, config.orchestrator.output_dir, config.stop_timeout)
         for service in list(services):
             rc = service.returncode
             if rc is not None and (rc != 0 or service.name == "inference"):
                 restart(services, service)
         time.sleep(0.2)
+
+
+def stop_run(services: list[Service], output_dir: Path, timeout: float) -> None:
+    """Pass the stop signal on to trainer and orchestrator (under Slurm it reached them already; again is
+    harmless), wait until both exited, and raise StopRequested saying where the run resumes from."""
+    from prime_rl.protocol import checkpoint_steps
+
+    savers = [s for s in services if s.name != "inference"]
+    for service in savers:
+        for pid in [service.proc.pid, *descendants(service.proc.pid)]:  # torchrun's workers: their own sessions
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    logger.warning(f"{stop_requested() or 'orchestrator stopped'}: waiting up to {timeout:.0f}s for the trainer "
+                   "to checkpoint after its current step and the orchestrator to save its progress")  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while any(s.returncode is None for s in savers):
+        if time.monotonic() > deadline:
+            late = ", ".join(s.name for s in savers if s.returncode is None)
+            raise TimeoutError(f"{late} did not stop within {timeout:.0f}s of the stop signal (rl --stop-timeout)")
+        time.sleep(0.2)
+    for service in savers:
+        if service.returncode not in (0, PREEMPTED):
+            raise ServiceFailed(service)
+    trainer, orchestrator = (checkpoint_steps(output_dir, (part,))[-1:] for part in ("trainer", "orchestrator"))
+    raise StopRequested(
+        f"stopped: trainer checkpoint step {trainer[0] if trainer else 'none'}, orchestrator progress at step "
+        f"{orchestrator[0] if orchestrator else 'none'} (in {output_dir}/checkpoints); the same command with "
+        "--ckpt.resume-step latest resumes there"
+    )
 
 
 def _terminate(signum, frame) -> None:
@@ -521,12 +583,19 @@ def main() -> None:
     setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
     # Explicitly: a shell that starts us in the background leaves SIGINT ignored, and Ctrl-C must still stop us.
     signal.signal(signal.SIGINT, _terminate)
-    signal.signal(signal.SIGTERM, _terminate)
+    if config.trainer.ckpt is not None:
+        catch_stop_signals()  # USR1 / SIGTERM: a clean, resumable stop (`stop_run`)
+    else:
+        ignore_usr1()
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         run(config)
     except KeyboardInterrupt:
         logger.error("interrupted; stopped all services")
         raise SystemExit(130) from None
+    except StopRequested as e:
+        logger.warning(str(e))
+        raise SystemExit(PREEMPTED) from None
     except (ServiceFailed, TimeoutError, ValueError, RunLocked, DiskFull) as e:
         logger.error(str(e))
         raise SystemExit(1) from None

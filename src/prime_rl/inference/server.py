@@ -11,6 +11,7 @@ import logging
 from prime_rl.inference.config import InferenceConfig, StartupError
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.process import ignore_usr1
 
 logger = logging.getLogger("prime_rl")
 
@@ -19,6 +20,7 @@ def main() -> None:
     config = parse_config(InferenceConfig)
     setup_logging("inference", config.output_dir, config.log.level, config.log.file)
     write_run_config(config, "inference", config.output_dir)
+    ignore_usr1()  # a job's stop signal is for the trainer and orchestrator; the engine's processes inherit this
     try:
         run(config)
     except StartupError as e:

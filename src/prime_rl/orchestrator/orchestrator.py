@@ -55,6 +55,7 @@ from prime_rl.protocol import (
     heartbeat_age,
     is_stable,
     list_steps,
+    orchestrator_checkpoint_file,
     rollout_step_dir,
     rollouts_dir,
     stable_steps,
@@ -67,6 +68,7 @@ from prime_rl.protocol.broadcast import marker_file, read_marker
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
+from prime_rl.utils.process import PREEMPTED, STOP_SIGNALS, StopRequested, ignore_usr1, request_stop, stop_requested
 from prime_rl.utils.timer import timer
 
 logger = logging.getLogger("prime_rl")
@@ -498,8 +500,27 @@ def drop_stale_rollouts(config: OrchestratorConfig, start: int) -> None:
 
 
 async def orchestrate(config: OrchestratorConfig) -> None:
+    """The run; with checkpoints on, a stop signal cancels it wherever it waits and it ends with
+    StopRequested: the progress of the step in flight was saved when it began (its rollouts are redone)."""
     resumed = load_checkpoint(config.output_dir, config.ckpt.resume_step if config.ckpt else None)
     state = resumed or Progress()
+    if config.ckpt is not None:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, lambda sig=sig: (request_stop(sig), task.cancel()))
+    try:
+        await _orchestrate(config, state, resumed)
+    except (asyncio.CancelledError, StopRequested):
+        if (signal_name := stop_requested()) is None:
+            raise
+        saved = orchestrator_checkpoint_file(config.output_dir, state.step)
+        raise StopRequested(
+            f"stopped on {signal_name} during step {state.step}: its progress is in {saved} (the step is "
+            "redone on resume); resume with --ckpt.resume-step latest"
+        ) from None
+
+
+async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Progress | None) -> None:
     if resumed is not None:
         drop_stale_rollouts(config, state.step)
     elif removed := clear_previous_run(config.output_dir):
@@ -580,6 +601,7 @@ def run(config: OrchestratorConfig) -> None:
 def main() -> None:
     config = parse_config(OrchestratorConfig, prog="orchestrator")
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
+    ignore_usr1()  # until orchestrate() catches the stop signals (with checkpoints on)
     try:
         with RunLock(config.output_dir, "orchestrator"):
             write_run_config(config, "orchestrator", config.output_dir)
@@ -597,6 +619,9 @@ def main() -> None:
     ) as e:
         logger.error(str(e))
         raise SystemExit(1) from None
+    except StopRequested as e:
+        logger.warning(str(e))
+        raise SystemExit(PREEMPTED) from None
 
 
 if __name__ == "__main__":

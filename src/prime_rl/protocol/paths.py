@@ -13,6 +13,11 @@ def run_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "run"
 
 
+def stopped_file(output_dir: Path, service: str) -> Path:
+    """Present while `service`'s last run stopped on a stop signal (not done): what a job script checks."""
+    return run_dir(output_dir) / f"{service}.stopped"
+
+
 def log_file(output_dir: Path, service: str) -> Path:
     return Path(output_dir) / "logs" / f"{service}.log"
 

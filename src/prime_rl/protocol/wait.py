@@ -24,6 +24,7 @@ from pathlib import Path
 
 from prime_rl.protocol.files import atomic_write_json, is_stable
 from prime_rl.protocol.paths import heartbeat_file, rank_file, weights_dir
+from prime_rl.utils.process import StopRequested, stop_requested
 
 logger = logging.getLogger("prime_rl")
 
@@ -142,6 +143,8 @@ def _checks(
         before_check()
         if ready():
             return
+        if signal_name := stop_requested():
+            raise StopRequested(f"{signal_name} received while waiting for {what}")
         waited = time.monotonic() - start
         if waited >= next_note:
             logger.info(f"still waiting for {what} ({waited:.0f}s of {timeout:.0f}s)")

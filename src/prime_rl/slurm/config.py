@@ -67,8 +67,20 @@ class SlurmConfig(Section):
         int, Field(ge=1, le=65535, description="port of the torchrun rendezvous on the first trainer node")
     ] = 29500
     requeue: Annotated[
-        bool, Field(description="#SBATCH --requeue (else --no-requeue); resuming a requeued run is not wired yet")
+        bool,
+        Field(
+            description="#SBATCH --requeue: a run stopped by a stop signal (or preempted) is requeued and resumes "
+            "from its checkpoint (needs ckpt); else --no-requeue and `sbatch run/slurm/job.sbatch` resumes it"
+        ),  # fmt: skip
     ] = False
+    signal_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="#SBATCH --signal=USR1@N when the run checkpoints (ckpt): N seconds before the time "
+            "limit the trainer checkpoints after its current step and the run stops; 0 = no signal",
+        ),
+    ] = 300
     dry_run: Annotated[bool, Field(description="print the job script and submit nothing")] = False
 
     @property

@@ -17,6 +17,12 @@ Layouts:
 - `sft` on any number of nodes: one srun step of torchrun over all of them (logs/sft-<node>.log).
 The script waits for the steps; the first one that fails stops the others and ends the job with its status,
 naming it (the inference step ending at all is a failure; it is stopped once trainer and orchestrator are done).
+
+Stopping and resuming (a run with `ckpt`): `#SBATCH --signal=USR1@N` (`slurm.signal_seconds`), `scancel
+--signal=USR1` and Slurm's SIGTERM reach every process of the steps; the trainer checkpoints after its current
+step and the orchestrator stops with its progress saved (`utils/process.py`), and the run ends with status 3.
+With `slurm.requeue` the script then requeues the job; a requeued or resubmitted job finds the trainer's
+checkpoint and passes `--ckpt.resume-step=latest`, so it goes on at the next step with none lost or repeated.
 """
 
 from __future__ import annotations
@@ -59,15 +65,24 @@ def _toml_data(config, output_dir: Path, services: tuple[str, ...] = ()) -> dict
     return data
 
 
+class Raw(str):
+    """An arg `sh` leaves unquoted: a $VAR holding zero or more words (e.g. $RESUME)."""
+
+
+RESUME = Raw("$RESUME")
+
+
 def sh(*args: object) -> str:
     """A shell command line: literal args quoted, args naming a $VAR in double quotes (expanded where it runs)."""
-    return " ".join(f'"{a}"' if "$" in str(a) else shlex.quote(str(a)) for a in args)
+    return " ".join(a if isinstance(a, Raw) else f'"{a}"' if "$" in str(a) else shlex.quote(str(a)) for a in args)
 
 
 def in_step(cmd: list[str], env: dict[str, str] | None = None) -> str:
-    """`cmd` as one srun step's program: its $VARS (SLURM_PROCID too) are expanded on each node by `bash -c`."""
+    """`cmd` as one srun step's program: its $VARS (SLURM_PROCID too) are expanded on each node by `bash -c`.
+    USR1 starts ignored (inherited through exec): torchrun's agent and the inference server have nothing to
+    save, and the services that do catch it themselves."""
     prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-    return "bash -c " + shlex.quote("exec " + sh(*prefix, *cmd))
+    return "bash -c " + shlex.quote('trap "" USR1; exec ' + sh(*prefix, *cmd))
 
 
 def torchrun_nodes(nodes: int) -> list[str]:
@@ -76,7 +91,13 @@ def torchrun_nodes(nodes: int) -> list[str]:
     return ["--nnodes", str(nodes), "--node-rank", "$SLURM_PROCID", "--rdzv-endpoint", "$TRAINER_HEAD:$RDZV_PORT"]
 
 
-def sbatch_header(slurm: SlurmConfig, name: str, nodes: int, output_dir: Path, argv: list[str]) -> list[str]:
+def sbatch_header(
+    slurm: SlurmConfig, name: str, nodes: int, output_dir: Path, argv: list[str], resumable: bool
+) -> list[str]:
+    """The #SBATCH lines and the script's start; `resumable` (the run checkpoints): the stop signal, and
+    RESUME set when a trainer checkpoint is there (a requeued or resubmitted job)."""
+    if slurm.requeue and not resumable:
+        raise ValueError("slurm.requeue resumes the run from its checkpoints: also set ckpt (e.g. --ckpt.interval 50)")
     options = [f"--job-name={slurm.job_name or name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     options += [f"--partition={slurm.partition}"] if slurm.partition else []
     options += [f"--account={slurm.account}"] if slurm.account else []
@@ -84,12 +105,40 @@ def sbatch_header(slurm: SlurmConfig, name: str, nodes: int, output_dir: Path, a
     options += [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
     options += [f"--time={slurm.time}"] if slurm.time else []
     options += [f"--chdir={Path.cwd()}", f"--output={output_dir}/logs/slurm-%j.log"]
-    options += ["--requeue" if slurm.requeue else "--no-requeue", *slurm.extra_sbatch]
+    options += ["--requeue", "--open-mode=append"] if slurm.requeue else ["--no-requeue"]
+    options += [f"--signal=USR1@{slurm.signal_seconds}"] if resumable and slurm.signal_seconds else []
+    options += slurm.extra_sbatch
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options)]
     lines += [f"# Rendered by `{name} --slurm`: {shlex.join([name, *argv])}", "set -euo pipefail", *slurm.setup]
     python = slurm.python or sys.executable
     lines += [f"export OUTPUT_DIR={shlex.quote(str(output_dir))}", f"export PY={shlex.quote(python)}"]
-    return lines
+    return lines + [RESUME_IF_CHECKPOINTED] if resumable else lines
+
+
+RESUME_IF_CHECKPOINTED = """# USR1 and SIGTERM are for the steps (they save and stop); this shell waits for them.
+trap ':' USR1 TERM
+# A requeued or resubmitted job goes on from the newest trainer checkpoint (none yet: it starts over).
+export RESUME=""
+if compgen -G "$OUTPUT_DIR/checkpoints/step_*/trainer/STABLE" >/dev/null; then
+  RESUME="--ckpt.resume-step=latest"
+  echo "prime-rl: resuming from the newest checkpoint in $OUTPUT_DIR/checkpoints"
+fi"""
+
+
+def finish(slurm: SlurmConfig) -> str:
+    """The script's end: exit with the run's status $rc; 3 = stopped on a signal with its progress saved."""
+    requeue = (
+        '  scontrol requeue "$SLURM_JOB_ID" && { echo "prime-rl: requeued job $SLURM_JOB_ID: it resumes there '
+        'when it starts again"; exit 0; }\n'
+    )
+    return (
+        "if [[ $rc -eq 3 ]]; then\n"
+        '  echo "prime-rl: stopped on a signal, progress saved in $OUTPUT_DIR/checkpoints" >&2\n'
+        + (requeue if slurm.requeue else "")
+        + '  echo "prime-rl: resume it with: sbatch $OUTPUT_DIR/run/slurm/job.sbatch" >&2\n'
+        "fi\n"
+        "exit $rc"
+    )
 
 
 def srun(slurm: SlurmConfig, *options: str) -> str:
@@ -112,13 +161,18 @@ stop_steps() {
   done
 }
 # Until trainer and orchestrator both exit 0; any step that fails (or inference ending at all) ends the job.
+# The orchestrator's status 3: it stopped on a signal (so did the trainer, which exits 0 after its checkpoint).
+STOPPED=0
 while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
   for name in "${!STEP_PIDS[@]}"; do
     pid=${STEP_PIDS[$name]}
     kill -0 "$pid" 2>/dev/null && continue
     rc=0; wait "$pid" || rc=$?
     unset "STEP_PIDS[$name]"
-    if [[ $rc -ne 0 || $name == inference ]]; then
+    if [[ $rc -eq 3 && $name == orchestrator ]]; then
+      STOPPED=3
+      echo "prime-rl: step $name stopped on a signal, its progress saved"
+    elif [[ $rc -ne 0 || $name == inference ]]; then
       echo "prime-rl: step $name failed (exit $rc); stopping the others; see $OUTPUT_DIR/logs/$name*.log" >&2
       stop_steps
       exit $((rc == 0 ? 1 : rc))
@@ -128,7 +182,8 @@ while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
   sleep 2
 done
 stop_steps
-echo "prime-rl: done; outputs in $OUTPUT_DIR"
+rc=$STOPPED
+[[ $rc -ne 0 ]] || echo "prime-rl: done; outputs in $OUTPUT_DIR"
 """.strip()
 
 
@@ -142,9 +197,10 @@ def render_rl(config, argv: list[str]) -> Job:
             raise ValueError(
                 "rl runs its services on one node: set slurm.inference_nodes and slurm.trainer_nodes to spread them"
             )
-        lines = sbatch_header(slurm, "rl", 1, output_dir, argv)
-        lines.append(srun(slurm, "--nodes=1", "--ntasks=1") + " " + sh("$PY", "-m", "prime_rl.rl", "@",
-                                                                      "$OUTPUT_DIR/run/slurm/rl.toml"))  # fmt: skip
+        resumable = config.trainer.ckpt is not None
+        lines = sbatch_header(slurm, "rl", 1, output_dir, argv, resumable)
+        rl = ["$PY", "-m", "prime_rl.rl", "@", "$OUTPUT_DIR/run/slurm/rl.toml", *([RESUME] if resumable else [])]
+        lines += ["rc=0", srun(slurm, "--nodes=1", "--ntasks=1") + " " + sh(*rl) + " || rc=$?", finish(slurm)]
         return Job(output_dir, "\n".join(lines) + "\n", {"rl.toml": _toml_data(config, output_dir, SERVICES)})
     return _render_rl_nodes(config, slurm, output_dir, argv)
 
@@ -171,7 +227,11 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
     configs["inference"].setdefault("server", {})["host"] = "0.0.0.0"
     port = config.inference.server.port
 
+    resumable = config.trainer.ckpt is not None
     commands = {k: ["$PY", *v[1:]] for k, v in service_commands(Path("$OUTPUT_DIR/run/slurm"), procs).items()}
+    if resumable:
+        commands["trainer"].append(RESUME)
+        commands["orchestrator"].append(RESUME)
     at = commands["trainer"].index("--standalone")
     commands["trainer"][at : at + 1] = torchrun_nodes(n_train)
     orchestrator_flags = ["--client.base-url", "$BASE_URLS"]
@@ -184,7 +244,7 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
 
     first_trainer = 0 if shared else n_inf
     arrays = f'INFERENCE_NODES=("${{NODES[@]:0:{n_inf}}}")\nTRAINER_NODES=("${{NODES[@]:{first_trainer}:{n_train}}}")'
-    lines = sbatch_header(slurm, "rl", 1 if shared else n_inf + n_train, output_dir, argv)
+    lines = sbatch_header(slurm, "rl", 1 if shared else n_inf + n_train, output_dir, argv, resumable)
     lines += [
         NODE_LISTS.format(arrays=arrays, port=slurm.rdzv_port),
         f"export BASE_URLS=$(printf 'http://%s:{port}/v1\\n' \"${{INFERENCE_NODES[@]}}\" | paste -sd,)",
@@ -206,6 +266,7 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
         + " " + in_step([*commands["orchestrator"], *orchestrator_flags], env["orchestrator"]) + " &",
         "STEP_PIDS[orchestrator]=$!",
         WATCH_STEPS,
+        finish(slurm),
     ]  # fmt: skip
     return Job(output_dir, "\n".join(lines) + "\n", {f"{s}.toml": data for s, data in configs.items()})
 
@@ -218,16 +279,22 @@ def render_sft(config, argv: list[str]) -> Job:
     output_dir = Path(config.output_dir).resolve()
     data = _toml_data(config, output_dir)
     data.setdefault("log", {})["file"] = False  # each node's output is its log
+    resumable = config.ckpt is not None
     cmd = ["$PY", "-m", "torch.distributed.run", *torchrun_nodes(nodes), "--nproc-per-node", str(procs),
            "-m", "prime_rl.trainer.sft.train", "@", "$OUTPUT_DIR/run/slurm/sft.toml"]  # fmt: skip
+    cmd += [RESUME] if resumable else []
     env = {} if slurm.gpus_per_node else {"CUDA_VISIBLE_DEVICES": ""}
-    lines = sbatch_header(slurm, "sft", nodes, output_dir, argv)
+    lines = sbatch_header(slurm, "sft", nodes, output_dir, argv, resumable)
     lines += [
         NODE_LISTS.format(arrays='TRAINER_NODES=("${NODES[@]}")', port=slurm.rdzv_port),
         'echo "prime-rl: sft on ${TRAINER_NODES[*]} (rendezvous $TRAINER_HEAD:$RDZV_PORT)"',
+        "rc=0",
         srun(slurm, f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-             "--output=$OUTPUT_DIR/logs/sft-%N.log") + " " + in_step(cmd, env),
-        'echo "prime-rl: done; outputs in $OUTPUT_DIR"',
+             "--output=$OUTPUT_DIR/logs/sft-%N.log") + " " + in_step(cmd, env) + " || rc=$?",
+        "# torchrun exits 0 after a stop on a signal too: the trainer recorded the stop.",
+        '[[ $rc -ne 0 || ! -f "$OUTPUT_DIR/run/sft.stopped" ]] || rc=3',
+        '[[ $rc -ne 0 ]] || echo "prime-rl: done; outputs in $OUTPUT_DIR"',
+        finish(slurm),
     ]  # fmt: skip
     return Job(output_dir, "\n".join(lines) + "\n", {"sft.toml": data})
 

@@ -1,9 +1,16 @@
-"""Processes that never outlive the one that started them.
+"""Processes that never outlive the one that started them, and that stop cleanly when asked to.
 
 `rl` starts each service in its own session (so it can signal a service's whole group), and torchrun starts
 its workers in their own sessions too; a parent that dies by SIGKILL sends nothing to either, and its
 children used to run on (a server serving forever, a trainer writing beside the next run's). The kernel's
 parent-death signal closes that: it reaches the child whatever killed the parent.
+
+Stop signals: Slurm asks a job to stop with USR1 (`#SBATCH --signal=USR1@N`, or `scancel --signal=USR1`)
+and SIGTERM (time limit, preemption), sent to every process of every step. A service that can resume
+(checkpointing on) catches both with `catch_stop_signals`: the handler only records the request; the service
+stops at its next safe point (the trainer after its current step, writing a checkpoint; the orchestrator at
+once, its progress is saved at every step), and waits on the protocol end with `StopRequested`. Processes with
+nothing to save (inference, torchrun's agent) ignore USR1, so it never kills them by its default action.
 """
 
 from __future__ import annotations
@@ -12,8 +19,60 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PREEMPTED = 3  # exit status of `rl` and the orchestrator when they stopped on a stop signal, progress saved
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_stop = threading.Event()
+_stop_signal: list[str] = []
+
+
+class StopRequested(Exception):
+    """A stop signal arrived (raised where a service waits, so the wait ends at once)."""
+
+
+def request_stop(signum: int, frame=None) -> None:
+    """A signal handler: record the stop request (nothing else is safe in a handler)."""
+    _stop_signal.append(signal.Signals(signum).name)
+    _stop.set()
+
+
+def stop_requested() -> str | None:
+    """The name of the first stop signal received (e.g. "SIGUSR1"), None while none was."""
+    return _stop_signal[0] if _stop.is_set() else None
+
+
+def catch_stop_signals() -> None:
+    """From now on USR1 and SIGTERM ask this process to stop at its next safe point instead of killing it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, request_stop)
+
+
+def ignore_usr1() -> None:
+    """Nothing to save here: a USR1 meant for the job's other processes must not kill this one (the default
+    action). Inherited by children, through exec too, until they install a handler."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc; empty elsewhere): e.g. torchrun's workers, which run in
+    sessions of their own where a signal to the agent's group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

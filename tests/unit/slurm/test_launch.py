@@ -34,7 +34,8 @@ def test_single_node_rl_runs_rl_on_the_resolved_config_with_the_sbatch_options(t
                    f"--chdir={Path.cwd()}"):  # fmt: skip
         assert f"#SBATCH {option}" in lines
     assert lines.index("module load cuda/12.4") > lines.index("set -euo pipefail")
-    assert lines[-1] == 'srun --nodes=1 --ntasks=1 "$PY" -m prime_rl.rl @ "$OUTPUT_DIR/run/slurm/rl.toml"'
+    assert 'srun --nodes=1 --ntasks=1 "$PY" -m prime_rl.rl @ "$OUTPUT_DIR/run/slurm/rl.toml" || rc=$?' in lines
+    assert lines[-1] == "exit $rc" and not any(line.startswith("#SBATCH --signal") for line in lines)  # no ckpt
     write_job(job)
     toml = tmp_path / "out/run/slurm/rl.toml"
     data = tomllib.loads(toml.read_text())
@@ -94,26 +95,32 @@ def test_inconsistent_layouts_are_config_errors(tmp_path, flags, message):
 
 
 FAKE_SRUN = """#!/bin/bash
-while [[ $1 != bash ]]; do echo "$1" >> "$RECORD/srun.$$"; shift; done
+while [[ $1 == --* ]]; do echo "$1" >> "$RECORD/srun.$$"; shift; done
 SLURM_PROCID=0 exec "$@"
 """
 FAKE_PY = """#!/bin/bash
 echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$RECORD/commands"
 [[ $* == *inference.server* ]] && exec sleep 60
+[[ -n ${TOUCH:-} ]] && mkdir -p "$(dirname "$TOUCH")" && touch "$TOUCH"
 [[ $* == *$FAIL* ]] && exit 3
 exit 0
 """
+FAKE_SCONTROL = """#!/bin/bash
+[[ $1 == requeue ]] && { echo "$*" >> "$RECORD/requeued"; exit 0; }
+printf 'n1\\nn2\\nn3\\nn4\\n'
+"""
 
 
-def run_script(tmp_path, script: str, fail: str = "never") -> subprocess.CompletedProcess:
+def run_script(tmp_path, script: str, fail: str = "never", touch: str = "") -> subprocess.CompletedProcess:
+    """Run a job script against fake srun / scontrol / Python; the fake Python exits 3 when its command line
+    contains `fail` (else 0) and creates the file `touch` first."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in {"srun": FAKE_SRUN, "python": FAKE_PY,
-                       "scontrol": "#!/bin/bash\nprintf 'n1\\nn2\\nn3\\nn4\\n'\n"}.items():  # fmt: skip
+    for name, text in {"srun": FAKE_SRUN, "python": FAKE_PY, "scontrol": FAKE_SCONTROL}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(tmp_path), "FAIL": fail,
-           "SLURM_JOB_NODELIST": "n[1-4]"}  # fmt: skip
+           "TOUCH": touch, "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "42"}  # fmt: skip
     return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -162,3 +169,69 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=rl\n")
     assert not (tmp_path / "submitted").exists() and not out.exists()
+
+
+def test_requeue_needs_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="also set ckpt"):
+        render(rl(tmp_path, "--slurm.requeue"), "rl", [])
+
+
+def checkpoint(out: Path, step: int) -> None:
+    (out / f"checkpoints/step_{step}/trainer").mkdir(parents=True)
+    (out / f"checkpoints/step_{step}/trainer/STABLE").touch()
+
+
+def test_a_stopped_single_node_run_is_requeued_and_the_requeued_job_resumes(tmp_path):
+    """`rl` exits 3 (stopped on a signal, progress saved): the job requeues itself; the next start finds the
+    trainer's checkpoint and resumes from it. Without --slurm.requeue it ends with status 3 and says how to resume."""
+    out, py = tmp_path / "out", str(tmp_path / "bin/python")
+    config = rl(
+        tmp_path, "--ckpt.interval", "4", "--slurm.requeue", "--slurm.signal-seconds", "90", "--slurm.python", py
+    )
+    script = render(config, "rl", []).script
+    assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --open-mode=append" in script  # the requeued run's lines follow the first's in slurm-%j.log
+
+    first = run_script(tmp_path, script, fail="prime_rl.rl")
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "requeued").read_text() == "requeue 42\n"
+    assert (tmp_path / "commands").read_text().splitlines()[-1].endswith(f"@ {out}/run/slurm/rl.toml")  # fresh
+
+    checkpoint(out, 4)
+    again = run_script(tmp_path, script)
+    assert again.returncode == 0, again.stderr
+    assert "resuming from the newest checkpoint" in again.stdout
+    assert (tmp_path / "commands").read_text().splitlines()[-1].endswith("rl.toml --ckpt.resume-step=latest")
+
+    no_requeue = render(rl(tmp_path, "--ckpt.interval", "4", "--slurm.python", py), "rl", []).script
+    assert "#SBATCH --no-requeue" in no_requeue and "#SBATCH --signal=USR1@300" in no_requeue
+    stopped = run_script(tmp_path, no_requeue, fail="prime_rl.rl")
+    assert stopped.returncode == 3
+    assert f"resume it with: sbatch {out}/run/slurm/job.sbatch" in stopped.stderr
+
+
+def test_multi_node_orchestrator_stopped_on_a_signal_ends_the_job_as_stopped_and_resumes_both(tmp_path):
+    out = tmp_path / "out"
+    config = rl(tmp_path, "--ckpt.interval", "4", "--slurm.requeue", "--slurm.inference-nodes", "1",
+                "--slurm.trainer-nodes", "1", "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
+    script = render(config, "rl", []).script
+    assert script.count('trap "" USR1; exec') == 3  # torchrun's agent and the server never die of USR1
+    checkpoint(out, 4)
+    result = run_script(tmp_path, script, fail="prime_rl.orchestrator")
+    assert result.returncode == 0, result.stderr
+    assert "step orchestrator stopped on a signal" in result.stdout and "step trainer done" in result.stdout
+    assert (tmp_path / "requeued").exists()
+    commands = (tmp_path / "commands").read_text().splitlines()
+    for module in ("prime_rl.trainer.rl.train", "prime_rl.orchestrator.orchestrator"):
+        assert any(module in c and "--ckpt.resume-step=latest" in c for c in commands), commands
+    assert not any("inference.server" in c and "resume" in c for c in commands)
+
+
+def test_sft_stopped_on_a_signal_ends_with_status_3(tmp_path):
+    """torchrun exits 0 after the ranks stopped; the trainer's run/sft.stopped tells the script."""
+    config = load_config(SFTConfig, ["@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(tmp_path / "out"),
+                                     "--ckpt", "--slurm.python", str(tmp_path / "bin/python")])  # fmt: skip
+    script = render(config, "sft", []).script
+    assert run_script(tmp_path, script).returncode == 0
+    stopped = run_script(tmp_path, script, touch=str(tmp_path / "out/run/sft.stopped"))
+    assert stopped.returncode == 3 and "stopped on a signal" in stopped.stderr

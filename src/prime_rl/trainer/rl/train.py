@@ -46,6 +46,8 @@ def run(config: TrainerConfig) -> None:
             times: dict[str, float] = {}
             start = time.perf_counter()
             micro_batches = load_micro_batches(config, step, d, times)
+            if micro_batches is None:
+                service.stop_on_signal("trainer", config, t, progress, config.max_steps)
             with timer(times, "train"):
                 stats = train_step(t.model, t.optimizer, micro_batches, config, d)
                 lr = t.scheduler.get_last_lr()[0]
@@ -107,17 +109,28 @@ def publish(config: TrainerConfig, t, progress, times: dict, sender) -> None:
         prune_old_steps(config, progress.step - 1)
 
 
-def load_micro_batches(config: TrainerConfig, step: int, d, times: dict) -> list:
-    """This rank's micro batches of `step`; every rank must hold the same number (checked, not hung on).
+def load_micro_batches(config: TrainerConfig, step: int, d, times: dict) -> list | None:
+    """This rank's micro batches of `step`, or None when the run stops before it (a stop signal: every rank
+    agrees, also one that had its data); every rank must hold the same number (checked, not hung on).
 
     `times` gets `wait` (for the orchestrator's rank file) and `load_data` (reading and checking it)."""
     from prime_rl.protocol import wait_for_rank_file
+    from prime_rl.utils.process import StopRequested
     from prime_rl.utils.timer import timer
 
+    path = None
+    if not config.data.fake:
+        with timer(times, "wait"):
+            try:
+                path = wait_for_rank_file(
+                    config.output_dir, step, d.rank, config.data.timeout, config.data.heartbeat_timeout
+                )
+            except StopRequested:
+                pass
+    if service.stop_agreed(d):
+        return None
     if config.data.fake:
         return generated_micro_batches(config, step, d)
-    with timer(times, "wait"):
-        path = wait_for_rank_file(config.output_dir, step, d.rank, config.data.timeout, config.data.heartbeat_timeout)
     with timer(times, "load_data"):
         return _read_micro_batches(config, step, d, path)
 

@@ -53,6 +53,8 @@ def run(config: SFTConfig) -> None:
             f"tokens), {max_steps} steps, {d.world_size} rank(s), device {d.device.type}"
         )
         for step in range(progress.step, max_steps):
+            if service.stop_agreed(d):
+                service.stop_on_signal("sft", config, t, progress, max_steps)
             times: dict[str, float] = {}
             start = time.perf_counter()
             with timer(times, "data"):
