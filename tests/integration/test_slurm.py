@@ -77,3 +77,74 @@ def test_the_multi_node_layout_runs_on_one_node_with_its_own_srun_steps(slurm_cl
     # The server required the job's key, which lived in the job's environment only: never in a recorded config.
     assert 'api_key_var = "INFERENCE_SERVER_API_KEY"' in (out / "run" / "inference.toml").read_text()
     assert not any("api_key =" in p.read_text() for p in (out / "run").rglob("*.toml"))
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def wait_for(what: str, ready, timeout: float, out: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := ready():
+            return value
+        time.sleep(1)
+    raise TimeoutError(f"no {what} after {timeout:.0f}s\n{show_logs(out)}")
+
+
+def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_lost_or_repeated(
+    slurm_cluster, tmp_path, free_port
+):
+    out, steps = tmp_path / "out", 12
+    job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", str(steps), "--ckpt",
+                    "--slurm.requeue")  # fmt: skip
+    assert "#SBATCH --signal=USR1@300" in (out / "run/slurm/job.sbatch").read_text()
+    wait_for("3 trainer steps", lambda: len(read_metrics(out, "trainer")) >= 3, 240, out)
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # what `--signal=USR1@N` sends
+    wait_for("requeue", lambda: job_fields(job_id).get("Restarts") == "1", 120, out)
+    # Slurm makes a requeued job wait ~2 min before it may start again; the test does not wait for that.
+    wait_for("pending requeued job", lambda: job_fields(job_id).get("JobState") == "PENDING", 60, out)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    job = wait_for_job(job_id, 300)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0" and job["Restarts"] == "1", show_logs(out)
+
+    batch = (out / "logs" / f"slurm-{job_id}.log").read_text()
+    assert f"requeued job {job_id}" in batch and "resuming from the newest checkpoint" in batch, batch
+    trainer = (out / "logs" / "trainer.log").read_text()
+    stopped = int(re.search(r"stopped on SIGUSR1 after (\d+) step\(s\): checkpoint checkpoints/step_\1", trainer)[1])
+    assert 3 <= stopped < steps and f"resumed from checkpoints/step_{stopped} " in trainer
+    assert "stopped on SIGUSR1 during step" in (out / "logs" / "orchestrator.log").read_text()
+    # Every step once, in order: the steps after the checkpoint were trained (and their rollouts made) once more
+    # on resume and their earlier records replaced.
+    assert [r["step"] for r in read_metrics(out, "trainer")] == list(range(steps))
+    assert [r["step"] for r in read_metrics(out, "orchestrator")] == list(range(steps))
+    assert (out / "weights" / f"step_{steps}" / "STABLE").exists()
+
+
+def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cluster, tmp_path, free_port):
+    import json
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", "200", "--slurm")
+    wait_for("a trainer step", lambda: read_metrics(out, "trainer"), 240, out)
+    pid = json.loads((out / "heartbeat" / "orchestrator.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    job = wait_for_job(job_id, 60)
+    took = time.monotonic() - killed
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "1:0", show_logs(out)
+    assert took < 30, f"the job took {took:.0f}s to end"  # heartbeat timeouts are 60 s: we must not rely on them
+    assert "orchestrator failed (exit -9)" in (out / "logs" / f"slurm-{job_id}.log").read_text()
+
+    def survivors() -> list[str]:
+        ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+        return [line for line in ps if str(out) in line]
+
+    deadline = time.monotonic() + 15
+    while survivors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not survivors()
+    print(f"job {job_id} ended {took:.1f}s after the orchestrator was killed")

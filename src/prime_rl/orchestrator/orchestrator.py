@@ -68,7 +68,7 @@ from prime_rl.protocol.broadcast import marker_file, read_marker
 from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
-from prime_rl.utils.process import PREEMPTED, STOP_SIGNALS, StopRequested, ignore_usr1, request_stop, stop_requested
+from prime_rl.utils.process import PREEMPTED, StopRequested, catch_stop_signals, ignore_usr1, stop_requested
 from prime_rl.utils.timer import timer
 
 logger = logging.getLogger("prime_rl")
@@ -506,8 +506,14 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     state = resumed or Progress()
     if config.ckpt is not None:
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, lambda sig=sig: (request_stop(sig), task.cancel()))
+
+        def cancel() -> None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:
+                pass  # the loop has closed: the run is over anyway
+
+        catch_stop_signals(cancel)
     try:
         await _orchestrate(config, state, resumed)
     except (asyncio.CancelledError, StopRequested):

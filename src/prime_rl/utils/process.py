@@ -15,11 +15,13 @@ nothing to save (inference, torchrun's agent) ignore USR1, so it never kills the
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -45,10 +47,21 @@ def stop_requested() -> str | None:
     return _stop_signal[0] if _stop.is_set() else None
 
 
-def catch_stop_signals() -> None:
-    """From now on USR1 and SIGTERM ask this process to stop at its next safe point instead of killing it."""
+def catch_stop_signals(then: Callable[[], None] | None = None) -> None:
+    """From now on USR1 and SIGTERM ask this process to stop at its next safe point instead of killing it;
+    `then` also runs in the handler (e.g. to wake an event loop). For the process's whole life: asyncio's own
+    signal handlers would fall back to the default action (death) when their loop closes."""
+
+    def handler(signum: int, frame) -> None:
+        request_stop(signum)
+        if then is not None:
+            then()
+
     for sig in STOP_SIGNALS:
-        signal.signal(sig, request_stop)
+        signal.signal(sig, handler)
+    # Python's shutdown puts the default action (death) back in place of a handler; a stop signal then (e.g.
+    # `rl` passing one on) would turn a clean exit into a kill. Ignored signals stay ignored.
+    atexit.register(lambda: [signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS])
 
 
 def ignore_usr1() -> None:
