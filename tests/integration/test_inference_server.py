@@ -687,6 +687,34 @@ def test_a_client_that_disconnects_cancels_its_generation(server, builtin_only):
         assert server.health()["running"] == 0, f"the abandoned generation is still decoding (stream={stream})"
 
 
+def test_a_cancelled_request_ahead_of_others_in_the_batch_leaves_them_decoding(server, builtin_only):
+    """The first row of the batch goes (its client disconnects): the rows behind it move into its cache slot
+    and finish, on the same server (once, moving slots wrote the inference-mode cache outside it and failed
+    every request in the batch)."""
+    import threading
+
+    host, port = server.url.removeprefix("http://").split(":")
+    body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    data = json.dumps(body).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    results = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + data)
+        deadline = time.monotonic() + 10
+        while server.health()["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = threading.Thread(target=lambda: results.append(server.post(
+            "/v1/completions", json=body | {"max_tokens": 200})))  # fmt: skip
+        second.start()
+        while server.health()["running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.health()["running"] == 2, "the two requests never decoded together"
+    second.join(timeout=120)
+    assert results and results[0].status_code == 200, results and results[0].text
+    assert results[0].json()["usage"]["completion_tokens"] == 200
+
+
 def trainer_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """The trainer's logprobs of `completion` after `prompt`: its model (a dir, or one it built), its packed
     forward, its loss positions."""

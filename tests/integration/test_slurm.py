@@ -93,12 +93,17 @@ def wait_for(what: str, ready, timeout: float, out: Path):
     raise TimeoutError(f"no {what} after {timeout:.0f}s\n{show_logs(out)}")
 
 
+@pytest.mark.parametrize("layout", ["rl", "multi-node"])
 def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_lost_or_repeated(
-    slurm_cluster, tmp_path, free_port
+    slurm_cluster, tmp_path, free_port, layout
 ):
+    from prime_rl.utils.net import free_port as another_free_port
+
     out, steps = tmp_path / "out", 12
+    flags = ["--slurm.nodes", "1", "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
+             "--slurm.rdzv-port", str(another_free_port())] if layout == "multi-node" else []  # fmt: skip
     job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", str(steps), "--ckpt",
-                    "--slurm.requeue")  # fmt: skip
+                    "--slurm.requeue", *flags)  # fmt: skip
     assert "#SBATCH --signal=USR1@300" in (out / "run/slurm/job.sbatch").read_text()
     wait_for("3 trainer steps", lambda: len(read_metrics(out, "trainer")) >= 3, 240, out)
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # what `--signal=USR1@N` sends
@@ -111,10 +116,12 @@ def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_los
 
     batch = (out / "logs" / f"slurm-{job_id}.log").read_text()
     assert f"requeued job {job_id}" in batch and "resuming from the newest checkpoint" in batch, batch
-    trainer = (out / "logs" / "trainer.log").read_text()
+    host = socket.gethostname().split(".")[0]
+    trainer = (out / "logs" / ("trainer.log" if layout == "rl" else f"trainer-{host}.log")).read_text()
     stopped = int(re.search(r"stopped on SIGUSR1 after (\d+) step\(s\): checkpoint checkpoints/step_\1", trainer)[1])
     assert 3 <= stopped < steps and f"resumed from checkpoints/step_{stopped} " in trainer
     assert "stopped on SIGUSR1 during step" in (out / "logs" / "orchestrator.log").read_text()
+    print(f"{layout}: stopped after {stopped} trainer steps, requeued, resumed at step {stopped}; 0..{steps - 1} once")
     # Every step once, in order: the steps after the checkpoint were trained (and their rollouts made) once more
     # on resume and their earlier records replaced.
     assert [r["step"] for r in read_metrics(out, "trainer")] == list(range(steps))

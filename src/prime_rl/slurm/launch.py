@@ -176,8 +176,9 @@ while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
       echo "prime-rl: step $name failed (exit $rc); stopping the others; see $OUTPUT_DIR/logs/$name*.log" >&2
       stop_steps
       exit $((rc == 0 ? 1 : rc))
+    else
+      echo "prime-rl: step $name done"
     fi
-    echo "prime-rl: step $name done"
   done
   sleep 2
 done

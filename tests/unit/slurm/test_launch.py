@@ -220,6 +220,7 @@ def test_multi_node_orchestrator_stopped_on_a_signal_ends_the_job_as_stopped_and
     result = run_script(tmp_path, script, fail="prime_rl.orchestrator")
     assert result.returncode == 0, result.stderr
     assert "step orchestrator stopped on a signal" in result.stdout and "step trainer done" in result.stdout
+    assert "step orchestrator done" not in result.stdout
     assert (tmp_path / "requeued").exists()
     commands = (tmp_path / "commands").read_text().splitlines()
     for module in ("prime_rl.trainer.rl.train", "prime_rl.orchestrator.orchestrator"):

@@ -337,7 +337,8 @@ class Engine:
                 self._waiting = collections.deque(r for r in self._waiting if not r.cancelled)
         rows = self._batch.rows
         if any(row.request.cancelled for row in rows):
-            self._batch.keep([b for b, row in enumerate(rows) if not row.request.cancelled])
+            with torch.inference_mode():  # the cache is made of inference tensors: moving slots writes them
+                self._batch.keep([b for b, row in enumerate(rows) if not row.request.cancelled])
 
     def _admit(self) -> list[_Request]:
         admitted, room = [], self.max_batch_size - len(self._batch.rows)
