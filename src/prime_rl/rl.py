@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.protocol import DiskFull, RunLock, RunLocked
+from prime_rl.protocol import DiskFull, RunLock, RunLocked, stopped_file
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.slurm.config import SlurmConfig
 from prime_rl.trainer.rl.config import TrainerConfig
@@ -559,8 +559,8 @@ def stop_run(services: list[Service], output_dir: Path, timeout: float) -> None:
             late = ", ".join(s.name for s in savers if s.returncode is None)
             raise TimeoutError(f"{late} did not stop within {timeout:.0f}s of the stop signal (rl --stop-timeout)")
         time.sleep(0.2)
-    for service in savers:
-        if service.returncode not in (0, PREEMPTED):
+    for service in savers:  # torchrun exits 1 after a SIGTERM it passed on: the trainer recorded its stop
+        if service.returncode not in (0, PREEMPTED) and not stopped_file(output_dir, service.name).exists():
             raise ServiceFailed(service)
     trainer, orchestrator = (checkpoint_steps(output_dir, (part,))[-1:] for part in ("trainer", "orchestrator"))
     raise StopRequested(

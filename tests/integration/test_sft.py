@@ -4,6 +4,7 @@
 data order, position in the epoch and lr schedule resume too). A malformed row fails with file:line.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,53 @@ def test_malformed_row_names_file_and_line(runs):
     rc, output = _finish(procs["bad"])
     assert rc == 1
     assert "bad.jsonl:2: needs both 'prompt' and 'completion'" in output and "Traceback" not in output
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_resumes(tmp_path):
+    """torchrun, 2 ranks; USR1 reaches rank 1 only: both stop after the same step (a rank going on alone
+    would hang in the next step's collectives), rank 0 writes the checkpoint of that step and run/sft.stopped,
+    torchrun exits 0; the resumed run does every remaining step once."""
+    import os
+    import signal
+    import time
+
+    from prime_rl.protocol import stopped_file
+    from prime_rl.utils.process import descendants
+
+    out, steps = tmp_path / "out", 40
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "prime_rl.trainer.sft.train", "@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(out),
+           "--max-steps", str(steps), "--ckpt", "--data.path", str(ROOT / "configs/sft/debug/data.jsonl"),
+           "--model.name", str(ROOT / "assets/tiny-qwen3")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while len(read_metrics(out, "sft")) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rank1 = [pid for pid in descendants(proc.pid) if _environ(pid).get("RANK") == "1"]
+    assert len(rank1) == 1, rank1
+    os.kill(rank1[0], signal.SIGUSR1)
+    rc, output = _finish(proc)
+    assert rc == 0, output[-6000:]
+    stopped = json.loads(stopped_file(out, "sft").read_text())["step"]
+    assert 2 <= stopped < steps, output[-3000:]
+    assert (
+        f"stopped on a stop signal (on another rank) after {stopped} step(s): checkpoint checkpoints/step_{stopped}"
+        in output
+    )  # rank 0 got no signal: it stopped because rank 1 did
+    assert checkpoint_steps(out, ("trainer",)) == [stopped]
+    assert [m["step"] for m in read_metrics(out, "sft")] == list(range(stopped))
+
+    rc, output = _finish(subprocess.Popen([*cmd, "--ckpt.resume-step", "latest"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, cwd=ROOT))  # fmt: skip
+    assert rc == 0, output[-6000:]
+    assert f"resumed from checkpoints/step_{stopped} " in output
+    assert [m["step"] for m in read_metrics(out, "sft")] == list(range(steps))
+    assert not stopped_file(out, "sft").exists() and is_stable(weights_dir(out, steps))

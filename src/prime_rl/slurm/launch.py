@@ -117,6 +117,7 @@ def sbatch_header(
 
 RESUME_IF_CHECKPOINTED = """# USR1 and SIGTERM are for the steps (they save and stop); this shell waits for them.
 trap ':' USR1 TERM
+rm -f "$OUTPUT_DIR"/run/*.stopped  # what an earlier attempt's services recorded
 # A requeued or resubmitted job goes on from the newest trainer checkpoint (none yet: it starts over).
 export RESUME=""
 if compgen -G "$OUTPUT_DIR/checkpoints/step_*/trainer/STABLE" >/dev/null; then
@@ -161,7 +162,8 @@ stop_steps() {
   done
 }
 # Until trainer and orchestrator both exit 0; any step that fails (or inference ending at all) ends the job.
-# The orchestrator's status 3: it stopped on a signal (so did the trainer, which exits 0 after its checkpoint).
+# Stopped on a signal, progress saved: the orchestrator exits 3; the trainer records it in run/trainer.stopped
+# (torchrun exits 0 after a USR1, 1 after a SIGTERM it passed on).
 STOPPED=0
 while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
   for name in "${!STEP_PIDS[@]}"; do
@@ -169,7 +171,7 @@ while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
     kill -0 "$pid" 2>/dev/null && continue
     rc=0; wait "$pid" || rc=$?
     unset "STEP_PIDS[$name]"
-    if [[ $rc -eq 3 && $name == orchestrator ]]; then
+    if [[ $rc -eq 3 && $name == orchestrator ]] || [[ $name == trainer && -f $OUTPUT_DIR/run/trainer.stopped ]]; then
       STOPPED=3
       echo "prime-rl: step $name stopped on a signal, its progress saved"
     elif [[ $rc -ne 0 || $name == inference ]]; then
@@ -292,8 +294,9 @@ def render_sft(config, argv: list[str]) -> Job:
         "rc=0",
         srun(slurm, f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
              "--output=$OUTPUT_DIR/logs/sft-%N.log") + " " + in_step(cmd, env) + " || rc=$?",
-        "# torchrun exits 0 after a stop on a signal too: the trainer recorded the stop.",
-        '[[ $rc -ne 0 || ! -f "$OUTPUT_DIR/run/sft.stopped" ]] || rc=3',
+        "# Stopped on a signal, progress saved: the trainer recorded it (torchrun exits 0 after a USR1, 1 after",
+        "# a SIGTERM it passed on).",
+        '[[ ! -f "$OUTPUT_DIR/run/sft.stopped" ]] || rc=3',
         '[[ $rc -ne 0 ]] || echo "prime-rl: done; outputs in $OUTPUT_DIR"',
         finish(slurm),
     ]  # fmt: skip
