@@ -114,6 +114,9 @@ def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_los
     wait_for("requeue", lambda: job_fields(job_id).get("Restarts") == "1", 120, out)
     # Slurm makes a requeued job wait ~2 min before it may start again; the test does not wait for that.
     wait_for("pending requeued job", lambda: job_fields(job_id).get("JobState") == "PENDING", 60, out)
+    # slurmd refuses a job credential issued in the same second its earlier one was revoked (the requeue):
+    # starting it again at once fails the job ("Job credential revoked"), which the 2-minute hold prevents.
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     job = wait_for_job(job_id, 300)
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0" and job["Restarts"] == "1", show_logs(out)
