@@ -96,7 +96,7 @@ def wait_for(what: str, ready, timeout: float, out: Path):
     while time.monotonic() < deadline:
         if value := ready():
             return value
-        time.sleep(1)
+        time.sleep(0.2)
     raise TimeoutError(f"no {what} after {timeout:.0f}s\n{show_logs(out)}")
 
 
@@ -165,3 +165,32 @@ def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cl
         time.sleep(0.5)
     assert not survivors()
     print(f"{layout}: job {job_id} FAILED {took:.1f}s after the orchestrator was killed, naming it; no process left")
+
+
+def test_sft_on_slurm_stops_on_the_signal_and_the_requeued_job_resumes(slurm_cluster, tmp_path):
+    """`sft --slurm`: torchrun over the job's node list; USR1 -> both the checkpoint and run/sft.stopped -> the
+    script ends the run as stopped (torchrun itself exits 0) and requeues; the job resumes and completes."""
+    from prime_rl.utils.net import free_port
+
+    out, steps, host = tmp_path / "out", 200, socket.gethostname().split(".")[0]  # steps take ~30 ms here
+    result = subprocess.run(
+        [sys.executable, "-m", "prime_rl.trainer.sft.train", "@", "configs/sft/debug.toml", "--output-dir", str(out),
+         "--max-steps", str(steps), "--ckpt", "--slurm.requeue", "--slurm.rdzv-port", str(free_port())],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    wait_for("2 sft steps", lambda: len(read_metrics(out, "sft")) >= 2, 240, out)
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
+    wait_for("requeue", lambda: job_fields(job_id).get("Restarts") == "1", 120, out)
+    wait_for("pending requeued job", lambda: job_fields(job_id).get("JobState") == "PENDING", 60, out)
+    time.sleep(2)  # see the test above
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    job = wait_for_job(job_id, 300)
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", show_logs(out)
+    log = (out / "logs" / f"sft-{host}.log").read_text()
+    stopped = int(re.search(r"stopped on SIGUSR1 after (\d+) step\(s\)", log)[1])
+    assert f"resumed from checkpoints/step_{stopped} " in log
+    assert f"requeued job {job_id}" in (out / "logs" / f"slurm-{job_id}.log").read_text()
+    assert [r["step"] for r in read_metrics(out, "sft")] == list(range(steps))
+    print(f"sft: stopped after {stopped} steps, requeued, resumed at step {stopped}; 0..{steps - 1} once")
