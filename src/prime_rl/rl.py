@@ -48,7 +48,7 @@ from prime_rl.utils.process import (
     PREEMPTED,
     StopRequested,
     catch_stop_signals,
-    descendants,
+    children,
     die_with_parent,
     ignore_usr1,
     stop_requested,
@@ -546,7 +546,7 @@ def stop_run(services: list[Service], output_dir: Path, timeout: float) -> None:
 
     savers = [s for s in services if s.name != "inference"]
     for service in savers:
-        for pid in [service.proc.pid, *descendants(service.proc.pid)]:  # torchrun's workers: their own sessions
+        for pid in [service.proc.pid, *children(service.proc.pid)]:  # torchrun's workers: their own sessions
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:

@@ -108,7 +108,7 @@ def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_re
     import time
 
     from prime_rl.protocol import stopped_file
-    from prime_rl.utils.process import descendants
+    from prime_rl.utils.process import children
 
     out, steps = tmp_path / "out", 40
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -119,7 +119,7 @@ def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_re
     deadline = time.monotonic() + 120
     while len(read_metrics(out, "sft")) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    rank1 = [pid for pid in descendants(proc.pid) if _environ(pid).get("RANK") == "1"]
+    rank1 = [pid for pid in children(proc.pid) if _environ(pid).get("RANK") == "1"]
     assert len(rank1) == 1, rank1
     os.kill(rank1[0], signal.SIGUSR1)
     rc, output = _finish(proc)

@@ -116,7 +116,7 @@ def sbatch_header(
 
 
 RESUME_IF_CHECKPOINTED = """# USR1 and SIGTERM are for the steps (they save and stop); this shell waits for them.
-trap ':' USR1 TERM
+trap 'STOP_SIGNAL=1' USR1 TERM
 rm -f "$OUTPUT_DIR"/run/*.stopped  # what an earlier attempt's services recorded
 # A requeued or resubmitted job goes on from the newest trainer checkpoint (none yet: it starts over).
 export RESUME=""
@@ -157,11 +157,12 @@ stop_steps() {
   local pid
   for pid in "${STEP_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for _ in $(seq 30); do
-    for pid in "${STEP_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && { sleep 1; continue 2; }; done
+    for pid in "${STEP_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && { sleep 1 || true; continue 2; }; done
     return 0
   done
 }
-# Until trainer and orchestrator both exit 0; any step that fails (or inference ending at all) ends the job.
+# Until trainer and orchestrator both exit 0; any step that fails (or inference ending at all, but on the job's
+# SIGTERM) ends the job.
 # Stopped on a signal, progress saved: the orchestrator exits 3; the trainer records it in run/trainer.stopped
 # (torchrun exits 0 after a USR1, 1 after a SIGTERM it passed on).
 STOPPED=0
@@ -174,6 +175,8 @@ while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
     if [[ $rc -eq 3 && $name == orchestrator ]] || [[ $name == trainer && -f $OUTPUT_DIR/run/trainer.stopped ]]; then
       STOPPED=3
       echo "prime-rl: step $name stopped on a signal, its progress saved"
+    elif [[ $name == inference && ${STOP_SIGNAL:-0} -eq 1 ]]; then
+      echo "prime-rl: step inference ended on the stop signal"
     elif [[ $rc -ne 0 || $name == inference ]]; then
       echo "prime-rl: step $name failed (exit $rc); stopping the others; see $OUTPUT_DIR/logs/$name*.log" >&2
       stop_steps
@@ -182,7 +185,7 @@ while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
       echo "prime-rl: step $name done"
     fi
   done
-  sleep 2
+  sleep 2 || true  # a SIGTERM to the job kills the sleep: not an error
 done
 stop_steps
 rc=$STOPPED

@@ -70,21 +70,16 @@ def ignore_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (Linux /proc; empty elsewhere): e.g. torchrun's workers, which run in
-    sessions of their own where a signal to the agent's group does not reach them."""
-    children: dict[int, list[int]] = {}
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (Linux /proc; empty elsewhere): e.g. torchrun's workers, which
+    run in sessions of their own where a signal to the agent's group does not reach them."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
     return found
 
 

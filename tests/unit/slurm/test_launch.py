@@ -3,8 +3,10 @@ the multi-node script itself run by bash against fake `scontrol` / `srun` / Pyth
 their $VARS expanded as on the nodes; a failed step ends the job naming it)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -102,6 +104,10 @@ FAKE_PY = """#!/bin/bash
 echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$RECORD/commands"
 [[ $* == *inference.server* ]] && exec sleep 60
 [[ -n ${TOUCH:-} ]] && mkdir -p "$(dirname "$TOUCH")" && touch "$TOUCH"
+if [[ -n ${AWAIT_TERM:-} && $* == *prime_rl.[ot]* ]]; then  # as trainer and orchestrator on Slurm's SIGTERM
+  [[ $* == *trainer* ]] && trap 'touch "$OUTPUT_DIR/run/trainer.stopped"; exit 1' TERM || trap 'exit 3' TERM
+  sleep 30 & wait
+fi
 [[ $* == *$FAIL* ]] && exit 3
 exit 0
 """
@@ -111,17 +117,29 @@ printf 'n1\\nn2\\nn3\\nn4\\n'
 """
 
 
-def run_script(tmp_path, script: str, fail: str = "never", touch: str = "") -> subprocess.CompletedProcess:
+def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term: bool = False):
     """Run a job script against fake srun / scontrol / Python; the fake Python exits 3 when its command line
-    contains `fail` (else 0) and creates the file `touch` first."""
+    contains `fail` (else 0) and creates the file `touch` first. `term`: once the three steps run, SIGTERM to
+    every process of the job, as Slurm at a time limit (the fakes then stop as our services do)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in {"srun": FAKE_SRUN, "python": FAKE_PY, "scontrol": FAKE_SCONTROL}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(tmp_path), "FAIL": fail,
-           "TOUCH": touch, "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "42"}  # fmt: skip
-    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+           "TOUCH": touch, "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "42",
+           "AWAIT_TERM": "1" if term else ""}  # fmt: skip
+    proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    if term:
+        commands, deadline = tmp_path / "commands", time.monotonic() + 20
+        while not commands.exists() or len(commands.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline, "the steps never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the fakes set their traps
+        os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_the_environment(tmp_path):
@@ -236,3 +254,18 @@ def test_sft_stopped_on_a_signal_ends_with_status_3(tmp_path):
     assert run_script(tmp_path, script).returncode == 0
     stopped = run_script(tmp_path, script, touch=str(tmp_path / "out/run/sft.stopped"))
     assert stopped.returncode == 3 and "stopped on a signal" in stopped.stderr
+
+
+def test_a_sigterm_to_the_whole_multi_node_job_ends_it_as_stopped_not_failed(tmp_path):
+    """Time limit or preemption: Slurm sends SIGTERM to every process, the batch shell included. The server dies
+    at once; the job waits for the trainer (torchrun exits 1 after passing SIGTERM on; the trainer recorded its
+    stop) and the orchestrator (exit 3), and requeues."""
+    config = rl(tmp_path, "--ckpt", "--slurm.requeue", "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
+                "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
+    (tmp_path / "out/run").mkdir(parents=True)
+    result = run_script(tmp_path, render(config, "rl", []).script, term=True)
+    assert result.returncode == 0, result.stderr
+    assert "step inference ended on the stop signal" in result.stdout
+    assert "step trainer stopped on a signal" in result.stdout, result.stdout
+    assert "step orchestrator stopped on a signal" in result.stdout
+    assert (tmp_path / "requeued").read_text() == "requeue 42\n"
