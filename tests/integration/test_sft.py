@@ -102,7 +102,7 @@ def _environ(pid: int) -> dict[str, str]:
 def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_resumes(tmp_path):
     """torchrun, 2 ranks; USR1 reaches rank 1 only: both stop after the same step (a rank going on alone
     would hang in the next step's collectives), rank 0 writes the checkpoint of that step and run/sft.stopped,
-    torchrun exits 0; the resumed run does every remaining step once."""
+    torchrun exits 0 (resuming it: test_slurm.py's sft job)."""
     import os
     import signal
     import time
@@ -132,10 +132,3 @@ def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_re
     )  # rank 0 got no signal: it stopped because rank 1 did
     assert checkpoint_steps(out, ("trainer",)) == [stopped]
     assert [m["step"] for m in read_metrics(out, "sft")] == list(range(stopped))
-
-    rc, output = _finish(subprocess.Popen([*cmd, "--ckpt.resume-step", "latest"], stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, cwd=ROOT))  # fmt: skip
-    assert rc == 0, output[-6000:]
-    assert f"resumed from checkpoints/step_{stopped} " in output
-    assert [m["step"] for m in read_metrics(out, "sft")] == list(range(steps))
-    assert not stopped_file(out, "sft").exists() and is_stable(weights_dir(out, steps))

@@ -46,44 +46,12 @@ def show_logs(out: Path) -> str:
     return "\n".join(f"===== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((out / "logs").glob("*.log")))
 
 
-def assert_five_steps(out: Path) -> None:
-    assert [r["step"] for r in read_metrics(out, "trainer")] == [0, 1, 2, 3, 4]
-    assert len(read_metrics(out, "orchestrator")) == 5
-    assert (out / "weights" / "step_5" / "STABLE").exists()
-
-
 def multi_node_on_one() -> list[str]:
     """The multi-node layout's flags for this one node (a fresh rendezvous port each time)."""
     from prime_rl.utils.net import free_port
 
     return ["--slurm.nodes", "1", "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
             "--slurm.rdzv-port", str(free_port())]  # fmt: skip
-
-
-def test_rl_on_one_node_runs_to_completion_as_a_slurm_job(slurm_cluster, tmp_path, free_port):
-    out = tmp_path / "out"
-    job_id = submit(out, "--inference.server.port", str(free_port), "--slurm.time", "00:10:00")
-    job = wait_for_job(job_id, 300)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", show_logs(out)
-    assert_five_steps(out)
-    logs = {p.name for p in (out / "logs").glob("*.log")}
-    assert {f"slurm-{job_id}.log", "rl.log", "inference.log", "orchestrator.log", "trainer.log"} <= logs
-    assert (out / "run" / "slurm" / "job.sbatch").exists() and (out / "run" / "rl.toml").exists()
-
-
-def test_the_multi_node_layout_runs_on_one_node_with_its_own_srun_steps(slurm_cluster, tmp_path, free_port):
-    out, host = tmp_path / "out", socket.gethostname().split(".")[0]
-    job_id = submit(out, "--inference.server.port", str(free_port), *multi_node_on_one())
-    job = wait_for_job(job_id, 300)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", show_logs(out)
-    assert_five_steps(out)
-    batch_log = (out / "logs" / f"slurm-{job_id}.log").read_text()
-    assert "step trainer done" in batch_log and "step orchestrator done" in batch_log
-    for name in (f"inference-{host}.log", f"trainer-{host}.log", "orchestrator.log"):
-        assert (out / "logs" / name).stat().st_size > 0, name
-    # The server required the job's key, which lived in the job's environment only: never in a recorded config.
-    assert 'api_key_var = "INFERENCE_SERVER_API_KEY"' in (out / "run" / "inference.toml").read_text()
-    assert not any("api_key =" in p.read_text() for p in (out / "run").rglob("*.toml"))
 
 
 def job_fields(job_id: str) -> dict[str, str]:
@@ -101,11 +69,13 @@ def wait_for(what: str, ready, timeout: float, out: Path):
 
 
 @pytest.mark.parametrize("layout", ["rl", "multi-node"])
-def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_lost_or_repeated(
+def test_rl_runs_as_a_slurm_job_and_a_stop_signal_requeues_it_to_resume_with_every_step_once(
     slurm_cluster, tmp_path, free_port, layout
 ):
-    out, steps = tmp_path / "out", 12
-    flags = multi_node_on_one() if layout == "multi-node" else []
+    """The debug config as a job, `rl` on one node or the multi-node layout's three srun steps (torchrun's
+    rendezvous from the node list); mid-run USR1 -> checkpoint -> requeue -> resume -> COMPLETED."""
+    out, steps, host = tmp_path / "out", 12, socket.gethostname().split(".")[0]
+    flags = multi_node_on_one() if layout == "multi-node" else ["--slurm.time", "00:10:00"]
     job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", str(steps), "--ckpt",
                     "--slurm.requeue", *flags)  # fmt: skip
     assert "#SBATCH --signal=USR1@300" in (out / "run/slurm/job.sbatch").read_text()
@@ -123,7 +93,6 @@ def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_los
 
     batch = (out / "logs" / f"slurm-{job_id}.log").read_text()
     assert f"requeued job {job_id}" in batch and "resuming from the newest checkpoint" in batch, batch
-    host = socket.gethostname().split(".")[0]
     trainer = (out / "logs" / ("trainer.log" if layout == "rl" else f"trainer-{host}.log")).read_text()
     stopped = int(re.search(r"stopped on SIGUSR1 after (\d+) step\(s\): checkpoint checkpoints/step_\1", trainer)[1])
     assert 3 <= stopped < steps and f"resumed from checkpoints/step_{stopped} " in trainer
@@ -134,17 +103,27 @@ def test_a_stop_signal_checkpoints_and_the_requeued_job_resumes_with_no_step_los
     assert [r["step"] for r in read_metrics(out, "trainer")] == list(range(steps))
     assert [r["step"] for r in read_metrics(out, "orchestrator")] == list(range(steps))
     assert (out / "weights" / f"step_{steps}" / "STABLE").exists()
+    # The outputs `rl` writes, logs per service (and per node).
+    logs = {p.name for p in (out / "logs").glob("*.log")}
+    if layout == "rl":
+        assert {f"slurm-{job_id}.log", "rl.log", "inference.log", "orchestrator.log", "trainer.log"} <= logs
+        assert (out / "run" / "rl.toml").exists()
+    else:
+        assert {f"slurm-{job_id}.log", f"inference-{host}.log", f"trainer-{host}.log", "orchestrator.log"} <= logs
+        assert "step trainer done" in batch and "step orchestrator done" in batch
+        # The server required the job's key, which lived in the job's environment only: never in a recorded config.
+        assert 'api_key_var = "INFERENCE_SERVER_API_KEY"' in (out / "run" / "inference.toml").read_text()
+        assert not any("api_key =" in p.read_text() for p in (out / "run").rglob("*.toml"))
 
 
-@pytest.mark.parametrize("layout", ["rl", "multi-node"])
-def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cluster, tmp_path, free_port, layout):
+def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cluster, tmp_path, free_port):
+    """`rl` on one node (the multi-node script's reaction to a failed step: tests/unit/slurm, with fakes)."""
     import json
     import os
     import signal
 
     out = tmp_path / "out"
-    job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", "200", "--slurm",
-                    *(multi_node_on_one() if layout == "multi-node" else []))  # fmt: skip
+    job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", "200", "--slurm")
     wait_for("a trainer step", lambda: read_metrics(out, "trainer"), 240, out)
     pid = json.loads((out / "heartbeat" / "orchestrator.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -153,8 +132,7 @@ def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cl
     took = time.monotonic() - killed
     assert job["JobState"] == "FAILED", show_logs(out)
     assert took < 30, f"the job took {took:.0f}s to end"  # heartbeat timeouts are 60 s: we must not rely on them
-    named = "orchestrator failed (exit -9)" if layout == "rl" else "step orchestrator failed (exit"
-    assert named in (out / "logs" / f"slurm-{job_id}.log").read_text()
+    assert "orchestrator failed (exit -9)" in (out / "logs" / f"slurm-{job_id}.log").read_text()
 
     def survivors() -> list[str]:
         ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
@@ -164,7 +142,7 @@ def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cl
     while survivors() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not survivors()
-    print(f"{layout}: job {job_id} FAILED {took:.1f}s after the orchestrator was killed, naming it; no process left")
+    print(f"job {job_id} FAILED {took:.1f}s after the orchestrator was killed, naming it; no process left")
 
 
 def test_sft_on_slurm_stops_on_the_signal_and_the_requeued_job_resumes(slurm_cluster, tmp_path):
