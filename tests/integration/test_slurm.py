@@ -1,8 +1,8 @@
 """`rl --slurm` on a real one-node Slurm cluster (the `slurm_cluster` fixture): the job script is submitted with
 sbatch, its steps run under slurmd, and the job ends COMPLETED with the outputs `rl` writes. Both layouts (`rl`
-on one node; the multi-node layout's srun steps on this node): `scancel --signal=USR1` mid-run -> checkpoint ->
-the job requeues itself -> it resumes at the next step (every step once in the metrics); a service killed in
-the job -> the job FAILED within seconds, naming it, and no process of the run is left."""
+on one node; the multi-node layout's srun steps on this node): `scancel --signal=USR1` (or TERM) mid-run ->
+checkpoint -> the job requeues itself -> it resumes at the next step (every step once in the metrics); a service
+killed in the job -> the job FAILED within seconds, naming it, and no process of the run is left."""
 
 import re
 import socket
@@ -68,19 +68,20 @@ def wait_for(what: str, ready, timeout: float, out: Path):
     raise TimeoutError(f"no {what} after {timeout:.0f}s\n{show_logs(out)}")
 
 
-@pytest.mark.parametrize("layout", ["rl", "multi-node"])
+# USR1: what `--signal=USR1@N` sends before the time limit; TERM: what preemption sends to the tasks of every step.
+@pytest.mark.parametrize(("layout", "sig"), [("rl", "USR1"), ("multi-node", "TERM")])
 def test_rl_runs_as_a_slurm_job_and_a_stop_signal_requeues_it_to_resume_with_every_step_once(
-    slurm_cluster, tmp_path, free_port, layout
+    slurm_cluster, tmp_path, free_port, layout, sig
 ):
     """The debug config as a job, `rl` on one node or the multi-node layout's three srun steps (torchrun's
-    rendezvous from the node list); mid-run USR1 -> checkpoint -> requeue -> resume -> COMPLETED."""
+    rendezvous from the node list); mid-run stop signal -> checkpoint -> requeue -> resume -> COMPLETED."""
     out, steps, host = tmp_path / "out", 12, socket.gethostname().split(".")[0]
     flags = multi_node_on_one() if layout == "multi-node" else ["--slurm.time", "00:10:00"]
     job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", str(steps), "--ckpt",
                     "--slurm.requeue", *flags)  # fmt: skip
     assert "#SBATCH --signal=USR1@300" in (out / "run/slurm/job.sbatch").read_text()
     wait_for("3 trainer steps", lambda: len(read_metrics(out, "trainer")) >= 3, 240, out)
-    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # what `--signal=USR1@N` sends
+    subprocess.run(["scancel", f"--signal={sig}", job_id], check=True)
     wait_for("requeue", lambda: job_fields(job_id).get("Restarts") == "1", 120, out)
     # Slurm makes a requeued job wait ~2 min before it may start again; the test does not wait for that.
     wait_for("pending requeued job", lambda: job_fields(job_id).get("JobState") == "PENDING", 60, out)
@@ -94,10 +95,10 @@ def test_rl_runs_as_a_slurm_job_and_a_stop_signal_requeues_it_to_resume_with_eve
     batch = (out / "logs" / f"slurm-{job_id}.log").read_text()
     assert f"requeued job {job_id}" in batch and "resuming from the newest checkpoint" in batch, batch
     trainer = (out / "logs" / ("trainer.log" if layout == "rl" else f"trainer-{host}.log")).read_text()
-    stopped = int(re.search(r"stopped on SIGUSR1 after (\d+) step\(s\): checkpoint checkpoints/step_\1", trainer)[1])
+    stopped = int(re.search(rf"stopped on SIG{sig} after (\d+) step\(s\): checkpoint checkpoints/step_\1", trainer)[1])
     assert 3 <= stopped < steps and f"resumed from checkpoints/step_{stopped} " in trainer
-    assert "stopped on SIGUSR1 during step" in (out / "logs" / "orchestrator.log").read_text()
-    print(f"{layout}: stopped after {stopped} trainer steps, requeued, resumed at step {stopped}; 0..{steps - 1} once")
+    assert f"stopped on SIG{sig} during step" in (out / "logs" / "orchestrator.log").read_text()
+    print(f"{layout}, SIG{sig}: stopped after {stopped} trainer steps, requeued, resumed there; 0..{steps - 1} once")
     # Every step once, in order: the steps after the checkpoint were trained (and their rollouts made) once more
     # on resume and their earlier records replaced.
     assert [r["step"] for r in read_metrics(out, "trainer")] == list(range(steps))

@@ -27,6 +27,7 @@ checkpoint and passes `--ckpt.resume-step=latest`, so it goes on at the next ste
 
 from __future__ import annotations
 
+import math
 import secrets
 import shlex
 import subprocess
@@ -116,7 +117,7 @@ def sbatch_header(
 
 
 RESUME_IF_CHECKPOINTED = """# USR1 and SIGTERM are for the steps (they save and stop); this shell waits for them.
-trap 'STOP_SIGNAL=1' USR1 TERM
+trap 'STOPPING=1' USR1 TERM
 rm -f "$OUTPUT_DIR"/run/*.stopped  # what an earlier attempt's services recorded
 # A requeued or resubmitted job goes on from the newest trainer checkpoint (none yet: it starts over).
 export RESUME=""
@@ -152,6 +153,10 @@ join() {{ local IFS=,; echo "$*"; }}
 export TRAINER_HEAD=${{TRAINER_NODES[0]}} RDZV_PORT={port}"""
 
 # Bash that follows the steps started in the background (STEP_PIDS: name -> srun pid).
+# A stop is underway once the job got USR1/SIGTERM (STOPPING, set by the trap), the orchestrator exits 3 or the
+# trainer records its stop in run/trainer.stopped (torchrun exits 0 after a USR1, 1 after a SIGTERM it passed on).
+# Preemption signals the tasks, not this shell: the servers end at once, so a server that ends is judged only
+# after INFERENCE_GRACE seconds, when the trainer or orchestrator would have reported the same stop.
 WATCH_STEPS = r"""
 stop_steps() {
   local pid
@@ -161,31 +166,46 @@ stop_steps() {
     return 0
   done
 }
-# Until trainer and orchestrator both exit 0; any step that fails (or inference ending at all, but on the job's
-# SIGTERM) ends the job.
-# Stopped on a signal, progress saved: the orchestrator exits 3; the trainer records it in run/trainer.stopped
-# (torchrun exits 0 after a USR1, 1 after a SIGTERM it passed on).
-STOPPED=0
+fail() {  # step, exit status, why
+  echo "prime-rl: step $1 $3 (exit $2); stopping the others; see the logs in $OUTPUT_DIR/logs" >&2
+  stop_steps
+  exit $(($2 == 0 ? 1 : $2))
+}
+STOPPED=0 STOPPING=${STOPPING:-0} STOP_AT="" INFERENCE_END=""
 while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
+  [[ ! -f $OUTPUT_DIR/run/trainer.stopped ]] || STOPPING=1
   for name in "${!STEP_PIDS[@]}"; do
     pid=${STEP_PIDS[$name]}
     kill -0 "$pid" 2>/dev/null && continue
     rc=0; wait "$pid" || rc=$?
     unset "STEP_PIDS[$name]"
     if [[ $rc -eq 3 && $name == orchestrator ]] || [[ $name == trainer && -f $OUTPUT_DIR/run/trainer.stopped ]]; then
-      STOPPED=3
+      STOPPED=3 STOPPING=1
       echo "prime-rl: step $name stopped on a signal, its progress saved"
-    elif [[ $name == inference && ${STOP_SIGNAL:-0} -eq 1 ]]; then
-      echo "prime-rl: step inference ended on the stop signal"
-    elif [[ $rc -ne 0 || $name == inference ]]; then
-      echo "prime-rl: step $name failed (exit $rc); stopping the others; see $OUTPUT_DIR/logs/$name*.log" >&2
-      stop_steps
-      exit $((rc == 0 ? 1 : rc))
+    elif [[ $name == inference ]]; then
+      INFERENCE_END="$SECONDS $rc"
+    elif [[ $rc -eq 137 && $STOPPING -eq 1 ]]; then
+      fail "$name" "$rc" "was killed: a SIGTERM that reaches srun itself (the job's hard end) kills its tasks at once; \
+the job's lead signal (--slurm.signal-seconds) lets them save first"
+    elif [[ $rc -ne 0 ]]; then
+      fail "$name" "$rc" failed
     else
       echo "prime-rl: step $name done"
     fi
   done
-  sleep 2 || true  # a SIGTERM to the job kills the sleep: not an error
+  if [[ -n $INFERENCE_END ]]; then
+    read -r ended rc <<< "$INFERENCE_END"
+    if [[ $STOPPING -eq 1 ]]; then
+      echo "prime-rl: step inference ended on the stop signal"; INFERENCE_END=""
+    elif (( SECONDS - ended >= INFERENCE_GRACE )); then
+      fail inference "$rc" "ended"
+    fi
+  fi
+  [[ $STOPPING -eq 0 || -n $STOP_AT ]] || STOP_AT=$((SECONDS + STOP_TIMEOUT))
+  if [[ -n $STOP_AT ]] && (( SECONDS > STOP_AT )); then
+    fail "${!STEP_PIDS[*]}" 1 "did not stop within ${STOP_TIMEOUT}s of the stop signal"
+  fi
+  sleep 1 || true  # a SIGTERM to the job kills the sleep: not an error
 done
 stop_steps
 rc=$STOPPED
@@ -271,6 +291,7 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
              "--output=$OUTPUT_DIR/logs/orchestrator.log")
         + " " + in_step([*commands["orchestrator"], *orchestrator_flags], env["orchestrator"]) + " &",
         "STEP_PIDS[orchestrator]=$!",
+        f"INFERENCE_GRACE=30 STOP_TIMEOUT={math.ceil(config.stop_timeout)}",
         WATCH_STEPS,
         finish(slurm),
     ]  # fmt: skip

@@ -11,6 +11,7 @@ where its value came from, and exits with status 2. This module imports no torch
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tomllib
@@ -246,8 +247,9 @@ def parse_args(cls: type[BaseModel], argv: Sequence[str]) -> tuple[dict, dict, l
             i += 1
             continue
         if _is_model(annotation) and not eq and not next_is_value():
-            # `--ckpt`: switch an optional sub-config on with its defaults.
-            _set(cli, path, {}, sources, source)
+            # `--ckpt`: switch an optional sub-config on with its defaults, keeping what earlier flags set in it.
+            current = functools.reduce(lambda node, part: node.get(part) if isinstance(node, dict) else None, path, cli)
+            _set(cli, path, current if isinstance(current, dict) else {}, sources, source)
             i += 1
             continue
         if eq:

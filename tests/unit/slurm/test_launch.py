@@ -2,6 +2,7 @@
 the multi-node script itself run by bash against fake `scontrol` / `srun` / Python (the steps it starts, with
 their $VARS expanded as on the nodes; a failed step ends the job naming it)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,7 +61,7 @@ def test_multi_node_rl_puts_servers_trainer_and_one_orchestrator_on_their_nodes(
     assert "--nnodes 2 --node-rank \"$SLURM_PROCID\" --rdzv-endpoint \"$TRAINER_HEAD:$RDZV_PORT\" --nproc-per-node 8 " \
            "-m prime_rl.trainer.rl.train" in script  # fmt: skip
     assert '--client.base-url "$BASE_URLS" --client.traffic-share 3.0,1.0' in script
-    assert script.count("srun ") == 3 and script.count("--container-image=img.sqsh") == 3
+    assert script.count("\nsrun ") == 3 and script.count("--container-image=img.sqsh") == 3
     assert script.count("prime_rl.orchestrator.orchestrator") == 1 and '"--nodelist=$TRAINER_HEAD"' in script
     assert "export INFERENCE_SERVER_API_KEY=$(" in script  # generated in the job, never a literal
     assert job.configs["orchestrator.toml"]["num_train_workers"] == 16
@@ -101,11 +102,14 @@ while [[ $1 == --* ]]; do echo "$1" >> "$RECORD/srun.$$"; shift; done
 SLURM_PROCID=0 exec "$@"
 """
 FAKE_PY = """#!/bin/bash
+echo $$ >> "$RECORD/pids"
 echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$RECORD/commands"
-[[ $* == *inference.server* ]] && exec sleep 60
+[[ $* == *inference.server* ]] && exec sleep "${SERVE_SECONDS:-60}"
+[[ -n ${HANG:-} && $* == *prime_rl.[ot]* ]] && exec sleep 30
 [[ -n ${TOUCH:-} ]] && mkdir -p "$(dirname "$TOUCH")" && touch "$TOUCH"
 if [[ -n ${AWAIT_TERM:-} && $* == *prime_rl.[ot]* ]]; then  # as trainer and orchestrator on Slurm's SIGTERM
-  [[ $* == *trainer* ]] && trap 'touch "$OUTPUT_DIR/run/trainer.stopped"; exit 1' TERM || trap 'exit 3' TERM
+  [[ $* == *trainer* ]] && trap 'touch "$OUTPUT_DIR/run/trainer.stopped"; kill $!; exit 1' TERM \\
+    || trap 'kill $!; exit 3' TERM
   sleep 30 & wait
 fi
 [[ $* == *$FAIL* ]] && exit 3
@@ -117,10 +121,11 @@ printf 'n1\\nn2\\nn3\\nn4\\n'
 """
 
 
-def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term: bool = False):
+def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term: bool = False, **env: str):
     """Run a job script against fake srun / scontrol / Python; the fake Python exits 3 when its command line
-    contains `fail` (else 0) and creates the file `touch` first. `term`: once the three steps run, SIGTERM to
-    every process of the job, as Slurm at a time limit (the fakes then stop as our services do)."""
+    contains `fail` (else 0) and creates the file `touch` first; `env` e.g. SERVE_SECONDS (the server's life), HANG
+    (trainer and orchestrator never end). `term`: once the three steps run, SIGTERM to
+    their processes (not the batch shell), as Slurm on preemption (the fakes then stop as our services do)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in {"srun": FAKE_SRUN, "python": FAKE_PY, "scontrol": FAKE_SCONTROL}.items():
@@ -128,7 +133,7 @@ def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(tmp_path), "FAIL": fail,
            "TOUCH": touch, "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "42",
-           "AWAIT_TERM": "1" if term else ""}  # fmt: skip
+           "AWAIT_TERM": "1" if term else "", **env}  # fmt: skip
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     if term:
@@ -137,7 +142,9 @@ def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term
             assert time.monotonic() < deadline, "the steps never started"
             time.sleep(0.05)
         time.sleep(0.5)  # the fakes set their traps
-        os.killpg(proc.pid, signal.SIGTERM)
+        for pid in (tmp_path / "pids").read_text().split():
+            with contextlib.suppress(ProcessLookupError):  # the key's one-off Python
+                os.kill(int(pid), signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -172,6 +179,18 @@ def test_a_failed_step_stops_the_others_and_ends_the_job_naming_it(tmp_path):
     result = run_script(tmp_path, render(config, "rl", []).script, fail="trainer.rl.train")
     assert result.returncode == 3
     assert "step trainer failed (exit 3); stopping the others" in result.stderr
+
+
+def test_a_server_that_ends_while_nothing_stops_fails_the_job_after_the_grace(tmp_path):
+    """A server ends at once on preemption's SIGTERM, before the trainer and orchestrator report their stop:
+    the job judges it only after the grace (shortened here), then fails naming it."""
+    config = rl(tmp_path, "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
+                "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
+    script = render(config, "rl", []).script.replace("INFERENCE_GRACE=30", "INFERENCE_GRACE=2")
+    start = time.monotonic()
+    result = run_script(tmp_path, script, SERVE_SECONDS="1", HANG="1")
+    assert result.returncode == 1 and "step inference ended (exit 0); stopping the others" in result.stderr
+    assert 3 <= time.monotonic() - start < 15
 
 
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
@@ -256,10 +275,10 @@ def test_sft_stopped_on_a_signal_ends_with_status_3(tmp_path):
     assert stopped.returncode == 3 and "stopped on a signal" in stopped.stderr
 
 
-def test_a_sigterm_to_the_whole_multi_node_job_ends_it_as_stopped_not_failed(tmp_path):
-    """Time limit or preemption: Slurm sends SIGTERM to every process, the batch shell included. The server dies
-    at once; the job waits for the trainer (torchrun exits 1 after passing SIGTERM on; the trainer recorded its
-    stop) and the orchestrator (exit 3), and requeues."""
+def test_a_sigterm_to_the_services_of_a_multi_node_job_ends_it_as_stopped_not_failed(tmp_path):
+    """Preemption (GraceTime): Slurm sends SIGTERM to the tasks of every step. The server dies at once; the job
+    waits for the trainer (torchrun exits 1 after passing SIGTERM on; the trainer recorded its stop) and the
+    orchestrator (exit 3), and requeues."""
     config = rl(tmp_path, "--ckpt", "--slurm.requeue", "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
                 "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
     (tmp_path / "out/run").mkdir(parents=True)

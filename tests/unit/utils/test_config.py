@@ -56,6 +56,8 @@ def test_kebab_flags_booleans_lists_and_optional_sections():
     assert config.ckpt == Ckpt()
     assert load_config(Demo, ["--verbose", "--no-verbose"]).verbose is False
     assert load_config(Demo, ["--ckpt.interval=3"]).ckpt.interval == 3
+    # A bare --ckpt after one of its fields switches it on without dropping that field.
+    assert load_config(Demo, ["--ckpt.interval", "3", "--ckpt"]).ckpt.interval == 3
     assert load_config(Demo, []).ckpt is None
 
 
