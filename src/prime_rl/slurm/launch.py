@@ -155,8 +155,8 @@ export TRAINER_HEAD=${{TRAINER_NODES[0]}} RDZV_PORT={port}"""
 # Bash that follows the steps started in the background (STEP_PIDS: name -> srun pid).
 # A stop is underway once the job got USR1/SIGTERM (STOPPING, set by the trap), the orchestrator exits 3 or the
 # trainer records its stop in run/trainer.stopped (torchrun exits 0 after a USR1, 1 after a SIGTERM it passed on).
-# Preemption signals the tasks, not this shell: the servers end at once, so a server that ends is judged only
-# after INFERENCE_GRACE seconds, when the trainer or orchestrator would have reported the same stop.
+# Preemption signals the tasks, not this shell: the servers end at once, so a server that ends (but of SIGKILL) is
+# judged only after INFERENCE_GRACE seconds, when the trainer or orchestrator would have reported the same stop.
 WATCH_STEPS = r"""
 stop_steps() {
   local pid
@@ -182,7 +182,7 @@ while [[ -n "${STEP_PIDS[trainer]:-}${STEP_PIDS[orchestrator]:-}" ]]; do
     if [[ $rc -eq 3 && $name == orchestrator ]] || [[ $name == trainer && -f $OUTPUT_DIR/run/trainer.stopped ]]; then
       STOPPED=3 STOPPING=1
       echo "prime-rl: step $name stopped on a signal, its progress saved"
-    elif [[ $name == inference ]]; then
+    elif [[ $name == inference && $rc -ne 137 ]]; then  # SIGKILL (OOM, a node's end) is no stop: fails at once
       INFERENCE_END="$SECONDS $rc"
     elif [[ $rc -eq 137 && $STOPPING -eq 1 ]]; then
       fail "$name" "$rc" "was killed: a SIGTERM that reaches srun itself (the job's hard end) kills its tasks at once; \
