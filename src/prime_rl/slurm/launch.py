@@ -152,6 +152,11 @@ NODE_LISTS = """mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIS
 join() {{ local IFS=,; echo "$*"; }}
 export TRAINER_HEAD=${{TRAINER_NODES[0]}} RDZV_PORT={port}"""
 
+CLEAR_PREVIOUS_RUN = (
+    "import pathlib, sys; from prime_rl.protocol import clear_previous_run; "
+    'print("prime-rl:", clear_previous_run(pathlib.Path(sys.argv[1])) or "fresh start")'
+)
+
 # Bash that follows the steps started in the background (STEP_PIDS: name -> srun pid).
 # A stop is underway once the job got USR1/SIGTERM (STOPPING, set by the trap), the orchestrator exits 3 or the
 # trainer records its stop in run/trainer.stopped (torchrun exits 0 after a USR1, 1 after a SIGTERM it passed on).
@@ -271,8 +276,14 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
     first_trainer = 0 if shared else n_inf
     arrays = f'INFERENCE_NODES=("${{NODES[@]:0:{n_inf}}}")\nTRAINER_NODES=("${{NODES[@]:{first_trainer}:{n_train}}}")'
     lines = sbatch_header(slurm, "rl", 1 if shared else n_inf + n_train, output_dir, argv, resumable)
+    clear = ["$PY", "-c", CLEAR_PREVIOUS_RUN, "$OUTPUT_DIR"]
     lines += [
         NODE_LISTS.format(arrays=arrays, port=slurm.rdzv_port),
+        "# Nothing to resume: a fresh start. What an earlier attempt of this job left (a requeue before the first",
+        "# checkpoint, a resubmission) goes first: the orchestrator clears it too late for the trainer beside it.",
+        'if [[ -z ${RESUME:-} ]]; then',
+        "  " + srun(slurm, "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=$TRAINER_HEAD") + " " + sh(*clear),
+        "fi",
         f"export BASE_URLS=$(printf 'http://%s:{port}/v1\\n' \"${{INFERENCE_NODES[@]}}\" | paste -sd,)",
         "# A fresh API key per job, in this job's environment only (every step inherits it): never on disk.",
         f"export {key_var}=$(\"$PY\" -c 'import secrets; print(secrets.token_urlsafe(32))')",

@@ -61,7 +61,8 @@ def test_multi_node_rl_puts_servers_trainer_and_one_orchestrator_on_their_nodes(
     assert "--nnodes 2 --node-rank \"$SLURM_PROCID\" --rdzv-endpoint \"$TRAINER_HEAD:$RDZV_PORT\" --nproc-per-node 8 " \
            "-m prime_rl.trainer.rl.train" in script  # fmt: skip
     assert '--client.base-url "$BASE_URLS" --client.traffic-share 3.0,1.0' in script
-    assert script.count("\nsrun ") == 3 and script.count("--container-image=img.sqsh") == 3
+    # Three steps, and one that clears an earlier attempt's outputs first when there is nothing to resume.
+    assert script.count("\nsrun ") == 3 and script.count("--container-image=img.sqsh") == 4
     assert script.count("prime_rl.orchestrator.orchestrator") == 1 and '"--nodelist=$TRAINER_HEAD"' in script
     assert "export INFERENCE_SERVER_API_KEY=$(" in script  # generated in the job, never a literal
     assert job.configs["orchestrator.toml"]["num_train_workers"] == 16
@@ -138,7 +139,8 @@ def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term
                             text=True, start_new_session=True)  # fmt: skip
     if term:
         commands, deadline = tmp_path / "commands", time.monotonic() + 20
-        while not commands.exists() or len(commands.read_text().splitlines()) < 3:
+        modules = ("prime_rl.inference", "prime_rl.trainer", "prime_rl.orchestrator")
+        while not commands.exists() or not all(m in commands.read_text() for m in modules):
             assert time.monotonic() < deadline, "the steps never started"
             time.sleep(0.05)
         time.sleep(0.5)  # the fakes set their traps
@@ -166,11 +168,14 @@ def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_th
     steps = {}
     for record in tmp_path.glob("srun.*"):
         options = record.read_text().splitlines()
-        log = next(o for o in options if o.startswith("--output="))
-        steps[log.removeprefix(f"--output={out}/logs/")] = options
+        if log := next((o for o in options if o.startswith("--output=")), None):
+            steps[log.removeprefix(f"--output={out}/logs/")] = options
     assert "--nodelist=n1,n2" in steps["inference-%N.log"]
     assert "--nodelist=n3,n4" in steps["trainer-%N.log"]
     assert "--nodelist=n3" in steps["orchestrator.log"]
+    # Nothing to resume: an earlier attempt's rollouts and weights are cleared before any step starts.
+    cleared = next(i for i, c in enumerate(commands) if "clear_previous_run" in c)
+    assert cleared < min(i for i, c in enumerate(commands) if "-m prime_rl." in c)
 
 
 def test_a_failed_step_stops_the_others_and_ends_the_job_naming_it(tmp_path):
@@ -263,6 +268,7 @@ def test_multi_node_orchestrator_stopped_on_a_signal_ends_the_job_as_stopped_and
     for module in ("prime_rl.trainer.rl.train", "prime_rl.orchestrator.orchestrator"):
         assert any(module in c and "--ckpt.resume-step=latest" in c for c in commands), commands
     assert not any("inference.server" in c and "resume" in c for c in commands)
+    assert not any("clear_previous_run" in c for c in commands)  # the checkpoint's run goes on
 
 
 def test_sft_stopped_on_a_signal_ends_with_status_3(tmp_path):
