@@ -171,7 +171,8 @@ def _chat(messages: list[dict], tokenizer, where: str, tools: list[dict] | None 
             raise TrainerError(f"{where}: the chat template does not render turns as prefixes; cannot mask them")
         mask += [False] * (len(before) - len(ids)) + [True] * (len(upto) - len(before))
         ids = upto
-    full = _render(tokenizer, messages, generation_prompt=False, tools=tools)
+    # Ending on an assistant turn, the whole chat was just rendered (one render in three saved per row).
+    full = ids if messages[-1]["role"] == "assistant" else _render(tokenizer, messages, False, tools)
     mask += [False] * (len(full) - len(ids))
     return Sample(full, mask)
 
