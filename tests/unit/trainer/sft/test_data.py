@@ -40,6 +40,27 @@ def test_messages_row_trains_on_every_assistant_turn_and_nothing_else(tokenizer)
     assert len(sample.input_ids) == len(sample.loss_mask)
 
 
+def test_rows_encoded_in_one_batch_are_the_templates_tokens_with_each_rows_own_mask(tmp_path, tokenizer):
+    """build_samples renders every row, then encodes all texts at once: each sample is still exactly
+    apply_chat_template(tokenize=True) of its chat, whatever its shape (a trailing user turn, no prompt)."""
+    chats = [
+        [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+         {"role": "user", "content": "and then?"}],
+        [{"role": "assistant", "content": "first"}, {"role": "user", "content": "x"},
+         {"role": "assistant", "content": "second"}],
+    ]  # fmt: skip
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    samples, _ = build_samples(SFTDataConfig(path=path), tokenizer, 512)
+    for sample, chat in zip(samples, chats, strict=True):
+        assert sample.input_ids == list(tokenizer.apply_chat_template(chat, tokenize=True)["input_ids"])
+    # A chat that opens with the assistant has no prompt to tell that turn's header from: it is trained on.
+    assert [_masked_text(tokenizer, s) for s in samples] == [
+        "cba<|im_end|>\n", "yo<|im_end|>\n", "<|im_start|>assistant\nfirst<|im_end|>\nsecond<|im_end|>\n"
+    ]  # fmt: skip
+
+
 def test_malformed_rows_are_reported_with_file_and_line(tmp_path, tokenizer):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n\n" + "{not json\n")
