@@ -117,14 +117,15 @@ def test_rl_runs_as_a_slurm_job_and_a_stop_signal_requeues_it_to_resume_with_eve
         assert not any("api_key =" in p.read_text() for p in (out / "run").rglob("*.toml"))
 
 
-def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cluster, tmp_path, free_port):
-    """`rl` on one node (the multi-node script's reaction to a failed step: tests/unit/slurm, with fakes)."""
+@pytest.mark.parametrize("layout", ["rl", "multi-node"])
+def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cluster, tmp_path, free_port, layout):
     import json
     import os
     import signal
 
     out = tmp_path / "out"
-    job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", "200", "--slurm")
+    job_id = submit(out, "--inference.server.port", str(free_port), "--max-steps", "200", "--slurm",
+                    *(multi_node_on_one() if layout == "multi-node" else []))  # fmt: skip
     wait_for("a trainer step", lambda: read_metrics(out, "trainer"), 240, out)
     pid = json.loads((out / "heartbeat" / "orchestrator.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -133,7 +134,8 @@ def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cl
     took = time.monotonic() - killed
     assert job["JobState"] == "FAILED", show_logs(out)
     assert took < 30, f"the job took {took:.0f}s to end"  # heartbeat timeouts are 60 s: we must not rely on them
-    assert "orchestrator failed (exit -9)" in (out / "logs" / f"slurm-{job_id}.log").read_text()
+    named = "orchestrator failed (exit -9)" if layout == "rl" else "step orchestrator failed (exit 137)"
+    assert named in (out / "logs" / f"slurm-{job_id}.log").read_text()
 
     def survivors() -> list[str]:
         ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
@@ -143,7 +145,7 @@ def test_a_killed_service_fails_the_job_naming_it_and_leaves_no_process(slurm_cl
     while survivors() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not survivors()
-    print(f"job {job_id} FAILED {took:.1f}s after the orchestrator was killed, naming it; no process left")
+    print(f"{layout}: job {job_id} FAILED {took:.1f}s after the orchestrator was killed, naming it; no process left")
 
 
 def test_sft_on_slurm_stops_on_the_signal_and_the_requeued_job_resumes(slurm_cluster, tmp_path):
