@@ -132,3 +132,45 @@ def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_re
     )  # rank 0 got no signal: it stopped because rank 1 did
     assert checkpoint_steps(out, ("trainer",)) == [stopped]
     assert [m["step"] for m in read_metrics(out, "sft")] == list(range(stopped))
+
+
+def _held_out_nll(weights: Path, rows: Path) -> float:
+    """Mean NLL per completion token of `rows` under `weights`, scored by transformers (not the trainer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_rl.trainer.sft.config import SFTDataConfig
+    from prime_rl.trainer.sft.data import build_samples
+
+    model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
+    samples, _ = build_samples(SFTDataConfig(path=rows), AutoTokenizer.from_pretrained(weights), 256)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor([s.input_ids])).logits[0, :-1].double()
+            targets = torch.tensor(s.input_ids[1:])
+            mask = torch.tensor(s.loss_mask[1:])
+            nll -= float(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0][mask].sum())
+            count += int(mask.sum())
+    return nll / count
+
+
+def test_held_out_loss_ends_the_run_at_its_target_and_final_names_that_step(tmp_path):
+    out, rows = tmp_path / "run", ROOT / "configs/sft/debug/data.jsonl"
+    held_out = ["--val.data.path", str(rows), "--val.interval", "2"]
+    # Any loss is below 1000: the run stops at its first evaluation (step 2 of 4).
+    rc, output = _finish(_sft(out, *held_out, "--val.stop-below", "1000"))
+    assert rc == 0, output[-6000:]
+    assert "< val.stop-below 1000: stopping" in output
+    metrics = read_metrics(out, "sft")
+    assert [m["step"] for m in metrics] == [0, 1] and "val/loss" in metrics[1] and "val/loss" not in metrics[0]
+    final = out / "weights" / "final"
+    assert final.resolve() == weights_dir(out, 2).resolve() and is_stable(final)
+    assert metrics[1]["val/loss"] == pytest.approx(_held_out_nll(final, rows), rel=1e-5)
+
+    # Again in the same output dir, with no target: all 4 steps, held-out loss at 2 and 4, final moves on.
+    rc, output = _finish(_sft(out, *held_out))
+    assert rc == 0, output[-6000:]
+    metrics = read_metrics(out, "sft")
+    assert [m["step"] for m in metrics if "val/loss" in m] == [1, 3]
+    assert final.resolve() == weights_dir(out, 4).resolve()
+    assert metrics[3]["val/loss"] < metrics[1]["val/loss"]  # it learns the rows it is scored on

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from prime_rl.protocol.paths import STABLE, list_steps, rollouts_dir, weights_root
+from prime_rl.protocol.paths import STABLE, final_weights_dir, list_steps, rollouts_dir, weights_root
 
 
 def _fsync_dir(path: Path) -> None:
@@ -103,6 +103,17 @@ def is_stable(directory: Path) -> bool:
 def stable_steps(parent: Path) -> list[int]:
     """Sorted steps of the complete (`STABLE`) `step_n` directories under `parent`."""
     return [s for s in list_steps(parent) if is_stable(Path(parent) / f"step_{s}")]
+
+
+def link_final_weights(output_dir: Path, step: int) -> Path:
+    """Point `weights/final` at `step_n` (relative link, so the output dir can move), replacing it atomically."""
+    link = final_weights_dir(output_dir)
+    tmp = link.with_name(f".final.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(f"step_{step}", tmp, target_is_directory=True)
+    os.replace(tmp, link)
+    _fsync_dir(link.parent)
+    return link
 
 
 def prune_steps(parent: Path, keep: int, protect: Iterable[int] = ()) -> list[int]:

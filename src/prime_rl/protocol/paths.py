@@ -46,6 +46,12 @@ def weights_dir(output_dir: Path, step: int) -> Path:
     return weights_root(output_dir) / f"step_{step}"
 
 
+def final_weights_dir(output_dir: Path) -> Path:
+    """`weights/final`: a link to the `step_n` an `sft` run ended on (its last step, or where it stopped early),
+    so a config that starts from an SFT run's weights names no step."""
+    return weights_root(output_dir) / "final"
+
+
 def broadcast_root(output_dir: Path) -> Path:
     """`step_n.json`: the trainer is about to send weight step n over the broadcast group (protocol.broadcast)."""
     return Path(output_dir) / "broadcast"

@@ -48,6 +48,21 @@ class SFTDataConfig(Section):
         return self
 
 
+class SFTValConfig(Section):
+    """Held-out loss every `interval` steps, and optionally an early stop on it."""
+
+    data: Annotated[SFTDataConfig, Field(description="held-out rows (any source `data` takes)")]
+    interval: Annotated[int, Field(ge=1, description="steps between held-out evaluations (and at the last step)")] = 50
+    stop_below: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            description="end the run at the first evaluation whose held-out loss is below this: a quality "
+            "target that holds on any machine, however many steps it takes there; unset = run all steps",
+        ),
+    ] = None
+
+
 class SFTConfig(TrainingConfig):
     """FSDP2 supervised fine-tuning on prompt-completion data; loss only on completion tokens."""
 
@@ -64,4 +79,7 @@ class SFTConfig(TrainingConfig):
         int | None, Field(ge=1, description="write weights/step_n every n steps; unset = only at the end")
     ] = None
     keep_weights: Annotated[int | None, Field(ge=1, description="newest weight steps kept on disk; unset = all")] = None
+    val: Annotated[SFTValConfig | None, Field(description="held-out loss and early stopping; off unless [val]")] = (
+        None
+    )
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None

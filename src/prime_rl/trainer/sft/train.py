@@ -6,8 +6,13 @@ log-likelihood of the completion tokens of the whole step:
 
     loss = −Σ_t m_t log π(x_t | sample prefix) / N,    N = completion tokens of the step (all ranks)
 
-Writes `weights/step_n` (HF dirs, like RL), `checkpoints/step_n/trainer` (DCP), `metrics/sft.jsonl`
-and `logs/sft.log` under `output_dir`.
+With `[val]`, the same loss on held-out rows every `val.interval` steps (`val/loss`), and with
+`val.stop_below` the run ends at the first evaluation below it: a quality target rather than a step count,
+which is what a run that feeds RL wants (when a small model leaves a loss plateau depends on the machine's
+arithmetic; where it ends up should not).
+
+Writes `weights/step_n` (HF dirs, like RL) and `weights/final` (a link to the step the run ended on),
+`checkpoints/step_n/trainer` (DCP), `metrics/sft.jsonl` and `logs/sft.log` under `output_dir`.
 
     sft @ configs/sft/debug.toml
     torchrun --nproc-per-node 2 src/prime_rl/trainer/sft/train.py @ configs/sft/debug.toml
@@ -32,16 +37,20 @@ def main() -> None:
 def run(config: SFTConfig) -> None:
     from transformers import AutoTokenizer
 
+    from prime_rl.protocol import link_final_weights
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.sft.data import build_samples
+    from prime_rl.trainer.sft.val import build_val_rows, held_out_loss
     from prime_rl.trainer.step import step_metrics, train_step
     from prime_rl.utils.metrics import MetricsWriter
     from prime_rl.utils.timer import timer
 
-    samples, truncated = build_samples(config.data, AutoTokenizer.from_pretrained(config.model.name), config.seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    samples, truncated = build_samples(config.data, tokenizer, config.seq_len)
     max_steps = config.max_steps or config.epochs * math.ceil(len(samples) / config.batch_size)
     with service.training(config, max_steps) as t:
         d = t.d
+        val_rows = build_val_rows(config, tokenizer, d) if config.val else None
         progress = Progress()
         resume_step = service.resume_step(config)
         if resume_step is not None:
@@ -66,18 +75,29 @@ def run(config: SFTConfig) -> None:
             progress = Progress(
                 step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
             )
-            publish(config, max_steps, t, progress, times)
+            val = {}
+            if val_rows is not None and (progress.step % config.val.interval == 0 or progress.step == max_steps):
+                with timer(times, "val"):
+                    val["val/loss"] = held_out_loss(t.model, val_rows, d)
+            stop_early = bool(val) and config.val.stop_below is not None and val["val/loss"] < config.val.stop_below
+            publish(config, progress.step if stop_early else max_steps, t, progress, times)
             times["step"] = time.perf_counter() - start
             if d.is_main:
-                record = step_metrics(stats, times, lr, progress) | {"epoch": epoch}
+                record = step_metrics(stats, times, lr, progress) | {"epoch": epoch} | val
                 metrics.log(step, record)
+                held_out = f" | val/loss {val['val/loss']:.4g}" if val else ""
                 logger.info(
-                    f"step {step} | loss {stats.loss:.4g} | grad_norm {stats.grad_norm:.3g} | epoch {epoch} | "
-                    f"{record['tokens_per_s']:.0f} tok/s | {times['step']:.2f}s"
+                    f"step {step} | loss {stats.loss:.4g}{held_out} | grad_norm {stats.grad_norm:.3g} | "
+                    f"epoch {epoch} | {record['tokens_per_s']:.0f} tok/s | {times['step']:.2f}s"
                 )
+            if stop_early:
+                logger.info(f"held-out loss {val['val/loss']:.4g} < val.stop-below {config.val.stop_below:g}: stopping")
+                break
         if metrics is not None:
             metrics.close()
-        logger.info(f"done: {max_steps} steps, weights in {config.output_dir / 'weights'}")
+        if d.is_main:
+            link_final_weights(config.output_dir, progress.step)
+        logger.info(f"done: {progress.step} steps, weights in {config.output_dir / 'weights' / 'final'}")
 
 
 def step_batch(samples: list, progress, config: SFTConfig, d):
@@ -104,18 +124,19 @@ def nll_loss(out, mb, mask, scale):
     return nll * scale, {"loss": nll}
 
 
-def publish(config: SFTConfig, max_steps: int, t, progress, times) -> None:
-    """Weights every `weights_interval` steps and at the end; checkpoints per `ckpt`; pruning of both."""
+def publish(config: SFTConfig, last_step: int, t, progress, times) -> None:
+    """Weights every `weights_interval` steps and at the run's last step (`last_step`: max_steps, or this step
+    when the run stops early); checkpoints per `ckpt`; pruning of both."""
     from prime_rl.protocol import checkpoint_due
     from prime_rl.trainer.weights import prune_weights, save_weights
     from prime_rl.utils.timer import timer
 
-    if checkpoint_due(progress.step, max_steps, config.weights_interval):
+    if checkpoint_due(progress.step, last_step, config.weights_interval):
         with timer(times, "save_weights"):
             save_weights(t.model, t.files, config.output_dir, progress.step)
         if t.d.is_main and config.keep_weights:
             prune_weights(config.output_dir, config.keep_weights)
-    service.checkpoint_if_due(config, t, progress, max_steps, times)
+    service.checkpoint_if_due(config, t, progress, last_step, times)
 
 
 if __name__ == "__main__":

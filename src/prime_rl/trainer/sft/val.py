@@ -1,0 +1,38 @@
+"""SFT's held-out loss: the mean negative log-likelihood per completion token of rows the run never trains on,
+the same quantity as the training loss, so the two curves share an axis.
+
+Every rank scores its share of the rows (every world_size-th sample) and the sums are reduced, so the
+figure does not depend on the rank count beyond the last bits of float addition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
+from prime_rl.trainer.parallel import all_reduce
+
+
+def build_val_rows(config, tokenizer, d) -> list[MicroBatch]:
+    """This rank's packed held-out rows, padded so every rank runs as many forwards (FSDP's collectives)."""
+    from prime_rl.trainer.sft.data import build_samples, pack_batch
+
+    samples, _ = build_samples(config.val.data, tokenizer, config.seq_len)
+    mine = samples[d.rank :: d.world_size]
+    rows = pack_batch(mine, config.seq_len) if mine else []
+    (most,) = all_reduce([len(rows)], d.device, op="max")
+    return rows + [MicroBatch.padding(8, 1.0) for _ in range(int(most) - len(rows))]
+
+
+@torch.no_grad()
+def held_out_loss(model, rows: list[MicroBatch], d) -> float:
+    """Σ −log π(completion tokens) / N over all ranks' held-out rows (collective)."""
+    nll, count = 0.0, 0
+    for mb in rows:
+        mask = (mb.loss_mask & ~sample_starts(mb)).to(d.device)
+        out = forward_logprobs(model, mb, d.device, where=mask)
+        nll += float(torch.where(mask, -out.logprobs, 0.0).sum())
+        count += int(mask.sum())
+    total, n = all_reduce([nll, count], d.device)
+    return total / max(n, 1)
