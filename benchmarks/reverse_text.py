@@ -79,7 +79,8 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
     rl_steps = len(read_metrics(rl, "orchestrator"))
     times["eval"] = run(
         [*py, "prime_rl.eval.eval", "@", str(CONFIGS / "eval.toml"), "--output-dir", str(ev), "--model.name",
-         str(final), "--weights-dir", str(rl / "weights"), "--steps", f"0,{rl_steps}"], env, case / "eval.out", 900)  # fmt: skip
+         str(final), "--weights-dir", str(rl / "weights"), "--steps", f"0,{rl_steps}"],
+        env, case / "eval.out", 900)  # fmt: skip
 
     sft_metrics = read_metrics(sft, "sft")
     val = [m["val/loss"] for m in sft_metrics if "val/loss" in m]

@@ -10,7 +10,8 @@ The figures were the same to every printed digit (~1e-16 relative) under OMP_NUM
 under ATEN_CPU_CAPABILITY=avx2 and avx512 (an AMD EPYC with AVX-512); only the held-out loss, a sum over
 many more tokens in another order, moved (by 6e-9 relative). RTOL is 1e-5: a thousand times that, and far
 below what a change of the objective does (dividing the step's loss by its samples instead of its tokens
-makes the first SFT loss 38.72, not 5.53, and fails both cases). A step's optimizer update sees the previous step's gradient, so step 1 pins AdamW too.
+makes the first SFT loss 38.72, not 5.53, and fails both cases). Step 1's loss follows the optimizer's
+first update, so it pins AdamW too.
 
 If a change is meant to alter training, run this test, check the new figures are what the change should
 give, and paste them into PINNED.

@@ -79,7 +79,5 @@ class SFTConfig(TrainingConfig):
         int | None, Field(ge=1, description="write weights/step_n every n steps; unset = only at the end")
     ] = None
     keep_weights: Annotated[int | None, Field(ge=1, description="newest weight steps kept on disk; unset = all")] = None
-    val: Annotated[SFTValConfig | None, Field(description="held-out loss and early stopping; off unless [val]")] = (
-        None
-    )
+    val: Annotated[SFTValConfig | None, Field(description="held-out loss and early stopping; off unless [val]")] = None
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
