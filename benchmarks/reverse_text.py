@@ -91,7 +91,7 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
         "seed": seed, "threads": threads, "isa": isa,
         "sft_steps": len(sft_metrics),
         "sft_val_loss": val[-1] if val else float("nan"),
-        "sft_train_loss": mean_ends([m["loss"] for m in sft_metrics])[1],
+        "sft_train_loss": statistics.mean(m["loss"] for m in sft_metrics[-10:]),
         "rl_reward_first": first, "rl_reward_last": last,
         "eval_sft": summary[0], "eval_rl": summary[rl_steps], "eval_gain": summary[rl_steps] - summary[0],
         **{f"time_{k}_s": v for k, v in times.items()},
@@ -101,7 +101,7 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
 COLUMNS = [  # (key, header, format)
     ("sft_steps", "SFT steps", "{:.0f}"),
     ("sft_val_loss", "SFT held-out loss", "{:.3f}"),
-    ("sft_train_loss", "SFT train loss (last 10 %)", "{:.3f}"),
+    ("sft_train_loss", "SFT train loss (last 10 steps)", "{:.3f}"),
     ("rl_reward_first", "RL reward first 10 %", "{:.3f}"),
     ("rl_reward_last", "RL reward last 10 %", "{:.3f}"),
     ("eval_sft", "eval after SFT", "{:.3f}"),
@@ -135,9 +135,9 @@ def main() -> None:
     parser.add_argument("--rl-args", default="", help="extra rl flags (one string)")
     args = parser.parse_args()
 
-    cases = list(itertools.product(
-        [int(s) for s in args.seeds.split(",")], [int(t) for t in args.threads.split(",")], args.isa.split(",")
-    ))  # fmt: skip
+    cases = [(seed, threads, isa) for isa, seed, threads in itertools.product(
+        args.isa.split(","), [int(s) for s in args.seeds.split(",")], [int(t) for t in args.threads.split(",")]
+    )]  # fmt: skip
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(
             lambda c: run_case(args.out, *c, args.sft_args.split(), args.rl_args.split()), cases

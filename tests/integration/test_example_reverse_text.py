@@ -1,8 +1,10 @@
 """The reverse-text example learns: its three commands as a user runs them, into a temporary dir.
 
-SFT of the shipped random-init model on short texts, RL on longer ones, eval of both on 128 held-out
-prompts. The eval reward after RL must beat the one after SFT by a clear margin, and the training reward
-must rise over the RL run. ~7 min on 2 CPU cores, most of it the SFT phase.
+SFT of the shipped random-init model on short texts (until its held-out loss is below the config's target),
+RL on longer ones, eval of both on 128 held-out prompts. The eval reward after RL must beat the one after
+SFT by the margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run of its
+table gains more), and the training reward must rise over the RL run. The seed is one that table does not
+use. ~7 min on 2 CPU cores, most of it the SFT phase (how long depends on the machine).
 """
 
 import json
@@ -19,6 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CONFIGS = Path(__file__).parents[2] / "configs" / "examples" / "reverse_text"
 RL_STEPS = 60  # as configured: at 30 steps the training reward has not clearly risen yet
+SEED = "7"  # the doc's table uses seeds 0-2
+EVAL_GAIN = 0.05  # the smallest gain over the doc's runs is larger
+REWARD_GAIN = 0.03
 
 
 def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -29,11 +34,12 @@ def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedPr
 
 def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
     sft, rl, ev = tmp_path / "sft", tmp_path / "rl", tmp_path / "eval"
-    run("prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft))
-    sft_weights = sft / "weights" / "step_1500"
+    run("prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft), "--seed", SEED)
+    sft_weights = sft / "weights" / "final"
     run(
         "prime_rl.rl", "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl), "--model.name", str(sft_weights),
         "--max-steps", str(RL_STEPS), "--inference.server.port", str(free_port),
+        "--orchestrator.seed", SEED, "--inference.seed", SEED,
     )  # fmt: skip
     run(
         "prime_rl.eval.eval", "@", str(CONFIGS / "eval.toml"), "--output-dir", str(ev),
@@ -42,10 +48,10 @@ def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
 
     summary = {r["step"]: r["reward_mean"] for r in map(json.loads, (ev / "eval" / "summary.jsonl").open())}
     print(f"eval reward: after SFT {summary[0]:.3f}, after RL {summary[RL_STEPS]:.3f}")
-    assert summary[RL_STEPS] > summary[0] + 0.05, summary
+    assert summary[RL_STEPS] > summary[0] + EVAL_GAIN, summary
     rewards = [m["reward_mean"] for m in read_metrics(rl, "orchestrator")]
     tenth = len(rewards) // 10
     first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
     print(f"training reward: first 10% of steps {first:.3f}, last 10% {last:.3f}")
-    assert last > first + 0.03, rewards
+    assert last > first + REWARD_GAIN, rewards
     assert (rl / "plots" / "run.png").is_file()

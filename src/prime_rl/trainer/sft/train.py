@@ -61,6 +61,7 @@ def run(config: SFTConfig) -> None:
             f"sft of {config.model.name} on {len(samples)} samples ({truncated} truncated to {config.seq_len} "
             f"tokens), {max_steps} steps, {d.world_size} rank(s), device {d.device.type}"
         )
+        val: dict[str, float] = {}
         for step in range(progress.step, max_steps):
             if service.stop_agreed(d):
                 service.stop_on_signal("sft", config, t, progress, max_steps)
@@ -93,6 +94,12 @@ def run(config: SFTConfig) -> None:
             if stop_early:
                 logger.info(f"held-out loss {val['val/loss']:.4g} < val.stop-below {config.val.stop_below:g}: stopping")
                 break
+        else:
+            if val and config.val.stop_below is not None:
+                logger.warning(
+                    f"held-out loss {val['val/loss']:.4g} never went below val.stop-below "
+                    f"{config.val.stop_below:g} in {max_steps} steps: the weights are the last step's"
+                )
         if metrics is not None:
             metrics.close()
         if d.is_main:
