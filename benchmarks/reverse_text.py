@@ -1,7 +1,8 @@
 """The reverse-text example (docs/examples/reverse_text.md) over seeds, thread counts and instruction sets.
 
     uv run python benchmarks/reverse_text.py                                  # seeds 0,1,2 x threads 1,2
-    uv run python benchmarks/reverse_text.py --seeds 0 --threads 2 --isa default,avx2 --parallel 2
+    uv run python benchmarks/reverse_text.py --threads 1 --isa default,avx2 --parallel 2   # 1-thread cases in pairs
+    uv run python benchmarks/reverse_text.py --report                         # the table of every case run so far
 
 Each case runs the example's three commands as the doc gives them (`sft`, `rl`, `eval` with the configs of
 `configs/examples/reverse_text/`), with `--seed S` for SFT's data order, `--orchestrator.seed S` and
@@ -87,7 +88,7 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
     rewards = [m["reward_mean"] for m in read_metrics(rl, "orchestrator")]
     summary = {r["step"]: r["reward_mean"] for r in map(json.loads, (ev / "eval" / "summary.jsonl").open())}
     first, last = mean_ends(rewards)
-    return {
+    result = {
         "seed": seed, "threads": threads, "isa": isa,
         "sft_steps": len(sft_metrics),
         "sft_val_loss": val[-1] if val else float("nan"),
@@ -96,6 +97,8 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
         "eval_sft": summary[0], "eval_rl": summary[rl_steps], "eval_gain": summary[rl_steps] - summary[0],
         **{f"time_{k}_s": v for k, v in times.items()},
     }  # fmt: skip
+    (case / "result.json").write_text(json.dumps(result))
+    return result
 
 
 COLUMNS = [  # (key, header, format)
@@ -133,7 +136,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "reverse-text-spread")
     parser.add_argument("--sft-args", default="", help="extra sft flags (one string)")
     parser.add_argument("--rl-args", default="", help="extra rl flags (one string)")
+    parser.add_argument("--report", action="store_true", help="only print the table of every case in --out")
     args = parser.parse_args()
+    if args.report:
+        print(table([json.loads(p.read_text()) for p in sorted(args.out.glob("*/result.json"))]))
+        return
 
     cases = [(seed, threads, isa) for isa, seed, threads in itertools.product(
         args.isa.split(","), [int(s) for s in args.seeds.split(",")], [int(t) for t in args.threads.split(",")]
@@ -142,7 +149,6 @@ def main() -> None:
         rows = list(pool.map(
             lambda c: run_case(args.out, *c, args.sft_args.split(), args.rl_args.split()), cases
         ))  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
 
 

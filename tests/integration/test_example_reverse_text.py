@@ -2,8 +2,8 @@
 
 SFT of the shipped random-init model on short texts (until its held-out loss is below the config's target),
 RL on longer ones, eval of both on 128 held-out prompts. The eval reward after RL must beat the one after
-SFT by the margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run of its
-table gains more), and the training reward must rise over the RL run. The seed is one that table does not
+SFT by a margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run of its
+table gains more than twice as much), and the training reward must rise over the RL run. The seed is one that table does not
 use. ~7 min on 2 CPU cores, most of it the SFT phase (how long depends on the machine).
 """
 
@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 CONFIGS = Path(__file__).parents[2] / "configs" / "examples" / "reverse_text"
 RL_STEPS = 60  # as configured: at 30 steps the training reward has not clearly risen yet
 SEED = "7"  # the doc's table uses seeds 0-2
-EVAL_GAIN = 0.05  # the smallest gain over the doc's runs is larger
-REWARD_GAIN = 0.03
+# Every run of the doc's table gains more than twice this on 512 held-out prompts (standard error of a gain
+# ~0.01). The training reward (16 prompts a step, 6 steps a tenth) is too noisy for a margin: it must rise.
+EVAL_GAIN = 0.04
 
 
 def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -53,5 +54,5 @@ def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
     tenth = len(rewards) // 10
     first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
     print(f"training reward: first 10% of steps {first:.3f}, last 10% {last:.3f}")
-    assert last > first + REWARD_GAIN, rewards
+    assert last > first, rewards
     assert (rl / "plots" / "run.png").is_file()

@@ -60,7 +60,10 @@ PANELS: dict[str, Panel] = {
         ("orchestrator", lambda m: _series(m["orchestrator"], "tokens_per_s"), "-"),
         ("trainer", lambda m: _series(m["trainer"], "tokens_per_s"), "--"),
     ],
-    "SFT loss": [("", lambda m: _series(m["sft"], "loss"), "-")],
+    "SFT loss": [
+        ("train", lambda m: _series(m["sft"], "loss"), "-"),
+        ("held-out", lambda m: _series(m["sft"], "val/loss"), "--"),
+    ],
 }
 
 
