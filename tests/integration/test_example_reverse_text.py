@@ -1,10 +1,10 @@
 """The reverse-text example learns: its three commands as a user runs them, into a temporary dir.
 
-SFT of the shipped random-init model on short texts (until its held-out loss is below the config's target),
-RL on longer ones, eval of both on 128 held-out prompts. The eval reward after RL must beat the one after
-SFT by a margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run of its
-table gains more than twice as much), and the training reward must rise over the RL run. The seed is one that table does not
-use. ~7 min on 2 CPU cores, most of it the SFT phase (how long depends on the machine).
+SFT of the shipped random-init model on texts of 3-16 characters until its held-out loss is below the
+config's target, RL on 5-16, eval of both on 512 held-out prompts. The eval reward after RL must beat the
+one after SFT by a margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run
+of its table gains more than twice as much), and the training reward must rise over the RL run. The seed
+is one that table does not use. ~7 min on 2 CPU cores; how long SFT takes depends on the machine.
 """
 
 import json
