@@ -2,9 +2,9 @@
 
 SFT of the shipped random-init model on texts of 3-16 characters until its held-out loss is below the
 config's target, RL on 5-16, eval of both on 512 held-out prompts. The eval reward after RL must beat the
-one after SFT by a margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run
-of its table gains more than twice as much), and the training reward must rise over the RL run. The seed
-is one that table does not use. ~7 min on 2 CPU cores; how long SFT takes depends on the machine.
+one after SFT by the margin `benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run
+of its table gains more), and the training reward must rise over the RL run. The seed is one that table
+does not use.
 """
 
 import json
@@ -16,15 +16,16 @@ import pytest
 
 from prime_rl.utils.metrics import read_metrics
 
-# ~7 min on 2 cores (SFT ~5 of it): above the suite's 600 s per-test limit on a slower machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+# 4-15 min on 2 cores (SFT 2-13 of it, by where its plateau ends): above the suite's 600 s per-test limit.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 CONFIGS = Path(__file__).parents[2] / "configs" / "examples" / "reverse_text"
 RL_STEPS = 60  # as configured: at 30 steps the training reward has not clearly risen yet
 SEED = "7"  # the doc's table uses seeds 0-2
-# Every run of the doc's table gains more than twice this on 512 held-out prompts (standard error of a gain
-# ~0.01). The training reward (16 prompts a step, 6 steps a tenth) is too noisy for a margin: it must rise.
-EVAL_GAIN = 0.04
+# The doc's table (5 runs) gains +0.008 … +0.140 on 512 held-out prompts (median +0.079; standard error of a
+# gain ~0.01): the margin that spread supports is 0, i.e. RL must improve on SFT. The training reward (16
+# prompts a step, 6 steps a tenth) is noisier still: it must rise.
+EVAL_GAIN = 0.0
 
 
 def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -35,7 +36,9 @@ def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedPr
 
 def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
     sft, rl, ev = tmp_path / "sft", tmp_path / "rl", tmp_path / "eval"
-    run("prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft), "--seed", SEED)
+    # SFT's budget is 5,000 steps (~13 min here) for a machine where the plateau lasts; most runs take 1-4 min.
+    run("prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft), "--seed", SEED,
+        timeout=1800)  # fmt: skip
     sft_weights = sft / "weights" / "final"
     run(
         "prime_rl.rl", "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl), "--model.name", str(sft_weights),
