@@ -40,7 +40,7 @@ def run(config: SFTConfig) -> None:
     from prime_rl.protocol import link_final_weights
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.sft.data import build_samples
-    from prime_rl.trainer.sft.val import build_val_rows, held_out_loss
+    from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
     from prime_rl.trainer.step import step_metrics, train_step
     from prime_rl.utils.metrics import MetricsWriter
     from prime_rl.utils.timer import timer
@@ -76,11 +76,8 @@ def run(config: SFTConfig) -> None:
             progress = Progress(
                 step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
             )
-            val = {}
-            if val_rows is not None and (progress.step % config.val.interval == 0 or progress.step == max_steps):
-                with timer(times, "val"):
-                    val["val/loss"] = held_out_loss(t.model, val_rows, d)
-            stop_early = bool(val) and config.val.stop_below is not None and val["val/loss"] < config.val.stop_below
+            val = evaluate_if_due(config, t.model, val_rows, d, progress.step, max_steps, times)
+            stop_early = target_reached(config, val)
             publish(config, progress.step if stop_early else max_steps, t, progress, times)
             times["step"] = time.perf_counter() - start
             if d.is_main:

@@ -12,6 +12,7 @@ import torch
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
 from prime_rl.trainer.parallel import all_reduce
+from prime_rl.utils.timer import timer
 
 
 def build_val_rows(config, tokenizer, d) -> list[MicroBatch]:
@@ -36,3 +37,16 @@ def held_out_loss(model, rows: list[MicroBatch], d) -> float:
         count += int(mask.sum())
     total, n = all_reduce([nll, count], d.device)
     return total / max(n, 1)
+
+
+def evaluate_if_due(config, model, rows: list[MicroBatch] | None, d, step: int, max_steps: int, times: dict) -> dict:
+    """`{"val/loss": …}` after the steps `[val]` asks for (every `interval`-th and the last), else `{}`."""
+    if rows is None or (step % config.val.interval and step != max_steps):
+        return {}
+    with timer(times, "val"):
+        return {"val/loss": held_out_loss(model, rows, d)}
+
+
+def target_reached(config, val: dict) -> bool:
+    """The evaluation just made is below `val.stop_below`: the run ends here."""
+    return bool(val) and config.val.stop_below is not None and val["val/loss"] < config.val.stop_below
