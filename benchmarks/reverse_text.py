@@ -8,7 +8,7 @@ Each case runs the example's three commands as the doc gives them (`sft`, `rl`, 
 `configs/examples/reverse_text/`), with `--seed S` for SFT's data order, `--orchestrator.seed S` and
 `--inference.seed S` for RL's prompts and sampling, under `OMP_NUM_THREADS=T` and, for an instruction set
 other than `default`, `ATEN_CPU_CAPABILITY` (PyTorch's CPU kernels for avx2 / avx512 / default). The eval is
-the doc's: 128 held-out prompts (seed 1234) at temperature 1, SFT's weights vs RL's last step.
+the doc's: 512 held-out prompts (seed 1234) at temperature 1, SFT's weights vs RL's last step.
 
 Per case: SFT steps run (it stops early on its held-out loss) and its last held-out and training loss, the
 RL training reward (mean of the first → last 10 % of steps), the eval reward after SFT → after RL and
@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from prime_rl.protocol import final_weights_dir  # noqa: E402
 from prime_rl.utils.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "examples" / "reverse_text"
@@ -68,7 +69,7 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
         env["ATEN_CPU_CAPABILITY"] = isa
     py = [sys.executable, "-m"]
     times = {"sft": float("nan")}
-    final = sft / "weights" / "final"
+    final = final_weights_dir(sft)
     if not final.exists():  # a finished SFT phase is reused (re-run with other --rl-args)
         times["sft"] = run(
             [*py, "prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft),

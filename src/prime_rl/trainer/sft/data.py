@@ -262,3 +262,13 @@ def pack_batch(samples: list[Sample], seq_len: int) -> list[MicroBatch]:
         ]
         batches.append(MicroBatch.pack(packed, temperature=1.0))
     return batches
+
+
+def pack_rank_rows(mine: list[Sample], seq_len: int, d) -> list[MicroBatch]:
+    """This rank's samples packed into rows, padded to the most rows any rank has (collective): FSDP's
+    collectives need every rank to run as many forwards."""
+    from prime_rl.trainer.parallel import all_reduce
+
+    rows = pack_batch(mine, seq_len) if mine else []
+    (most,) = all_reduce([len(rows)], d.device, op="max")
+    return rows + [MicroBatch.padding(8, 1.0) for _ in range(int(most) - len(rows))]

@@ -37,7 +37,7 @@ def main() -> None:
 def run(config: SFTConfig) -> None:
     from transformers import AutoTokenizer
 
-    from prime_rl.protocol import link_final_weights
+    from prime_rl.protocol import final_weights_dir, link_final_weights
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.sft.data import build_samples
     from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
@@ -101,23 +101,18 @@ def run(config: SFTConfig) -> None:
             metrics.close()
         if d.is_main:
             link_final_weights(config.output_dir, progress.step)
-        logger.info(f"done: {progress.step} steps, weights in {config.output_dir / 'weights' / 'final'}")
+        logger.info(f"done: {progress.step} steps, weights in {final_weights_dir(config.output_dir)}")
 
 
 def step_batch(samples: list, progress, config: SFTConfig, d):
     """This rank's packed rows of the next batch (every rank the same row count), and the data position after it."""
-    from prime_rl.protocol.records import MicroBatch
-    from prime_rl.trainer.parallel import all_reduce
-    from prime_rl.trainer.sft.data import next_batch, pack_batch
+    from prime_rl.trainer.sft.data import next_batch, pack_rank_rows
 
     indices, epoch, position = next_batch(
         len(samples), config.batch_size, progress.epoch, progress.position, config.seed, config.data.shuffle
     )
     mine = [samples[i] for i in indices[d.rank :: d.world_size]]
-    rows = pack_batch(mine, config.seq_len) if mine else []
-    (most,) = all_reduce([len(rows)], d.device, op="max")
-    rows += [MicroBatch.padding(8, 1.0) for _ in range(int(most) - len(rows))]  # FSDP collectives in lockstep
-    return rows, epoch, position
+    return pack_rank_rows(mine, config.seq_len, d), epoch, position
 
 
 def nll_loss(out, mb, mask, scale):

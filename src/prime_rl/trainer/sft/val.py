@@ -16,14 +16,15 @@ from prime_rl.utils.timer import timer
 
 
 def build_val_rows(config, tokenizer, d) -> list[MicroBatch]:
-    """This rank's packed held-out rows, padded so every rank runs as many forwards (FSDP's collectives)."""
-    from prime_rl.trainer.sft.data import build_samples, pack_batch
+    """This rank's packed held-out rows (collective: as many rows on every rank)."""
+    from prime_rl.trainer.errors import TrainerError
+    from prime_rl.trainer.sft.data import build_samples, pack_rank_rows
 
-    samples, _ = build_samples(config.val.data, tokenizer, config.seq_len)
-    mine = samples[d.rank :: d.world_size]
-    rows = pack_batch(mine, config.seq_len) if mine else []
-    (most,) = all_reduce([len(rows)], d.device, op="max")
-    return rows + [MicroBatch.padding(8, 1.0) for _ in range(int(most) - len(rows))]
+    try:
+        samples, _ = build_samples(config.val.data, tokenizer, config.seq_len)
+    except TrainerError as e:  # its messages name `data.…`: say which data
+        raise TrainerError(f"held-out rows (val.data): {e}") from None
+    return pack_rank_rows(samples[d.rank :: d.world_size], config.seq_len, d)
 
 
 @torch.no_grad()
