@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prime_rl.orchestrator.envs import Example
+from prime_rl.envs import Example
 
 
 @dataclass

@@ -44,9 +44,9 @@ def build(root: Path, args: argparse.Namespace):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from prime_rl.configs import LoraConfig
     from prime_rl.inference.engine.weights import load_adapter_dir, lora_targets
     from prime_rl.protocol import mark_stable
-    from prime_rl.utils.config import LoraConfig
     from prime_rl.utils.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(root / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers)

@@ -109,7 +109,7 @@ def generation_only(model: Path, out: Path, steps: int, continuous: bool) -> lis
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from orchestrator import start_server  # benchmarks/orchestrator.py
 
-    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
     from prime_rl.orchestrator.orchestrator import orchestrate
     from prime_rl.utils.net import free_port
 

@@ -86,7 +86,7 @@ def start_server(kind: str, model: Path, port: int, tokens: int, log: Path) -> s
 
 
 def measure(kind: str, model: Path, args, root: Path) -> dict:
-    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
     from prime_rl.orchestrator.orchestrator import orchestrate
     from prime_rl.utils.metrics import read_metrics
     from prime_rl.utils.net import free_port

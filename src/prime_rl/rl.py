@@ -23,26 +23,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
-
-from prime_rl.inference.config import InferenceConfig
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.configs import parse_config
+from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.protocol import DiskFull, RunLock, RunLocked, stopped_file
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
-from prime_rl.slurm.config import SlurmConfig
-from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.utils.config import (
-    BaseConfig,
-    CkptConfig,
-    LogConfig,
-    LoraConfig,
-    Section,
-    WeightBroadcastConfig,
-    parse_config,
-    write_run_config,
-)
 from prime_rl.utils.logging import logger, setup_logging
 from prime_rl.utils.process import (
     PREEMPTED,
@@ -53,155 +39,7 @@ from prime_rl.utils.process import (
     ignore_usr1,
     stop_requested,
 )
-
-SERVICES = ("inference", "orchestrator", "trainer")
-# Shared key -> the sub-configs that carry it. A value set at the top goes to all of them;
-# values set in several sub-configs must agree.
-SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("output_dir",): SERVICES,
-    ("model", "name"): SERVICES,
-    ("model", "lora"): SERVICES,
-    ("max_steps",): ("orchestrator", "trainer"),
-    ("async_level",): ("orchestrator", "trainer"),
-    ("ckpt",): ("orchestrator", "trainer"),
-    ("weight_transfer",): SERVICES,
-    ("weight_broadcast",): ("orchestrator", "trainer"),
-}
-
-
-class SharedModelConfig(Section):
-    name: Annotated[str | None, Field(description="policy model for all three services (hub id or local path)")] = None
-    lora: Annotated[LoraConfig | None, Field(description="LoRA adapter training, for all three services")] = None
-
-
-class RLConfig(BaseConfig):
-    """Runs inference, orchestrator and trainer together on one node."""
-
-    # Factories, not instances: a service config reads PRIME_* env vars when built, which must happen inside
-    # load_config (a bad value is then a config error) and not at import (it was a traceback).
-    inference: Annotated[InferenceConfig, Field(default_factory=InferenceConfig, description="inference server config")]
-    orchestrator: Annotated[
-        OrchestratorConfig, Field(default_factory=OrchestratorConfig, description="orchestrator config")
-    ]
-    trainer: Annotated[TrainerConfig, Field(default_factory=TrainerConfig, description="trainer config")]
-    output_dir: Annotated[Path | None, Field(description="shared output directory for all services")] = None
-    model: Annotated[SharedModelConfig, Field(description="shared model")] = SharedModelConfig()
-    max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
-    async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None
-    ckpt: Annotated[CkptConfig | None, Field(description="checkpointing of trainer and orchestrator")] = None
-    weight_transfer: Annotated[
-        Literal["filesystem", "broadcast"] | None, Field(description="how weights reach inference (all services)")
-    ] = None
-    weight_broadcast: Annotated[
-        WeightBroadcastConfig | None, Field(description="trainer rendezvous for weight_transfer = broadcast")
-    ] = None
-    inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
-    trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
-    trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
-    startup_timeout: Annotated[float, Field(gt=0, description="seconds to wait for the inference server")] = 600.0
-    restart: Annotated[
-        int, Field(ge=0, description="restart a service that dies, alone, up to this many times in all (needs ckpt)")
-    ] = 0
-    stop_timeout: Annotated[
-        float,
-        Field(
-            gt=0,
-            description="seconds trainer and orchestrator get to save and exit after a stop signal (USR1, "
-            "SIGTERM), before they are killed",
-        ),  # fmt: skip
-    ] = 600.0
-    log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
-    slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
-
-    @classmethod
-    def prepare_args(cls, values: dict, sources: dict) -> dict:
-        """A shared key given as a top-level flag overrides what the sub-config files say."""
-        for key, services in SHARED_KEYS.items():
-            if str(sources.get(key, "")).startswith("flag"):
-                for service in services:
-                    node = _get(values, (service, *key[:-1]))
-                    # A sub-config flag is kept, so two flags that disagree are refused as inconsistent.
-                    if isinstance(node, dict) and not str(sources.get((service, *key), "")).startswith("flag"):
-                        node.pop(key[-1], None)
-        return values
-
-    @model_validator(mode="before")
-    @classmethod
-    def _share_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            propagate_shared(data)
-        return data
-
-    @model_validator(mode="after")
-    def _same_output_dir(self) -> RLConfig:
-        dirs = {str(getattr(self, s).output_dir) for s in SERVICES}
-        if len(dirs) > 1:
-            raise ValueError(f"the services' output_dir differ ({sorted(dirs)}); set --output-dir once")
-        if self.restart and self.trainer.ckpt is None:
-            raise ValueError("--restart resumes a dead service from its checkpoint: also set --ckpt.interval N")
-        return self
-
-
-def _get(tree: dict, path: tuple[str, ...]) -> Any:
-    for part in path:
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
-def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for part in path[:-1]:
-        tree = tree.setdefault(part, {})
-    tree[path[-1]] = value
-
-
-def propagate_shared(data: dict) -> None:
-    """Copy shared keys into each sub-config in place; raise ValueError on inconsistent values.
-
-    {"max_steps": 5, "trainer": {}} -> {"max_steps": 5, "trainer": {"max_steps": 5}, "orchestrator": {"max_steps": 5}}
-    A shared section (`ckpt`) switched on anywhere is switched on everywhere and shared leaf by leaf.
-    """
-    for key, services in SHARED_KEYS.items():
-        subs = [data.setdefault(s, {}) for s in services]
-        if not all(isinstance(sub, dict) for sub in subs):
-            continue  # a sub-config of the wrong type: validation reports it
-        sections = [v for v in [_get(data, key), *(_get(sub, key) for sub in subs)] if isinstance(v, dict)]
-        if sections:
-            for sub in subs:
-                _put(sub, key, dict(_get(sub, key) or {}))
-            _put(data, key, dict(_get(data, key) or {}))
-            for leaf in {leaf for section in sections for leaf in section}:
-                _share(data, (*key, leaf), services)
-        else:
-            _share(data, key, services)
-    # The orchestrator talks to the server `rl` starts unless told otherwise.
-    port = _get(data, ("inference", "server", "port"))
-    if port is not None and _get(data, ("orchestrator", "client", "base_url")) is None:
-        _put(data.setdefault("orchestrator", {}), ("client", "base_url"), [f"http://127.0.0.1:{port}/v1"])
-
-
-def _share(data: dict, key: tuple[str, ...], services: tuple[str, ...]) -> None:
-    """One shared leaf: the top-level value, else the one value the sub-configs agree on, goes everywhere."""
-    name = ".".join(key)
-    top = _get(data, key)
-    explicit = {s: v for s in services if (v := _get(data[s], key)) is not None}
-    if top is not None:
-        for service, value in explicit.items():
-            if str(value) != str(top):
-                raise ValueError(f"{name} is {top!r} but {service}.{name} is {value!r}; set it once at the top")
-        value = top
-    elif len({str(v) for v in explicit.values()}) > 1:
-        found = ", ".join(f"{s}.{name}={v!r}" for s, v in explicit.items())
-        raise ValueError(f"inconsistent {name}: {found}")
-    elif explicit:
-        value = next(iter(explicit.values()))
-    else:
-        return
-    for service in services:
-        _put(data[service], key, value)
-    _put(data, key, value)
-
+from prime_rl.utils.run_record import write_run_config
 
 # ---------------------------------------------------------------------------------------------
 

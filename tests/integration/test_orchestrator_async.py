@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 EXTERNAL_ENV = '''
 import itertools
-from prime_rl.orchestrator.envs import Example
+from prime_rl.envs import Example
 
 
 class VariedAnswers:

@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from prime_rl.configs import LoraConfig
 from prime_rl.protocol import is_stable, list_steps, rank_file, rollouts_dir, weights_dir, weights_root
 from prime_rl.protocol.records import read_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
-from prime_rl.trainer.model import ADAPTER, build_model
-from prime_rl.utils.config import LoraConfig
-from prime_rl.utils.lora import PEFT_PREFIX
+from prime_rl.trainer.model import build_model
+from prime_rl.utils.lora import ADAPTER, PEFT_PREFIX
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port as another_free_port
 
@@ -257,11 +257,11 @@ seq_len = 512
 sampling.max_tokens = 96  # byte-level tokens: a tool call is ~70
 
 [[orchestrator.env]]
-id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:calc"
+id = "verifiers:prime_rl.envs.verifiers_examples:calc"
 name = "calc"
 
 [[orchestrator.env]]
-id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:sums"
+id = "verifiers:prime_rl.envs.verifiers_examples:sums"
 name = "sums"
 """
 

@@ -138,7 +138,7 @@ def _held_out_nll(weights: Path, rows: Path) -> float:
     """Mean NLL per completion token of `rows` under `weights`, scored by transformers (not the trainer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prime_rl.trainer.sft.config import SFTDataConfig
+    from prime_rl.configs.sft import SFTDataConfig
     from prime_rl.trainer.sft.data import build_samples
 
     model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()

@@ -2,8 +2,8 @@
 
 import pytest
 
+from prime_rl.configs import ConfigError, load_config
 from prime_rl.rl import RLConfig, assign_devices
-from prime_rl.utils.config import ConfigError, load_config
 
 
 def test_shared_keys_reach_every_sub_config():
@@ -64,9 +64,9 @@ def test_ckpt_switched_on_anywhere_is_shared_leaf_by_leaf():
 
 
 def test_output_dir_env_is_every_services_default_and_flags_still_win(monkeypatch, tmp_path):
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.orchestrator.config import OrchestratorConfig
-    from prime_rl.trainer.rl.config import TrainerConfig
+    from prime_rl.configs.inference import InferenceConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.configs.trainer import TrainerConfig
 
     monkeypatch.setenv("OUTPUT_DIR", str(tmp_path / "shared"))  # as the multi-node commands export it
     for cls in (InferenceConfig, OrchestratorConfig, TrainerConfig):

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.eval.config import EvalConfig
-from prime_rl.inference.config import InferenceConfig
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.configs import load_config
+from prime_rl.configs.eval import EvalConfig
+from prime_rl.configs.inference import InferenceConfig
+from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.configs.sft import SFTConfig
+from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.rl import RLConfig
-from prime_rl.trainer.rl.config import TrainerConfig
-from prime_rl.trainer.sft.config import SFTConfig
-from prime_rl.utils.config import load_config
 
 USAGE = Path(__file__).parents[2] / "docs" / "usage.md"
 ENTRYPOINTS = {

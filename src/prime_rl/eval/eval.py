@@ -23,13 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-from prime_rl.eval.config import EvalConfig
+from prime_rl.configs import parse_config
+from prime_rl.configs.eval import EvalConfig
+from prime_rl.envs import EnvError, load_environment
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
-from prime_rl.orchestrator.envs import EnvError, load_environment
 from prime_rl.orchestrator.rollout import Group, RolloutSource, load_tokenizer
 from prime_rl.protocol import DiskFull, atomic_write_text, eval_samples_file, eval_summary_file, stable_steps, step_dir
-from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.run_record import write_run_config
 
 logger = logging.getLogger("prime_rl")
 

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from prime_rl.inference.config import InferenceConfig, StartupError
+from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.engine import Engine, SamplingParams
 from prime_rl.inference.engine.engine import Delta, EngineBusy, EngineClosed, Sample

@@ -30,10 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.responses import JSONResponse
 
 from prime_rl.inference.weights import WeightsError
+from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 
 logger = logging.getLogger("prime_rl")
 
-WEIGHT_STEP_HEADER = "x-weight-step"
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, "/update_weights", "/reload_weights")
 
@@ -305,9 +305,3 @@ def requested_model(body: bytes) -> str | None:
 def error(status: int, message: str, type: str = "invalid_request_error") -> JSONResponse:
     """An OpenAI-style error response."""
     return JSONResponse({"error": {"message": message, "type": type, "code": status}}, status_code=status)
-
-
-def weight_step(headers: Any) -> int | None:
-    """The `x-weight-step` a server stamped on a completion response, if any."""
-    value = headers.get(WEIGHT_STEP_HEADER)
-    return int(value) if value is not None and value.isdigit() else None

@@ -8,10 +8,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from prime_rl.inference.config import InferenceConfig, StartupError
-from prime_rl.utils.config import parse_config, write_run_config
+from prime_rl.configs import parse_config
+from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import ignore_usr1
+from prime_rl.utils.run_record import write_run_config
 
 logger = logging.getLogger("prime_rl")
 

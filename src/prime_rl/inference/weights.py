@@ -30,7 +30,7 @@ from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pairs
 if TYPE_CHECKING:
     import torch
 
-    from prime_rl.utils.config import LoraConfig
+    from prime_rl.configs import LoraConfig
 
 # Config keys that fix the shapes and the computation of the served model.
 ARCHITECTURE_KEYS = (

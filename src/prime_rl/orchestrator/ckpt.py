@@ -15,6 +15,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from prime_rl.configs import CkptConfig
 from prime_rl.protocol import (
     atomic_write,
     checkpoints_root,
@@ -22,7 +23,6 @@ from prime_rl.protocol import (
     prune_checkpoints,
     resolve_resume_step,
 )
-from prime_rl.utils.config import CkptConfig
 
 logger = logging.getLogger("prime_rl")
 VERSION = 1

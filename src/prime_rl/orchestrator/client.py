@@ -29,10 +29,10 @@ from typing import Any
 
 import httpx
 
-from prime_rl.inference.control import WEIGHT_STEP_HEADER
-from prime_rl.inference.control import weight_step as weight_step_of
-from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
+from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.pool import Server, ServerPool
+from prime_rl.protocol.http import WEIGHT_STEP_HEADER
+from prime_rl.protocol.http import weight_step as weight_step_of
 
 logger = logging.getLogger("prime_rl")
 

@@ -35,11 +35,12 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_rl.configs import parse_config
+from prime_rl.configs.orchestrator import EnvConfig, EvalEnvConfig, OrchestratorConfig
+from prime_rl.envs import EnvError, Environment, Example, load_environment
 from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
 from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
-from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig, OrchestratorConfig
-from prime_rl.orchestrator.envs import EnvError, Environment, Example, load_environment
 from prime_rl.orchestrator.packing import SampleTooLong, make_sample, pack_micro_batches
 from prime_rl.orchestrator.pool import SmoothRoundRobin
 from prime_rl.orchestrator.rollout import Group, RolloutSource, derive_seed, load_tokenizer
@@ -65,10 +66,10 @@ from prime_rl.protocol import (
     weights_root,
 )
 from prime_rl.protocol.broadcast import marker_file, read_marker
-from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.process import PREEMPTED, StopRequested, catch_stop_signals, ignore_usr1, stop_requested
+from prime_rl.utils.run_record import write_run_config
 from prime_rl.utils.timer import timer
 
 logger = logging.getLogger("prime_rl")

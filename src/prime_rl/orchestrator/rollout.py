@@ -29,9 +29,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_rl.configs.orchestrator import SamplingConfig
+from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, max_turns, split_score
 from prime_rl.orchestrator.client import Completion, InferenceClient
-from prime_rl.orchestrator.config import SamplingConfig
-from prime_rl.orchestrator.envs import EnvError, Environment, Example, is_multi_turn, max_turns, split_score
 from prime_rl.utils.tool_calls import parse_tool_calls
 
 SENTINEL = "\u2063PRIME_RL_TURN\u2063"  # an assistant message placeholder that no template alters

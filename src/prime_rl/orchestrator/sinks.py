@@ -18,7 +18,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.configs.orchestrator import OrchestratorConfig
 
 
 class SinkError(RuntimeError):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from prime_rl.protocol.files import atomic_write_json, is_stable
 from prime_rl.protocol.paths import heartbeat_file, rank_file, weights_dir
-from prime_rl.utils.process import StopRequested, stop_requested
+from prime_rl.protocol.stop import StopRequested, stop_requested
 
 logger = logging.getLogger("prime_rl")
 

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prime_rl.slurm.config import SlurmConfig
+from prime_rl.configs.slurm import SlurmConfig
 
 KEY_VAR_DEFAULT = "INFERENCE_SERVER_API_KEY"
 
@@ -57,7 +57,7 @@ def job_dir(output_dir: Path) -> Path:
 
 def _toml_data(config, output_dir: Path, services: tuple[str, ...] = ()) -> dict:
     """The config as the job runs it: no `slurm` section, an absolute output_dir (in each sub-config too)."""
-    from prime_rl.utils.config import to_toml_dict
+    from prime_rl.configs import to_toml_dict
 
     data = to_toml_dict(config)
     data.pop("slurm", None)

@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 
+from prime_rl.configs import LoraConfig
 from prime_rl.trainer.attention import attention_implementation, check_supported
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import check_export_layout
-from prime_rl.utils.config import LoraConfig
+from prime_rl.utils.lora import ADAPTER
 
 logger = logging.getLogger("prime_rl")
-
-ADAPTER = "default"  # peft's adapter name inside the modules; never visible in files
 
 
 def build_model(name: str, device_type: str = "cpu", lora: LoraConfig | None = None) -> torch.nn.Module:

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from prime_rl.trainer.config import OptimConfig
+from prime_rl.configs.training import OptimConfig
 from prime_rl.trainer.errors import TrainerError
 
 

@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from prime_rl.configs import parse_config
 from prime_rl.protocol import DiskFull, RunLocked, WaitTimeout, WriterDead, stopped_file
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.parallel import run_lock
-from prime_rl.utils.config import parse_config, write_run_config
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import (
     PREEMPTED,
@@ -26,6 +26,7 @@ from prime_rl.utils.process import (
     ignore_usr1,
     stop_requested,
 )
+from prime_rl.utils.run_record import write_run_config
 
 logger = logging.getLogger("prime_rl")
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from prime_rl.configs import LoraConfig
 from prime_rl.protocol import (
     atomic_write,
     atomic_write_text,
@@ -43,9 +44,8 @@ from prime_rl.protocol import (
     writing,
 )
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.utils.config import LoraConfig
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
-from prime_rl.utils.lora import ADAPTER_WEIGHTS, PEFT_PREFIX
+from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
 from prime_rl.utils.memory import PeakMemory
 
 logger = logging.getLogger("prime_rl")
@@ -196,14 +196,12 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
 def peft_name(name: str) -> str:
     """An adapter tensor's name in peft's files, from the model's own:
     `model.layers.0.mlp.up_proj.lora_A.default.weight` → `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
-    from prime_rl.trainer.model import ADAPTER
 
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA tensors of the model's state dict (possibly FSDP shards) under peft's file names."""
-    from prime_rl.trainer.model import ADAPTER
 
     return {
         peft_name(name): t

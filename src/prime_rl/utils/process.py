@@ -20,31 +20,16 @@ import ctypes
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from prime_rl.protocol.stop import StopRequested, request_stop, stop_requested
 
 PR_SET_PDEATHSIG = 1
 PREEMPTED = 3  # exit status of `rl` and the orchestrator when they stopped on a stop signal, progress saved
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-_stop = threading.Event()
-_stop_signal: list[str] = []
-
-
-class StopRequested(Exception):
-    """A stop signal arrived (raised where a service waits, so the wait ends at once)."""
-
-
-def request_stop(signum: int, frame=None) -> None:
-    """A signal handler: record the stop request (nothing else is safe in a handler)."""
-    _stop_signal.append(signal.Signals(signum).name)
-    _stop.set()
-
-
-def stop_requested() -> str | None:
-    """The name of the first stop signal received (e.g. "SIGUSR1"), None while none was."""
-    return _stop_signal[0] if _stop.is_set() else None
+__all__ = ["StopRequested", "request_stop", "stop_requested"]  # the flag lives in protocol.stop
 
 
 def catch_stop_signals(then: Callable[[], None] | None = None) -> None:

@@ -7,10 +7,10 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from prime_rl.configs import ModelConfig
+from prime_rl.configs.inference import InferenceConfig
 from prime_rl.inference.api import build_app
-from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.engine import build_engine
-from prime_rl.utils.config import ModelConfig
 
 MAX_MODEL_LEN = 64
 PROMPT = [74, 71, 331, 81, 521, 71, 586]

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from prime_rl.configs import ModelConfig
+from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.api import _assistant_message, _chat_chunks, build_app
-from prime_rl.inference.config import InferenceConfig, StartupError
 from prime_rl.inference.engine import build_engine
 from prime_rl.inference.engine.engine import Delta
 from prime_rl.inference.vllm.args import vllm_serve_args
-from prime_rl.utils.config import ModelConfig
 
 # Qwen-style: tools in the system turn, calls as <tool_call> blocks, tool results as a user turn.
 TOOL_TEMPLATE = (

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prime_rl.inference.config import InferenceConfig, StartupError
+from prime_rl.configs import LoraConfig
+from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import requested_model
 from prime_rl.inference.engine.weights import merge_adapter
 from prime_rl.inference.vllm.args import max_lora_rank, vllm_serve_args
@@ -21,7 +22,6 @@ from prime_rl.inference.weights import (
     targeted,
 )
 from prime_rl.protocol import mark_stable
-from prime_rl.utils.config import LoraConfig
 
 LINEARS = {"model.layers.0.self_attn.q_proj": (4, 6), "model.layers.0.mlp.down_proj": (8, 4)}
 LORA = LoraConfig(rank=2, alpha=4, target_modules=["q_proj", "down_proj"])

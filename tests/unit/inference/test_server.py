@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
+from prime_rl.configs.inference import InferenceConfig, ServerConfig, StartupError
 from prime_rl.inference import server
-from prime_rl.inference.config import InferenceConfig, ServerConfig, StartupError
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ def test_length_penalty_prefers_the_shorter_of_equally_right_answers():
 
 
 def test_leave_one_out_needs_two_rollouts_per_example():
-    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
 
     with pytest.raises(ValueError, match="leave_one_out needs rollouts_per_example >= 2"):
         OrchestratorConfig(batch_size=4, rollouts_per_example=1, advantage={"baseline": "leave_one_out"})

@@ -11,9 +11,9 @@ import json
 
 import httpx
 
+from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
+from prime_rl.envs import Example
 from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
-from prime_rl.orchestrator.envs import Example
 from prime_rl.orchestrator.orchestrator import (
     DataStream,
     EnvMix,

@@ -6,8 +6,8 @@ import json
 import httpx
 import pytest
 
+from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.client import InferenceClient, InferenceError, parse_token_id, server_root
-from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
 
 BASE = "http://127.0.0.1:9/v1"
 STEP_4 = {"x-weight-step": "4"}

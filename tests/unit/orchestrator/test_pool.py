@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
-from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
 
 
 def chat_answer(n: int) -> dict:

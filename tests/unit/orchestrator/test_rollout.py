@@ -13,9 +13,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from prime_rl.configs.orchestrator import OrchestratorConfig, SamplingConfig
+from prime_rl.envs import Example
 from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.config import OrchestratorConfig, SamplingConfig
-from prime_rl.orchestrator.envs import Example
 from prime_rl.orchestrator.rollout import RolloutSource, derive_seed
 
 CALC = Path(__file__).resolve().parents[3] / "assets" / "calc-qwen3"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from prime_rl.configs import ConfigError, load_config
+from prime_rl.configs.sft import SFTConfig
 from prime_rl.rl import RLConfig
 from prime_rl.slurm.launch import render, write_job
-from prime_rl.trainer.sft.config import SFTConfig
-from prime_rl.utils.config import ConfigError, load_config
 
 ROOT = Path(__file__).parents[3]
 

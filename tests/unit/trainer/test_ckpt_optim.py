@@ -2,6 +2,7 @@
 
 import pytest
 
+from prime_rl.configs.training import OptimConfig
 from prime_rl.protocol import (
     checkpoint_dir,
     checkpoint_due,
@@ -13,7 +14,6 @@ from prime_rl.protocol import (
     rollout_step_dir,
     trainer_checkpoint_dir,
 )
-from prime_rl.trainer.config import OptimConfig
 from prime_rl.trainer.optim import lr_factor
 
 

@@ -9,13 +9,13 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol import is_stable
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.ckpt import Progress, _safe_reader, load_checkpoint, save_checkpoint
 from prime_rl.trainer.convert import convert
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_training
-from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.trainer.rl.train import train_step
 from prime_rl.trainer.weights import save_weights
 from prime_rl.utils.lora import adapter_pairs, merge_weight

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from prime_rl.configs.training import OptimConfig
 from prime_rl.trainer.ckpt import Progress, load_checkpoint, save_checkpoint
-from prime_rl.trainer.config import OptimConfig
 from prime_rl.trainer.optim import MultiOptimizer, build_optimizer, build_scheduler
 
 MUON = OptimConfig(type="muon", lr=1e-3, muon_lr=2e-2, weight_decay=0.1, scheduler="cosine", warmup_steps=1)

@@ -8,7 +8,7 @@ from typing import Annotated
 import pytest
 from pydantic import Field
 
-from prime_rl.utils.config import BaseConfig, ConfigError, Section, load_config
+from prime_rl.configs import BaseConfig, ConfigError, Section, load_config
 
 
 class Optim(Section):
@@ -110,12 +110,12 @@ def test_help_lists_every_field_with_description_and_default():
 
 
 def test_every_shipped_toml_parses():
-    from prime_rl.eval.config import EvalConfig
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.configs.eval import EvalConfig
+    from prime_rl.configs.inference import InferenceConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.configs.sft import SFTConfig
+    from prime_rl.configs.trainer import TrainerConfig
     from prime_rl.rl import RLConfig
-    from prime_rl.trainer.rl.config import TrainerConfig
-    from prime_rl.trainer.sft.config import SFTConfig
 
     by_prefix = {"rl": RLConfig, "infer": InferenceConfig, "orch": OrchestratorConfig, "train": TrainerConfig,
                  "eval": EvalConfig, "sft": SFTConfig}  # fmt: skip
@@ -129,8 +129,8 @@ def test_every_shipped_toml_parses():
 
 def test_run_configs_never_hold_the_api_key(tmp_path, monkeypatch):
     """run/*.toml records the env var's name, never the key (it was written in plain text, mode 0644)."""
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.utils.config import write_run_config
+    from prime_rl.configs.inference import InferenceConfig
+    from prime_rl.utils.run_record import write_run_config
 
     monkeypatch.setenv("MY_KEY", "s3cr3t-from-env")
     for config in (InferenceConfig(api_key="s3cr3t-given"), InferenceConfig(api_key_var="MY_KEY")):

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from prime_rl.inference.config import StartupError
+from prime_rl.configs import LoraConfig
+from prime_rl.configs.inference import StartupError
 from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
@@ -50,7 +51,6 @@ from prime_rl.inference.engine.weights import (
     receive_weights,
 )
 from prime_rl.inference.weights import BroadcastReceiver, WeightsError
-from prime_rl.utils.config import LoraConfig
 
 logger = logging.getLogger("prime_rl")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from prime_rl.configs import LoraConfig
 from prime_rl.inference.weights import BroadcastReceiver, WeightsError, check_weight_dir, read_adapter, targeted
-from prime_rl.utils.config import LoraConfig
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict
 from prime_rl.utils.lora import merge_weight
 

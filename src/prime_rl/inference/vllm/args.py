@@ -10,7 +10,7 @@ Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
 
 from __future__ import annotations
 
-from prime_rl.inference.config import InferenceConfig, StartupError
+from prime_rl.configs.inference import InferenceConfig, StartupError
 
 # `--max-lora-rank` values vLLM 0.26 accepts (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.configs.inference import InferenceConfig
 from prime_rl.inference.control import BroadcastRequest, ControlPlane
 from prime_rl.inference.vllm.args import vllm_serve_args
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs

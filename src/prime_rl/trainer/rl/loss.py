@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from prime_rl.trainer.rl.config import LossConfig
+    from prime_rl.configs.trainer import LossConfig
 
 
 def sample_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

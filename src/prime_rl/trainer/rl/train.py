@@ -14,9 +14,9 @@ import logging
 import pickle
 import time
 
+from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.trainer import service
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.rl.config import TrainerConfig
 
 logger = logging.getLogger("prime_rl")
 

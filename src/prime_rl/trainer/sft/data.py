@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from prime_rl.configs.sft import SFTDataConfig
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.packing import first_fit_decreasing
-from prime_rl.trainer.sft.config import SFTDataConfig
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _environment_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
     """`env_examples` prompts of an environment with its reference answers as the assistant's completion."""
     import itertools
 
-    from prime_rl.orchestrator.envs import EnvError, load_environment
+    from prime_rl.envs import EnvError, load_environment
 
     try:
         env = load_environment(cfg.env_id, **cfg.env_args)

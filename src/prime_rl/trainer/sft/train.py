@@ -24,8 +24,8 @@ import logging
 import math
 import time
 
+from prime_rl.configs.sft import SFTConfig
 from prime_rl.trainer import service
-from prime_rl.trainer.sft.config import SFTConfig
 
 logger = logging.getLogger("prime_rl")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
 
-from prime_rl.inference.config import StartupError
+from prime_rl.configs.inference import StartupError
 from prime_rl.inference.engine import build_engine
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.configs.inference import InferenceConfig
 from prime_rl.inference.control import ControlPlane
 from prime_rl.inference.vllm.args import CONTROL_PLANE, WORKER_EXTENSION, vllm_serve_args
 from prime_rl.inference.vllm.server import VllmModel

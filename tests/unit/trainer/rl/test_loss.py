@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
+from prime_rl.configs.trainer import LossConfig
 from prime_rl.trainer.logprobs import (
     target_logprobs_and_entropy,
     token_entropy,
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from prime_rl.trainer.rl.config import LossConfig
 from prime_rl.trainer.rl.loss import policy_loss, sample_index, token_weights
 
 

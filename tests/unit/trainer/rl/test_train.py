@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol import list_steps, rank_file, rollout_step_dir, weights_dir, weights_root
 from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.errors import TrainerError
@@ -10,7 +11,6 @@ from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
-from prime_rl.trainer.rl.config import TrainerConfig
 from prime_rl.trainer.rl.train import load_micro_batches, prune_old_steps, train_step
 
 

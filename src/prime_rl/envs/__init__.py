@@ -57,10 +57,10 @@ class EnvError(ValueError):
 
 # Built-ins as import paths so that loading one environment never imports the others.
 BUILTIN: dict[str, str] = {
-    "reverse-text": "prime_rl.orchestrator.envs.reverse_text:load_environment",
-    "arithmetic": "prime_rl.orchestrator.envs.arithmetic:load_environment",
-    "guess-number": "prime_rl.orchestrator.envs.guess_number:load_environment",
-    "dataset": "prime_rl.orchestrator.envs.dataset:load_environment",
+    "reverse-text": "prime_rl.envs.reverse_text:load_environment",
+    "arithmetic": "prime_rl.envs.arithmetic:load_environment",
+    "guess-number": "prime_rl.envs.guess_number:load_environment",
+    "dataset": "prime_rl.envs.dataset:load_environment",
 }
 
 
@@ -120,7 +120,7 @@ def _resolve(path: str) -> Callable[..., Any]:
 def load_environment(env_id: str, **args: Any) -> Environment:
     """Build the environment `env_id` (built-in name, 'module:function' or 'verifiers:<id>') with `args`."""
     if env_id.startswith("verifiers:"):
-        from prime_rl.orchestrator.envs.verifiers_env import load_verifiers_environment
+        from prime_rl.envs.verifiers_env import load_verifiers_environment
 
         factory: Callable[..., Any] = lambda **kw: load_verifiers_environment(env_id.removeprefix("verifiers:"), **kw)  # noqa: E731
     elif env_id in BUILTIN:

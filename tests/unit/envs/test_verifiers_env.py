@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.orchestrator.envs import EnvError, is_multi_turn, load_environment
+from prime_rl.envs import EnvError, is_multi_turn, load_environment
 
-EXAMPLES = "verifiers:prime_rl.orchestrator.envs.verifiers_examples"
+EXAMPLES = "verifiers:prime_rl.envs.verifiers_examples"
 needs_verifiers = pytest.mark.skipif(
     importlib.util.find_spec("verifiers") is None,
     reason="the optional verifiers package is not installed (uv sync --extra verifiers)",
@@ -142,7 +142,7 @@ def local(vf):
 
 
 def adapt(taskset, **kw):
-    from prime_rl.orchestrator.envs.verifiers_env import adapt_taskset
+    from prime_rl.envs.verifiers_env import adapt_taskset
 
     return adapt_taskset(taskset, "test", **kw)
 
@@ -252,7 +252,7 @@ def test_a_stop_hook_ends_the_episode_even_with_tool_calls(local):
 @needs_verifiers
 def test_an_installed_taskset_id_goes_through_verifiers_loader(tmp_path, monkeypatch):
     (tmp_path / "vf_calc_shim.py").write_text(
-        "from prime_rl.orchestrator.envs.verifiers_examples import CalcTaskset\n__all__ = ['CalcTaskset']\n"
+        "from prime_rl.envs.verifiers_examples import CalcTaskset\n__all__ = ['CalcTaskset']\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     env = load_environment("verifiers:vf_calc_shim", num_tasks=3, max_value=9)  # args: the taskset config's fields
@@ -268,7 +268,7 @@ def test_an_installed_taskset_id_goes_through_verifiers_loader(tmp_path, monkeyp
 
 @needs_verifiers
 def test_envs_and_harnesses_that_drive_the_model_themselves_are_refused(tmp_path, monkeypatch):
-    base = "from prime_rl.orchestrator.envs.verifiers_examples import SumsTaskset\nimport verifiers.v1 as vf\n"
+    base = "from prime_rl.envs.verifiers_examples import SumsTaskset\nimport verifiers.v1 as vf\n"
     (tmp_path / "vf_own_env.py").write_text(
         base + "class Play(vf.Env):\n    async def run(self, task, agents):\n        pass\n"
         "__all__ = ['SumsTaskset', 'Play']\n"

@@ -1,11 +1,11 @@
 """Two offline tasksets written with verifiers 0.4's public API (`import verifiers.v1 as vf`), for `verifiers:` ids.
 
     [env]
-    id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:sums"   # single-turn
+    id = "verifiers:prime_rl.envs.verifiers_examples:sums"   # single-turn
     args = { num_tasks = 500, max_value = 99 }
 
     [env]
-    id = "verifiers:prime_rl.orchestrator.envs.verifiers_examples:calc"   # the `add` tool, multi-turn
+    id = "verifiers:prime_rl.envs.verifiers_examples:calc"   # the `add` tool, multi-turn
 
 `sums`: "What is 12 + 30? ..." with a system prompt asking for the answer in \\boxed{}; verifiers'
 parser `vf.extract_boxed_answer` reads it. Rewards `correct` (1.0) and `boxed` (weight 0.1), metric

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from prime_rl.utils.config import (
+from prime_rl.configs import (
     BaseConfig,
     CkptConfig,
     LogConfig,

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
+from prime_rl.envs import EnvError, Example, is_multi_turn, load_environment, split_score
+from prime_rl.envs.arithmetic import parse_final_answer
 from prime_rl.orchestrator.advantage import apply_truncation, is_zero
-from prime_rl.orchestrator.envs import EnvError, Example, is_multi_turn, load_environment, split_score
-from prime_rl.orchestrator.envs.arithmetic import parse_final_answer
 from prime_rl.orchestrator.packing import make_sample
 
 
@@ -85,7 +85,7 @@ def test_truncation_options_and_zero_groups():
 
 
 def test_wandb_enabled_without_the_package_is_a_clear_error():
-    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
     from prime_rl.orchestrator.sinks import SinkError, build_wandb
 
     try:

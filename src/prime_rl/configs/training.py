@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
+from prime_rl.configs import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
 
 
 class OptimConfig(Section):

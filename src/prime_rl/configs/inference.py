@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransfer
+from prime_rl.configs import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransfer
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -6,13 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.trainer.config import TrainingConfig
-from prime_rl.utils.config import (
-    OutputDir,
-    Section,
-    WeightBroadcastConfig,
-    WeightTransfer,
-)
+from prime_rl.configs import OutputDir, Section, WeightBroadcastConfig, WeightTransfer
+from prime_rl.configs.training import TrainingConfig
 
 
 class LossConfig(Section):

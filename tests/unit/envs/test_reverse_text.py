@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from prime_rl.orchestrator.envs import Example, load_environment
-from prime_rl.orchestrator.envs.reverse_text import SYSTEM_PROMPT, ReverseText
+from prime_rl.envs import Example, load_environment
+from prime_rl.envs.reverse_text import SYSTEM_PROMPT, ReverseText
 
 
 def test_examples_are_deterministic_for_a_seed_and_differ_across_seeds():

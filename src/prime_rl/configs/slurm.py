@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from prime_rl.utils.config import Section
+from prime_rl.configs import Section
 
 
 class SlurmConfig(Section):

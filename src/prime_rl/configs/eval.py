@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from prime_rl.orchestrator.config import ClientConfig, SamplingConfig
-from prime_rl.utils.config import BaseConfig, LogConfig, ModelConfig
+from prime_rl.configs import BaseConfig, LogConfig, ModelConfig
+from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 
 
 class EvalConfig(BaseConfig):

@@ -39,7 +39,7 @@ import json
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
-from prime_rl.orchestrator.envs import DEFAULT_MAX_TURNS, EnvError, Example, shuffled_forever
+from prime_rl.envs import DEFAULT_MAX_TURNS, EnvError, Example, shuffled_forever
 
 INSTALL_HINT = "uv sync --extra verifiers (or pip install verifiers==0.4.0), plus the taskset's own package"
 

@@ -1,0 +1,49 @@
+"""The base classes every config is built from, and the shared output directory.
+
+Sources, highest precedence first: CLI flags > TOML files (`@ a.toml @ b.toml`, later wins) >
+`PRIME_A__B_C` env vars > field defaults (`configs/cli.py` reads the first two). This package imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "PRIME_"
+
+
+class Section(BaseModel):
+    """A nested group of settings; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BaseConfig(BaseSettings):
+    """Top-level config of one entrypoint."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_other_sources):
+        # Init kwargs carry TOML merged with CLI, so they outrank the environment.
+        return (init_settings, env_settings)
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def default_output_dir() -> Path:
+    """`$OUTPUT_DIR` when set (multi-node runs and scripts/tmux.sh export it), else `outputs`."""
+    return Path(os.environ.get("OUTPUT_DIR") or "outputs")
+
+
+# The `output_dir` field of the three RL services: they must agree on it, so they share its default too.
+OutputDir = Annotated[
+    Path, Field(default_factory=default_output_dir, description="shared output directory ($OUTPUT_DIR or outputs)")
+]

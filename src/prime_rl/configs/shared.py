@@ -1,0 +1,80 @@
+"""Sections every service shares: the model (and LoRA), logging, checkpoints, weight transfer."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from prime_rl.configs.base import Section
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """Train a LoRA adapter instead of every weight. The trainer ships the adapter only (a peft dir in
+    `weights/step_n`); servers serve base + adapter under `name`, which the orchestrator's requests name."""
+
+    rank: Annotated[int, Field(ge=1, description="rank r of each adapter pair (A: r x in, B: out x r)")] = 16
+    alpha: Annotated[float, Field(gt=0, description="scale: the update is (alpha / rank) * B A")] = 32.0
+    dropout: Annotated[
+        float,
+        Field(ge=0, lt=1, description="dropout on the adapter's input (SFT only: RL needs the policy's own logprobs)"),
+    ] = 0.0
+    target_modules: Annotated[
+        list[str], Field(min_length=1, description="names of the linear layers that get an adapter")
+    ] = LORA_TARGETS
+    name: Annotated[str, Field(min_length=1, description="name the servers serve the adapter under")] = "policy-lora"
+
+
+class ModelConfig(Section):
+    name: Annotated[str, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
+    lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = None
+
+    @property
+    def adapter(self) -> str | None:
+        """The name requests give a trained LoRA adapter (None: full fine-tuning)."""
+        return self.lora.name if self.lora is not None else None
+
+
+class LogConfig(Section):
+    level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Field(description="log level")] = "INFO"
+    file: Annotated[
+        bool, Field(description="also write OUTPUT_DIR/logs/<service>.log (off when `rl` captures the output)")
+    ] = True
+
+
+WeightTransfer = Annotated[
+    Literal["filesystem", "broadcast"],
+    Field(
+        description="how new weights reach inference: filesystem = the trainer writes weights/step_n every step "
+        "and servers read it; broadcast = the trainer sends them over a process group the servers join "
+        "(nccl on CUDA, gloo on CPU; weights/step_n only at checkpoint steps and the last)"
+    ),
+]
+
+
+class WeightBroadcastConfig(Section):
+    """The trainer's broadcast rendezvous, shared by trainer and orchestrator (which tells the servers).
+
+    The group's size is not configured: the orchestrator counts the seats of its servers (their /health)
+    and the receivers tell the trainer through the rendezvous."""
+
+    host: Annotated[str, Field(description="address of trainer rank 0 that inference workers can reach")] = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535, description="TCP port trainer rank 0 hosts the rendezvous on")] = 29600
+    timeout: Annotated[
+        float, Field(gt=0, description="seconds a broadcast may take (forming the group, one transfer)")
+    ] = 600.0
+
+
+class CkptConfig(Section):
+    """Checkpointing, shared by trainer and orchestrator so both save and resume at the same steps."""
+
+    interval: Annotated[
+        int | None, Field(ge=1, description="save every n steps; unset = only at the end of the run")
+    ] = None
+    keep: Annotated[int | None, Field(ge=1, description="newest checkpoints kept on disk; unset = all")] = None
+    resume_step: Annotated[
+        int | Literal["latest"] | None,
+        Field(description="resume from checkpoints/step_N (a number or 'latest'); unset = start fresh"),
+    ] = None
