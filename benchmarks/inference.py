@@ -51,7 +51,15 @@ def start_server(model: Path, out: Path, max_batch_size: int, impl: str, extra: 
     out.mkdir(parents=True, exist_ok=True)
     backend = ["--backend", "vllm", "--max-model-len", "512"] if impl == "vllm" else ["--engine.model-impl", impl]
     port = free_port() if impl == "vllm" else 0  # vLLM binds the port it is given
-    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prime_rl.entrypoints.inference",
+        "--model.name",
+        str(model),
+        "--server.port",
+        str(port),
+    ]
     cmd += ["--output-dir", str(out), "--no-log.file", "--engine.max-batch-size", str(max_batch_size)]
     log = out / "server.out"
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"} | dict(os.environ)

@@ -96,8 +96,8 @@ def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: st
     cfg.write_text(base + extra)
     env = os.environ | {"PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                         "OMP_NUM_THREADS": "1"}  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "prime_rl.rl", "@", str(cfg)], cwd=ROOT, capture_output=True,
-                          text=True, env=env)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(cfg)], cwd=ROOT,
+                          capture_output=True, text=True, env=env)  # fmt: skip
     if done.returncode != 0:
         sys.exit(f"rl failed for {cfg}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return read_metrics(out, "orchestrator")

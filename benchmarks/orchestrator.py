@@ -69,7 +69,7 @@ def start_server(kind: str, model: Path, port: int, tokens: int, log: Path) -> s
     if kind == "fake":
         cmd = [sys.executable, __file__, "--serve-fake", str(port), "--tokens", str(tokens)]
     else:
-        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model),
+        cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
                "--server.port", str(port), "--output-dir", str(log.parent), "--no-log.file",
                "--engine.max-batch-size", "256"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)

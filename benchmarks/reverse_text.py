@@ -72,15 +72,16 @@ def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], 
     final = final_weights_dir(sft)
     if not final.exists():  # a finished SFT phase is reused (re-run with other --rl-args)
         times["sft"] = run(
-            [*py, "prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft),
+            [*py, "prime_rl.entrypoints.sft", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft),
              "--seed", str(seed), *sft_args], env, case / "sft.out", 3600)  # fmt: skip
     times["rl"] = run(
-        [*py, "prime_rl.rl", "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl), "--model.name", str(final),
+        [*py, "prime_rl.entrypoints.rl", "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl),
+         "--model.name", str(final),
          "--orchestrator.seed", str(seed), "--inference.seed", str(seed), "--inference.server.port", str(free_port()),
          *rl_args], env, case / "rl.out", 1800)  # fmt: skip
     rl_steps = len(read_metrics(rl, "orchestrator"))
     times["eval"] = run(
-        [*py, "prime_rl.eval.eval", "@", str(CONFIGS / "eval.toml"), "--output-dir", str(ev), "--model.name",
+        [*py, "prime_rl.entrypoints.eval", "@", str(CONFIGS / "eval.toml"), "--output-dir", str(ev), "--model.name",
          str(final), "--weights-dir", str(rl / "weights"), "--steps", f"0,{rl_steps}"],
         env, case / "eval.out", 900)  # fmt: skip
 

@@ -79,8 +79,8 @@ def run_case(model: Path, work: Path, steps: int, async_level: int, transfer: st
     cfg = work / f"{output_dir.name}.toml"
     cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "prime_rl.rl", "@", str(cfg)], cwd=ROOT, capture_output=True,
-                          text=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(cfg)], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         sys.exit(f"rl failed for {cfg}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     orch = {r["step"]: r for r in read_metrics(output_dir, "orchestrator")}

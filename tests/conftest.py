@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prime_rl.rl import Service, stop_all, wait_for_inference
+from prime_rl.launch.supervise import Service, stop_all, wait_for_inference
 from prime_rl.utils.net import free_port as _free_port
 from prime_rl.utils.tiny_model import create_tiny_model
 
@@ -74,7 +74,7 @@ class InferenceProcess:
         self.backend, self.model, self.ready = backend, str(model), False
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", self.model, "--backend", backend]
+        cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", self.model, "--backend", backend]
         cmd += ["--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file", *extra_args]
         if backend == "vllm":
             cmd.append("--enforce-eager")  # no compile warm-up: starts ~40 s sooner on 2 cores

@@ -37,16 +37,17 @@ def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedPr
 def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
     sft, rl, ev = tmp_path / "sft", tmp_path / "rl", tmp_path / "eval"
     # SFT's budget is 5,000 steps (~13 min here) for a machine where the plateau lasts; most runs take 1-4 min.
-    run("prime_rl.trainer.sft.train", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft), "--seed", SEED,
+    run("prime_rl.entrypoints.sft", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft), "--seed", SEED,
         timeout=1800)  # fmt: skip
     sft_weights = sft / "weights" / "final"
     run(
-        "prime_rl.rl", "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl), "--model.name", str(sft_weights),
+        "prime_rl.entrypoints.rl", "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl),
+        "--model.name", str(sft_weights),
         "--max-steps", str(RL_STEPS), "--inference.server.port", str(free_port),
         "--orchestrator.seed", SEED, "--inference.seed", SEED,
     )  # fmt: skip
     run(
-        "prime_rl.eval.eval", "@", str(CONFIGS / "eval.toml"), "--output-dir", str(ev),
+        "prime_rl.entrypoints.eval", "@", str(CONFIGS / "eval.toml"), "--output-dir", str(ev),
         "--model.name", str(sft_weights), "--weights-dir", str(rl / "weights"), "--steps", f"0,{RL_STEPS}",
     )  # fmt: skip
 

@@ -51,7 +51,7 @@ class Server:
         self.output_dir = output_dir
         self.log_path = output_dir / "server.out"
         output_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--backend", backend]
+        cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model), "--backend", backend]
         # vLLM binds the port it is given, so it gets a free one; the built-in engine reports the one it got.
         port = str(free_port()) if backend == "vllm" else "0"
         cmd += ["--server.port", port, "--output-dir", str(output_dir), "--no-log.file"]

@@ -156,7 +156,7 @@ def run_orchestrator(
     output_dir: Path, port: int | None, *extra: str, timeout: float = 60, base_url: str = ""
 ) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "prime_rl.orchestrator.orchestrator",
+        sys.executable, "-m", "prime_rl.entrypoints.orchestrator",
         "--output-dir", str(output_dir),
         "--model.name", "tiny",
         "--client.base-url", base_url or f"http://127.0.0.1:{port}/v1",

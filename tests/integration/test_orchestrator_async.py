@@ -62,7 +62,7 @@ def test_every_step_samples_from_weights_no_older_than_async_level(async_level, 
         env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
         args += ["--orchestrator.env.id", "my_env:load"]
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.rl", *args], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "prime_rl.entrypoints.rl", *args], capture_output=True, text=True, timeout=300, env=env
     )
     logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((out / "logs").glob("*.log")))
     assert result.returncode == 0, result.stderr + logs

@@ -28,7 +28,7 @@ READY = re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin")
 def server_url(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("server")
     log = open(out / "server.out", "w")
-    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(tiny_model),
+    cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(tiny_model),
            "--server.port", "0", "--output-dir", str(out), "--no-log.file"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -56,7 +56,7 @@ def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedPr
 
 def test_multi_turn_rank_files_train_only_on_model_tokens(tiny_model, server_url, tmp_path):
     result = run(
-        "prime_rl.orchestrator.orchestrator", "--output-dir", str(tmp_path), "--model.name", str(tiny_model),
+        "prime_rl.entrypoints.orchestrator", "--output-dir", str(tmp_path), "--model.name", str(tiny_model),
         "--client.base-url", f"{server_url}/v1", "--max-steps", "1", "--batch-size", "4",
         "--rollouts-per-example", "2", "--env.id", "guess-number", "--max-turns", "3",
         "--sampling.max-tokens", "6", "--seq-len", "512",
@@ -103,7 +103,7 @@ def test_eval_every_weight_step_writes_samples_and_a_summary(tiny_model, server_
     (weights / "step_3").mkdir()  # not STABLE: ignored
     out = tmp_path / "eval"
     result = run(
-        "prime_rl.eval.eval", "--model.name", str(tiny_model), "--client.base-url", f"{server_url}/v1",
+        "prime_rl.entrypoints.eval", "--model.name", str(tiny_model), "--client.base-url", f"{server_url}/v1",
         "--env-ids", "arithmetic,reverse-text", "--num-examples", "3", "--rollouts-per-example", "4",
         "--sampling.max-tokens", "4", "--weights-dir", str(weights), "--output-dir", str(out),
     )  # fmt: skip
@@ -131,7 +131,7 @@ def test_eval_every_weight_step_writes_samples_and_a_summary(tiny_model, server_
 
 def test_eval_with_missing_step_exits_1_naming_it(tiny_model, server_url, tmp_path):
     result = run(
-        "prime_rl.eval.eval", "--model.name", str(tiny_model), "--client.base-url", f"{server_url}/v1",
+        "prime_rl.entrypoints.eval", "--model.name", str(tiny_model), "--client.base-url", f"{server_url}/v1",
         "--weights-dir", str(tmp_path), "--steps", "5", "--output-dir", str(tmp_path / "o"),
     )  # fmt: skip
     assert result.returncode == 1 and "steps [5] not found" in result.stderr and "Traceback" not in result.stderr
@@ -143,7 +143,7 @@ def test_eval_serve_starts_its_own_server_and_stops_it(tiny_model, tmp_path):
 
     out = tmp_path / "eval"
     result = run(
-        "prime_rl.eval.eval", "--model.name", str(tiny_model), "--serve", "--env-ids", "reverse-text",
+        "prime_rl.entrypoints.eval", "--model.name", str(tiny_model), "--serve", "--env-ids", "reverse-text",
         "--num-examples", "4", "--sampling.max-tokens", "4", "--output-dir", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -167,7 +167,7 @@ def test_eval_serve_with_a_model_that_cannot_load_fails_at_once_naming_it(tmp_pa
     """It used to wait client.health_timeout (600 s) for a server that had already died."""
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.eval.eval", "--model.name", str(tmp_path / "missing"), "--serve",
+        [sys.executable, "-m", "prime_rl.entrypoints.eval", "--model.name", str(tmp_path / "missing"), "--serve",
          "--output-dir", str(tmp_path / "o")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def run_rl(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prime_rl.rl", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "prime_rl.entrypoints.rl", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def show_logs(output_dir) -> str:
@@ -31,7 +33,7 @@ def show_logs(output_dir) -> str:
 def start_rl(args: list[str]) -> subprocess.Popen:
     """`rl` in the background (its stderr kept for the failure message)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [sys.executable, "-m", "prime_rl.entrypoints.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
 
 
@@ -121,7 +123,7 @@ def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, 
 
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.rl", "--model.name", str(tiny_model), "--output-dir", str(out),
+        [sys.executable, "-m", "prime_rl.entrypoints.rl", "--model.name", str(tiny_model), "--output-dir", str(out),
          "--max-steps", "1000", "--inference.server.port", str(free_port), "--orchestrator.batch-size", "4",
          "--orchestrator.rollouts-per-example", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -378,7 +380,7 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
             time.sleep(0.5)
         family = descendants(rl.pid)
         torchrun = [p for p, cmd in family.items() if "torch.distributed.run" in cmd]
-        workers = [p for p, cmd in family.items() if "prime_rl.trainer.rl.train" in cmd and p not in torchrun]
+        workers = [p for p, cmd in family.items() if "prime_rl.entrypoints.trainer" in cmd and p not in torchrun]
         assert torchrun and workers, family
         os.kill(torchrun[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -429,7 +431,7 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path,
         second = run_rl(args, timeout=120)
         assert second.returncode == 1
         assert f"{out} is in use: its orchestrator runs as pid" in second.stderr
-        orchestrator = [sys.executable, "-m", "prime_rl.orchestrator.orchestrator", "--output-dir", str(out)]
+        orchestrator = [sys.executable, "-m", "prime_rl.entrypoints.orchestrator", "--output-dir", str(out)]
         stray = subprocess.run([*orchestrator, "--model.name", str(tiny_model)], capture_output=True, text=True)
         assert stray.returncode == 1 and "is in use" in stray.stderr
         steps = len(read_metrics(out, "orchestrator"))
@@ -473,8 +475,8 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
     rng = random.Random(17)
     victims = [  # (service, its command line marker, the trainer step to wait for)
         ("trainer", "torch.distributed.run", rng.randint(2, 4)),
-        ("orchestrator", "prime_rl.orchestrator.orchestrator", rng.randint(5, 7)),
-        ("inference", "prime_rl.inference.server", rng.randint(8, 10)),
+        ("orchestrator", "prime_rl.entrypoints.orchestrator", rng.randint(5, 7)),
+        ("inference", "prime_rl.entrypoints.inference", rng.randint(8, 10)),
     ]
     out = tmp_path / "restarted"
     rl = start_rl(args(out, "--restart", "3"))

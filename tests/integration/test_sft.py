@@ -112,7 +112,7 @@ def test_a_stop_signal_to_one_rank_stops_both_after_the_same_step_and_the_run_re
 
     out, steps = tmp_path / "out", 40
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "prime_rl.trainer.sft.train", "@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(out),
+           "-m", "prime_rl.entrypoints.sft", "@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(out),
            "--max-steps", str(steps), "--ckpt", "--data.path", str(ROOT / "configs/sft/debug/data.jsonl"),
            "--model.name", str(ROOT / "assets/tiny-qwen3")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).parents[2]
 def submit(out: Path, *flags: str) -> str:
     """`rl @ configs/debug/rl.toml --slurm ...` from the repo root; the job id it printed."""
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.rl", "@", "configs/debug/rl.toml", "--output-dir", str(out), *flags],
+        [sys.executable, "-m", "prime_rl.entrypoints.rl", "@", "configs/debug/rl.toml", "--output-dir", str(out),
+         *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -155,7 +156,7 @@ def test_sft_on_slurm_stops_on_the_signal_and_the_requeued_job_resumes(slurm_clu
 
     out, steps, host = tmp_path / "out", 200, socket.gethostname().split(".")[0]  # steps take ~30 ms here
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.trainer.sft.train", "@", "configs/sft/debug.toml", "--output-dir", str(out),
+        [sys.executable, "-m", "prime_rl.entrypoints.sft", "@", "configs/sft/debug.toml", "--output-dir", str(out),
          "--max-steps", str(steps), "--ckpt", "--slurm.requeue", "--slurm.rdzv-port", str(free_port())],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -28,7 +28,7 @@ from prime_rl.utils.tiny_model import create_tiny_model
 
 pytestmark = pytest.mark.slow
 
-TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "trainer" / "rl" / "train.py"
+TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "entrypoints" / "trainer.py"
 TRAINER = Path(sys.executable).parent / "trainer"
 
 
@@ -314,7 +314,8 @@ def test_a_full_disk_is_one_line_naming_the_path_and_leaves_nothing_half_written
 
 
 def _serve(model: Path, out: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "prime_rl.inference.server", "--model.name", str(model), "--server.port", str(port),
+    cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
+           "--server.port", str(port),
            "--output-dir", str(out), "--no-log.file", "--weight-transfer", "broadcast"]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

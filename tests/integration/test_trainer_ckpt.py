@@ -22,7 +22,7 @@ from prime_rl.utils.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "trainer" / "rl" / "train.py"
+TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "entrypoints" / "trainer.py"
 
 
 def _write_rollouts(out: Path, world_size: int, steps=range(4)) -> None:

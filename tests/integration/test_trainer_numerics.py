@@ -55,7 +55,7 @@ data = { env_id = "reverse-text", env_args = { min_chars = 3, max_chars = 16 }, 
 interval = 10
 """
 RL = [
-    "prime_rl.trainer.rl.train", "--model.name", "assets/tiny-qwen3", "--max-steps", "2", "--optim.lr", "3e-4",
+    "prime_rl.entrypoints.trainer", "--model.name", "assets/tiny-qwen3", "--max-steps", "2", "--optim.lr", "3e-4",
     "--data.fake", "--data.fake-seq-len", "256", "--data.fake-micro-batches", "2",
     "--data.fake-min-len", "16", "--data.fake-max-len", "128",
 ]  # fmt: skip
@@ -74,7 +74,7 @@ def first_steps(args: list[str], service: str, out: Path) -> dict[int, dict]:
 def test_first_steps_match_the_pinned_loss_and_grad_norm(service, tmp_path):
     config = tmp_path / "sft.toml"
     config.write_text(SFT_CONFIG)
-    args = ["prime_rl.trainer.sft.train", "@", str(config)] if service == "sft" else RL
+    args = ["prime_rl.entrypoints.sft", "@", str(config)] if service == "sft" else RL
     steps = first_steps(args, service, tmp_path / "run")
     got = {(service, s): {k: steps[s][k] for k in PINNED[(service, s)]} for s in (0, 1)}
     print(json.dumps({f"{k[0]} step {k[1]}": v for k, v in got.items()}, indent=1))

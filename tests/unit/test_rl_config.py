@@ -3,7 +3,8 @@
 import pytest
 
 from prime_rl.configs import ConfigError, load_config
-from prime_rl.rl import RLConfig, assign_devices
+from prime_rl.configs.rl import RLConfig
+from prime_rl.launch.services import assign_devices
 
 
 def test_shared_keys_reach_every_sub_config():
@@ -100,7 +101,7 @@ def test_config_mistakes_are_one_line_errors_not_tracebacks(tmp_path):
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(TOML is UTF-8\): byte 14"):
         load_config(RLConfig, ["@", str(binary)])
     env = os.environ | {"PRIME_MAX_STEPS": "abc"}
-    cmd = [sys.executable, "-m", "prime_rl.rl", "--output-dir", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "prime_rl.entrypoints.rl", "--output-dir", str(tmp_path / "out")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "max_steps: Input should be a valid integer" in result.stderr and "[env PRIME_MAX_STEPS]" in result.stderr
@@ -110,7 +111,7 @@ def test_a_service_reports_only_what_this_run_logged(tmp_path):
     """On resume the log files are appended to; a failing service's tail used to show an earlier run's traceback."""
     import sys
 
-    from prime_rl.rl import Service
+    from prime_rl.launch.supervise import Service
 
     log = tmp_path / "logs" / "trainer.log"
     log.parent.mkdir()

@@ -15,9 +15,9 @@ from prime_rl.configs import load_config
 from prime_rl.configs.eval import EvalConfig
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.configs.rl import RLConfig
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.rl import RLConfig
 
 USAGE = Path(__file__).parents[2] / "docs" / "usage.md"
 ENTRYPOINTS = {
@@ -27,8 +27,8 @@ ENTRYPOINTS = {
     "trainer": TrainerConfig,
     "sft": SFTConfig,
     "eval": EvalConfig,
-    "src/prime_rl/trainer/rl/train.py": TrainerConfig,
-    "src/prime_rl/trainer/sft/train.py": SFTConfig,
+    "src/prime_rl/entrypoints/trainer.py": TrainerConfig,
+    "src/prime_rl/entrypoints/sft.py": SFTConfig,
 }
 ENV = {
     "INFERENCE_SERVER_API_KEY": "key",

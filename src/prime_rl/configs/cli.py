@@ -6,11 +6,19 @@ booleans take `--flag` / `--no-flag`; lists take `--ids 1,2,3` or a repeated fla
 be filled from its own file (`--trainer @ t.toml`) or switched on with its defaults (`--ckpt`).
 
 A bad config never raises a traceback: `parse_config` prints one line per problem, naming the key and
-where its value came from, and exits with status 2. This module imports no torch.
+where its value came from (a mistyped key gets `(did you mean --optim.max-norm?)`), and exits with status 2.
+This module imports no torch.
+
+Why not pydantic-settings' `CliSettingsSource` / `CliApp` (checked at 2.16.3): it has kebab flags, `--no-flag`
+(`cli_implicit_flags`), comma lists and a bare `--section`, but it is argparse underneath, so `@ a.toml` and
+`--trainer @ t.toml` are "unrecognized arguments" (its parser sets no `fromfile_prefix_chars`, which would read
+argv lines anyway, not TOML); it yields one merged dict with no record of which flag, file or env var set each
+key, so errors cannot name the source; and an unknown flag aborts with one argparse message before validation.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import sys
@@ -18,6 +26,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -145,103 +154,205 @@ def _nest(path: list[str], tree: dict) -> dict:
     return tree
 
 
+def _negated(cls: type[BaseModel], path: list[str]) -> list[str] | None:
+    """The path of bool field `x` when `path` spells `--no-x`, `--sec.no-x` or `--no-sec.x`, else None."""
+    candidates = []
+    if path[-1].startswith("no_"):
+        candidates.append(path[:-1] + [path[-1][3:]])
+    if path[0].startswith("no_") and len(path) > 1:
+        candidates.append([path[0][3:]] + path[1:])
+    return next((alt for alt in candidates if _field(cls, alt) is bool), None)
+
+
+def _is_key(cls: type[BaseModel], path: list[str]) -> bool:
+    path = _dealias(cls, path)
+    return _field(cls, path) is not None or _negated(cls, path) is not None
+
+
+def _suggest(cls: type[BaseModel], path: list[str]) -> list[str] | None:
+    """The valid key nearest an unknown `path`: its first unknown part replaced by the closest key at that level
+    (difflib; flag aliases and `no_` forms of booleans count), or None when nothing there is close."""
+    n = next((n for n in range(len(path)) if _field(cls, path[: n + 1]) is None), None)
+    if n is None:
+        return None
+    level = _field(cls, path[:n])
+    if _is_list(level):
+        level = _item(level)  # a list of tables takes its item's keys, as in `_field`
+    if not _is_model(level):
+        return None
+    names = [*level.model_fields, *getattr(level, "flag_aliases", {})]
+    if n == len(path) - 1:
+        names += [f"no_{k}" for k, f in level.model_fields.items() if _unwrap(f.annotation) is bool]
+    match = difflib.get_close_matches(path[n], names, n=1)
+    if not match:
+        return None
+    fixed = path[:n] + match + path[n + 1 :]
+    return fixed if _is_key(cls, fixed) else path[:n] + match
+
+
+def _did_you_mean(cls: type[BaseModel], path: list[str], as_flag: bool) -> str:
+    """` (did you mean --optim.max-norm?)` for a mistyped key (`optim.max_norm` outside flags), or ''."""
+    fixed = _suggest(cls, path)
+    if fixed is None:
+        return ""
+    key = ".".join(fixed)
+    return f" (did you mean --{key.replace('_', '-')}?)" if as_flag else f" (did you mean {key}?)"
+
+
+@dataclass
+class _Flag:
+    """One `--key` / `--key=value` token, resolved against the config class."""
+
+    key: str  # as typed, without the leading dashes
+    inline: str | None  # the text after `=`; None when there is no `=`
+    path: list[str]  # field path, aliases resolved
+    annotation: Any  # the field's unwrapped type; None when there is no such field
+    negated: bool = False  # `--no-x` for bool field x
+
+    @property
+    def source(self) -> str:
+        return f"flag --{self.key}"
+
+
+def _resolve_flag(cls: type[BaseModel], tok: str) -> _Flag:
+    key, eq, inline = tok[2:].partition("=")
+    path = _dealias(cls, key.replace("-", "_").split("."))
+    annotation = _field(cls, path)
+    if annotation is None and (negated := _negated(cls, path)) is not None:
+        return _Flag(key, inline if eq else None, negated, bool, negated=True)
+    return _Flag(key, inline if eq else None, path, annotation)
+
+
+class _ArgvParser:
+    """One left-to-right pass over argv: each handler consumes its tokens and records values, TOML layers
+    and problems. `parse_args` dispatches on the token; `option` on what the flag names."""
+
+    def __init__(self, cls: type[BaseModel], argv: Sequence[str]):
+        self.cls = cls
+        self.argv = list(argv)
+        self.i = 0
+        self.layers: list[tuple[str, dict]] = []  # (file, its tree), in argv order
+        self.cli: dict = {}
+        self.sources: dict = {}  # key path -> "flag --x"
+        self.errors: list[str] = []
+        self.seen_lists: set[tuple] = set()
+
+    def peek(self, ahead: int = 0) -> str | None:
+        j = self.i + ahead
+        return self.argv[j] if j < len(self.argv) else None
+
+    def next_is_value(self) -> bool:
+        nxt = self.peek(1)
+        return nxt is not None and not nxt.startswith("--") and nxt != "@"
+
+    def file(self, tok: str) -> None:
+        """`@ a.toml` or `@a.toml`: a TOML layer over the whole config."""
+        path = tok[1:] or (self.peek(1) or "")
+        self.i += 1 if tok != "@" else 2
+        if not path:
+            self.errors.append("'@' must be followed by a TOML file path")
+            return
+        self.layers.append((path, _load_toml(path)))
+
+    def stray(self, tok: str) -> None:
+        self.errors.append(f"unexpected argument {tok!r} (options look like --key value, files like @ config.toml)")
+        self.i += 1
+
+    def option(self, tok: str) -> None:
+        flag = _resolve_flag(self.cls, tok)
+        bare = flag.inline is None
+        if flag.annotation is None:
+            self.unknown(flag)
+        elif _is_model(flag.annotation) and bare and self.peek(1) == "@":
+            self.section_file(flag)
+        elif flag.annotation is bool:
+            self.boolean(flag)
+        elif _is_model(flag.annotation) and bare and not self.next_is_value():
+            self.switch_on(flag)
+        else:
+            self.value(flag)
+
+    def unknown(self, flag: _Flag) -> None:
+        hint = _did_you_mean(self.cls, flag.path, as_flag=True)
+        self.errors.append(f"unknown option --{flag.key} (flag); see --help{hint}")
+        self.i += 1 + (flag.inline is None and self.next_is_value())
+
+    def section_file(self, flag: _Flag) -> None:
+        """`--trainer @ t.toml`: a file for one sub-config."""
+        file = self.peek(2)
+        if file is None:
+            self.errors.append(f"--{flag.key} @ must be followed by a TOML file path")
+            self.i = len(self.argv)
+            return
+        self.layers.append((file, _nest(flag.path, _load_toml(file))))
+        self.i += 3
+
+    def boolean(self, flag: _Flag) -> None:
+        """`--x`, `--no-x`, `--x=false`, `--x true`."""
+        nxt = self.peek(1)
+        if flag.negated:
+            value: Any = False
+        elif flag.inline is not None:
+            value = flag.inline
+        elif self.next_is_value() and nxt is not None and nxt.lower() in ("true", "false", "1", "0"):
+            self.i += 1
+            value = nxt
+        else:
+            value = True
+        _set(self.cli, flag.path, value, self.sources, flag.source)
+        self.i += 1
+
+    def switch_on(self, flag: _Flag) -> None:
+        """`--ckpt`: switch an optional sub-config on with its defaults, keeping what earlier flags set in it."""
+        current = functools.reduce(
+            lambda node, part: node.get(part) if isinstance(node, dict) else None, flag.path, self.cli
+        )
+        _set(self.cli, flag.path, current if isinstance(current, dict) else {}, self.sources, flag.source)
+        self.i += 1
+
+    def value(self, flag: _Flag) -> None:
+        """`--key value` / `--key=value`; a list takes `a,b,c` and appends on a repeated flag."""
+        if flag.inline is not None:
+            raw = flag.inline
+        elif self.next_is_value():
+            self.i += 1
+            raw = self.argv[self.i]
+        else:
+            self.errors.append(f"option --{flag.key} expects a value")
+            self.i += 1
+            return
+        if _is_list(flag.annotation):
+            items = [x for x in raw.split(",") if x != ""]
+            key = tuple(flag.path)
+            _set(self.cli, flag.path, items, self.sources, flag.source, append=key in self.seen_lists)
+            self.seen_lists.add(key)
+        else:
+            _set(self.cli, flag.path, raw, self.sources, flag.source)
+        self.i += 1
+
+    def result(self) -> tuple[dict, dict, list[str]]:
+        """The TOML layers merged in order, the flags over them, and every key's source."""
+        merged: dict = {}
+        file_sources: dict = {}
+        for name, layer in self.layers:
+            merged = deep_merge(merged, layer)
+            _record_sources(layer, name, file_sources)
+        file_sources.update(self.sources)
+        return deep_merge(merged, self.cli), file_sources, self.errors
+
+
 def parse_args(cls: type[BaseModel], argv: Sequence[str]) -> tuple[dict, dict, list[str]]:
     """Turn argv into one merged settings dict (TOML layers, then CLI), a map key-path -> source, and
     the problems found on the way (unknown flags, missing values)."""
-    layers: list[tuple[str, dict]] = []
-    cli: dict = {}
-    sources: dict = {}
-    errors: list[str] = []
-    seen_lists: set[tuple] = set()
-    argv = list(argv)
-    i = 0
-
-    def next_is_value() -> bool:
-        return i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@"
-
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "@" or (tok.startswith("@") and len(tok) > 1):
-            path = tok[1:] or (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 1 if tok != "@" else 2
-            if not path:
-                errors.append("'@' must be followed by a TOML file path")
-                continue
-            layers.append((path, _load_toml(path)))
-            continue
-        if not tok.startswith("--") or len(tok) == 2:
-            errors.append(f"unexpected argument {tok!r} (options look like --key value, files like @ config.toml)")
-            i += 1
-            continue
-        key, eq, inline = tok[2:].partition("=")
-        path = _dealias(cls, key.replace("-", "_").split("."))
-        annotation = _field(cls, path)
-        negated = False
-        if annotation is None and path[-1].startswith("no_"):
-            alt = path[:-1] + [path[-1][3:]]
-            if _field(cls, alt) is bool:
-                path, annotation, negated = alt, bool, True
-        if annotation is None and path[0].startswith("no_") and len(path) > 1:
-            alt = [path[0][3:]] + path[1:]
-            if _field(cls, alt) is bool:
-                path, annotation, negated = alt, bool, True
-        if annotation is None:
-            errors.append(f"unknown option --{key} (flag); see --help")
-            i += 1 + (not eq and next_is_value())
-            continue
-        source = f"flag --{key}"
-        if _is_model(annotation) and not eq and i + 1 < len(argv) and argv[i + 1] == "@":
-            # `--trainer @ t.toml`: a file for one sub-config.
-            if i + 2 >= len(argv):
-                errors.append(f"--{key} @ must be followed by a TOML file path")
-                break
-            file = argv[i + 2]
-            layers.append((file, _nest(path, _load_toml(file))))
-            i += 3
-            continue
-        if annotation is bool:
-            if negated:
-                value: Any = False
-            elif eq:
-                value = inline
-            elif next_is_value() and argv[i + 1].lower() in ("true", "false", "1", "0"):
-                i += 1
-                value = argv[i]
-            else:
-                value = True
-            _set(cli, path, value, sources, source)
-            i += 1
-            continue
-        if _is_model(annotation) and not eq and not next_is_value():
-            # `--ckpt`: switch an optional sub-config on with its defaults, keeping what earlier flags set in it.
-            current = functools.reduce(lambda node, part: node.get(part) if isinstance(node, dict) else None, path, cli)
-            _set(cli, path, current if isinstance(current, dict) else {}, sources, source)
-            i += 1
-            continue
-        if eq:
-            raw = inline
-        elif next_is_value():
-            i += 1
-            raw = argv[i]
+    parser = _ArgvParser(cls, argv)
+    while (tok := parser.peek()) is not None:
+        if tok.startswith("@"):
+            parser.file(tok)
+        elif not tok.startswith("--") or len(tok) == 2:
+            parser.stray(tok)
         else:
-            errors.append(f"option --{key} expects a value")
-            i += 1
-            continue
-        if _is_list(annotation):
-            items = [x for x in raw.split(",") if x != ""]
-            _set(cli, path, items, sources, source, append=tuple(path) in seen_lists)
-            seen_lists.add(tuple(path))
-        else:
-            _set(cli, path, raw, sources, source)
-        i += 1
-
-    merged: dict = {}
-    file_sources: dict = {}
-    for name, layer in layers:
-        merged = deep_merge(merged, layer)
-        _record_sources(layer, name, file_sources)
-    file_sources.update(sources)
-    return deep_merge(merged, cli), file_sources, errors
+            parser.option(tok)
+    return parser.result()
 
 
 def _source_of(loc: tuple, sources: dict, cls: type[BaseModel]) -> str:
@@ -263,14 +374,15 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
         if not loc:
             lines.append(msg)
             continue
-        key = ".".join(loc)
+        key, source, hint = ".".join(loc), _source_of(loc, sources, cls), ""
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+            hint = _did_you_mean(cls, list(loc), as_flag=source.startswith("flag "))
         elif e["type"] == "missing":
             msg = "required but not set"
         elif "input" in e and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"{key}: {msg} [{_source_of(loc, sources, cls)}]")
+        lines.append(f"{key}: {msg} [{source}]{hint}")
     return lines
 
 

@@ -199,47 +199,58 @@ class ControlPlane:
         path, method = scope["path"], scope["method"]
         if path == "/health" and method == "GET":
             return await self._health()(scope, receive, send)
+        refusal = self._check_headers(headers)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        body = await self._read_body(receive)
+        if body is None:
+            return  # the client left before sending its body
+        if isinstance(body, JSONResponse):
+            return await body(scope, receive, send)
+        if method == "POST" and path in ("/update_weights", "/reload_weights"):
+            return await (await self._swap(path, body))(scope, receive, send)
+        if path not in GENERATION_ROUTES:
+            return await self.app(scope, replay(body, receive), send)
+        refusal = check_generation_body(body)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        await self._generate_stamped(scope, body, replay(body, receive), send)
+
+    def _check_headers(self, headers: dict[str, str]) -> JSONResponse | None:
+        """The 401 for a missing or wrong API key, or the 413 for a declared body over the limit; else None."""
         if self.api_key:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 message = "missing or wrong API key (send `Authorization: Bearer <key>`)"
-                return await error(401, message, "authentication_error")(scope, receive, send)
-        too_large = error(413, f"request body larger than {self.max_body_bytes} bytes")
+                return error(401, message, "authentication_error")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await too_large(scope, receive, send)
-        # The body is read here (at most max_body_bytes) and replayed, so an oversized upload is refused
-        # before any route parses it, whether or not it declared a Content-Length.
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> JSONResponse:
+        return error(413, f"request body larger than {self.max_body_bytes} bytes")
+
+    async def _read_body(self, receive) -> bytes | JSONResponse | None:
+        """The whole request body; the 413 once it passes the limit; None when the client left before sending it.
+
+        The body is read here (at most max_body_bytes) and replayed, so an oversized upload is refused before
+        any route parses it, whether or not it declared a Content-Length.
+        """
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                return  # the client left before sending its body
+                return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_body_bytes:
-                return await too_large(scope, receive, send)
-        body = b"".join(chunks)
-        if method == "POST" and path in ("/update_weights", "/reload_weights"):
-            return await (await self._swap(path, body))(scope, receive, send)
-        replayed = False
+                return self._too_large()
+        return b"".join(chunks)
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later reads wait for the disconnect
-
-        if path not in GENERATION_ROUTES:
-            return await self.app(scope, replay, send)
-        if not body.lstrip().startswith(b"{"):  # vLLM's request models crash (a 500) on other JSON values
-            return await error(400, "invalid request: the body must be a JSON object")(scope, receive, send)
-        if SURROGATE_ESCAPE.search(body) and has_lone_surrogate(body):
-            # Valid JSON, but no UTF-8 text: tokenizers and response encoders fail on it (a 500).
-            message = "invalid request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
-            return await error(400, message)(scope, receive, send)
+    async def _generate_stamped(self, scope, body: bytes, receive, send) -> None:
+        """Run a generation request through the gate, its response stamped with the weight step it ran on."""
         step = await self.gate.enter()
         base = self.served.base_name
         if base is not None and requested_model(body) in (None, base):
@@ -252,7 +263,7 @@ class ControlPlane:
             await send(message)
 
         try:
-            await self.app(scope, replay, stamped)
+            await self.app(scope, receive, stamped)
         finally:
             await self.gate.leave()
 
@@ -291,6 +302,30 @@ class ControlPlane:
         logger.info(f"now serving weights step {step}")
         answer = {"step": step, "seconds": round(time.perf_counter() - start, 3)}
         return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})
+
+
+def replay(body: bytes, receive):
+    """An ASGI `receive` that gives the body read already, then waits on the client's (for the disconnect)."""
+    replayed = False
+
+    async def receive_again():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again
+
+
+def check_generation_body(body: bytes) -> JSONResponse | None:
+    """The 400 for a generation body that is not a JSON object or holds a lone UTF-16 surrogate, else None."""
+    if not body.lstrip().startswith(b"{"):  # vLLM's request models crash (a 500) on other JSON values
+        return error(400, "invalid request: the body must be a JSON object")
+    if SURROGATE_ESCAPE.search(body) and has_lone_surrogate(body):
+        # Valid JSON, but no UTF-8 text: tokenizers and response encoders fail on it (a 500).
+        return error(400, "invalid request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return None
 
 
 def requested_model(body: bytes) -> str | None:

@@ -8,27 +8,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from prime_rl.configs import parse_config
 from prime_rl.configs.inference import InferenceConfig, StartupError
-from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.process import ignore_usr1
-from prime_rl.utils.run_record import write_run_config
 
 logger = logging.getLogger("prime_rl")
-
-
-def main() -> None:
-    config = parse_config(InferenceConfig)
-    setup_logging("inference", config.output_dir, config.log.level, config.log.file)
-    write_run_config(config, "inference", config.output_dir)
-    ignore_usr1()  # a job's stop signal is for the trainer and orchestrator; the engine's processes inherit this
-    try:
-        run(config)
-    except StartupError as e:
-        logger.error(str(e))
-        raise SystemExit(1) from None
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
 
 
 def run(config: InferenceConfig) -> None:
@@ -51,18 +33,7 @@ def run(config: InferenceConfig) -> None:
     from prime_rl.inference.api import build_app
     from prime_rl.inference.engine import build_engine
 
-    e = config.engine
-    engine = build_engine(
-        config.model.name,
-        e.device,
-        e.dtype,
-        e.max_batch_size,
-        e.max_waiting,
-        config.seed,
-        e.cpu_threads,
-        e.model_impl,
-        config.model.lora,
-    )
+    engine = build_engine(config.model.name, config.engine, config.seed, config.model.lora)
     try:
         app = build_app(engine, config)
         ready = f"serving {config.model.name} on {{url}} (backend builtin, device {engine.device.type}, "
@@ -164,7 +135,3 @@ def serve(app, host: str, port: int, ready_message: str) -> None:
         await task
 
     uvloop.run(serve_and_announce())  # same reason: a cheaper event loop leaves more of the CPU to the engine
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,16 @@
-"""The orchestrator's side of the inference HTTP API (DESIGN §4): sampling and weight updates over a server pool.
+"""The orchestrator's side of the inference HTTP API (DESIGN §4): requests, retries, sampling and parsing.
 
-Which server gets a request, and what happens when one goes down, is `pool.ServerPool`'s business; this
-module speaks HTTP. Connection errors, 5xx and 429 are retried on the same server with exponential
-backoff; when its retries run out the pool takes the server out and the request goes to another live one.
-Anything else (4xx, malformed JSON) raises `InferenceError` naming the URL and the server's answer.
+`InferenceClient` is the orchestrator's one handle on the servers. Which server gets a request, and what
+happens when one goes down, is `pool.ServerPool`'s business; which weights they serve is
+`weight_control.WeightControl`'s; this module speaks HTTP. Connection errors, 5xx and 429 are retried on
+the same server with exponential backoff; when its retries run out the pool takes the server out and the
+request goes to another live one. Anything else (4xx, malformed JSON) raises `InferenceError` naming the
+URL and the server's answer.
 
 Every completion is stamped with the weight step the server reports for it (`x-weight-step`, the policy
-that computed all of its tokens), never with the client's guess of what the server holds. One below
-`floor` (the oldest policy the current step may use) is thrown away: that server gets the pool's weights
-again and the request is retried.
+that computed all of its tokens), never with the client's guess of what the server holds. One below the
+floor (`set_floor`: the oldest policy the current step may use, policy.oldest_policy) is thrown away:
+that server gets the pool's weights again and the request is retried.
 
 With LoRA (`adapter`, the servers' `model.lora.name`), requests name the adapter once the servers hold one
 (after `update_weights`) and the base model before it and after `reload_weights`; the name is chosen at each
@@ -23,14 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.pool import Server, ServerPool
+from prime_rl.orchestrator.pool import InferenceError, Server, ServerDown, ServerPool
+from prime_rl.orchestrator.weight_control import WeightControl
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 from prime_rl.protocol.http import weight_step as weight_step_of
 
@@ -38,15 +40,6 @@ logger = logging.getLogger("prime_rl")
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 BACKOFF = 0.5  # seconds before the first retry; doubles each time
-PROBE_TIMEOUT = 2.0  # seconds a removed server gets to answer /health at a step start
-
-
-class InferenceError(RuntimeError):
-    """An inference server was unreachable or answered something unusable; the message names the URL."""
-
-
-class ServerDown(InferenceError):
-    """One server failed transiently on every retry; the pool takes it out and tries another."""
 
 
 @dataclass
@@ -57,12 +50,6 @@ class Completion:
     text: str
     finish_reason: str
     weight_step: int  # the policy step the server held when it sampled this
-
-
-def server_root(base_url: str) -> str:
-    """`http://host:8000/v1` → `http://host:8000` (where /health and /update_weights live)."""
-    base = base_url.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def parse_token_id(token: str) -> int:
@@ -115,7 +102,10 @@ def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], li
 
 
 class InferenceClient:
-    """Async client for a pool of inference servers. Use as `async with InferenceClient(...) as client:`."""
+    """Async client for a pool of inference servers. Use as `async with InferenceClient(...) as client:`.
+
+    Requests and sampling are here; pool health (`pool`) and weight control (`weights`) sit behind the
+    methods at the end, which are what the orchestrator and `eval` call."""
 
     def __init__(
         self,
@@ -127,7 +117,6 @@ class InferenceClient:
         self.config = config
         self.model = model
         self.adapter = adapter  # the LoRA adapter's served name (model.lora.name); None: full weights
-        self.pool = ServerPool(config.base_url, config.traffic_share, config.max_concurrency)
         headers = {}
         api_key = os.environ.get(config.api_key_var, "") if config.api_key_var else ""
         if api_key:
@@ -138,9 +127,9 @@ class InferenceClient:
             transport=transport,
             limits=httpx.Limits(max_connections=config.max_concurrency * len(config.base_url)),
         )
-        self.weight_dir: str | None = None  # what the pool serves (the last update_weights)
-        self.floor = 0  # the oldest weight step a completion may come from (set per step by the orchestrator)
-        self._revival = asyncio.Lock()
+        self.pool = ServerPool(config, self._http, self._request)
+        self.weights = WeightControl(self.pool, self._request, self._http)
+        self._floor = 0  # the oldest weight step a completion may come from: `set_floor`
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -208,15 +197,15 @@ class InferenceClient:
             try:
                 data, headers = await self._exchange("POST", url, body, server)
                 weight_step = weight_step_of(headers)
-                if weight_step is not None and weight_step < self.floor:  # e.g. a restarted server that
+                if weight_step is not None and weight_step < self._floor:  # e.g. a restarted server that
                     logger.warning(  # answered before it was given weights: thrown away, asked again
-                        f"{url} sampled from weight step {weight_step} < {self.floor}; reloading its weights"
+                        f"{url} sampled from weight step {weight_step} < {self._floor}; reloading its weights"
                     )
-                    await self._load(server)
+                    await self.weights.load(server)
                     continue
             except ServerDown as e:  # the request, or the reload, found the server down
                 self.pool.take_out(server, str(e))
-                await self.revive(str(e))
+                await self.pool.revive(str(e), self.weights.load)
                 continue
             try:
                 choices = parse(data)
@@ -233,7 +222,7 @@ class InferenceClient:
     @property
     def request_model(self) -> str:
         """The model requests name: the LoRA adapter once the pool serves one, else the base model."""
-        return self.adapter if self.adapter is not None and self.weight_dir is not None else self.model
+        return self.adapter if self.adapter is not None and self.weights.weight_dir is not None else self.model
 
     def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
         # Every sampling parameter is sent, neutral ones too, so no server default (vLLM's, or a checkpoint's
@@ -279,173 +268,34 @@ class InferenceClient:
             body["max_tokens"] = max_tokens
         return await self._generate("/completions", body, parse_completion_response)
 
-    # ---- health and weights -----------------------------------------------------------------------
+    def set_floor(self, step: int) -> None:
+        """From now on, completions sampled by a policy older than `step` are thrown away and asked again
+        (their server gets the pool's weights first). Set at each step's start by policy.wait_for_policy."""
+        self._floor = step
 
-    async def _health(self, server: Server) -> int:
-        data = await self._request("GET", f"{server_root(server.base)}/health")
-        server.step = int(data.get("step", 0))
-        server.receivers = int(data.get("weight_receivers", 0))
-        server.group = data.get("weight_group")
-        return server.step
+    # ---- pool health and weight control -----------------------------------------------------------
 
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
-        """Poll every server's /health until all answer 200; return the weight step each holds."""
-        deadline = time.monotonic() + timeout
-        for server in self.pool.servers:
-            url = f"{server_root(server.base)}/health"
-            delay, next_note = 0.2, time.monotonic()
-            while True:
-                try:
-                    response = await self._http.get(url, timeout=min(10.0, self.config.timeout))
-                    if response.status_code == 200:
-                        server.step = int(response.json().get("step", 0))
-                        break
-                    problem = f"HTTP {response.status_code}"
-                except (httpx.TransportError, ValueError) as e:
-                    problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                if time.monotonic() + delay > deadline:
-                    raise InferenceError(
-                        f"inference server at {url} not ready after {timeout:.0f}s ({problem}); "
-                        f"is it running and is client.base_url right?"
-                    )
-                if time.monotonic() >= next_note:  # say what we wait for, then every 30 s, never silently
-                    left = deadline - time.monotonic()
-                    logger.info(f"waiting for the inference server at {url} ({problem}; giving up in {left:.0f}s)")
-                    next_note = time.monotonic() + 30
-                await asyncio.sleep(delay)
-                delay = min(delay * 1.5, 2.0)
-            logger.info(f"inference server {server.base} is up (weight step {server.step})")
-        return self.pool.steps
-
-    async def _probe(self, server: Server) -> None:
-        """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
-        try:
-            response = await self._http.get(f"{server_root(server.base)}/health", timeout=PROBE_TIMEOUT)
-            if response.status_code != 200:
-                return
-            server.step = int(response.json().get("step", 0))
-            await self._load(server)
-        except (httpx.TransportError, ValueError, ServerDown):
-            return
-        self.pool.rejoin(server)
-
-    async def revive(self, problem: str) -> None:
-        """With no live server left, wait up to client.health_timeout for one to answer again (a server that
-        restarts, e.g. under `rl --restart`); InferenceError naming the servers if none does."""
-        async with self._revival:  # every request that lost its server lands here; one of them probes
-            timeout = self.config.health_timeout
-            deadline, next_note = time.monotonic() + timeout, 0.0
-            while not self.pool.live():
-                if time.monotonic() > deadline:
-                    raise InferenceError(
-                        f"no live inference server left ({problem}); none of {self.pool.base_urls} answered /health "
-                        f"within {timeout:.0f}s"
-                    )
-                if time.monotonic() >= next_note:
-                    logger.warning(f"no inference server is up ({problem}); waiting up to {timeout:.0f}s for one")
-                    next_note = time.monotonic() + 30
-                await asyncio.gather(*(self._probe(s) for s in self.pool.servers))
-                if not self.pool.live():
-                    await asyncio.sleep(1.0)
+        """Wait until every server answers /health; the weight step each holds."""
+        return await self.pool.wait_for_servers(timeout)
 
     async def server_step(self) -> int:
-        """The oldest weight step any live server holds (every server is asked; dead ones are probed)."""
+        """The oldest weight step any live server holds (removed servers are probed and may rejoin)."""
+        return await self.pool.server_step(self.weights.load)
 
-        async def check(server: Server) -> None:
-            if not server.alive:
-                return await self._probe(server)
-            try:
-                await self._health(server)
-            except ServerDown as e:
-                self.pool.take_out(server, str(e))
-
-        await asyncio.gather(*(check(s) for s in self.pool.servers))
-        if not self.pool.live():
-            await self.revive(f"all of {self.pool.base_urls} failed /health")
-        return min(s.step for s in self.pool.live())
-
-    async def _load(self, server: Server) -> None:
-        """Give one server the weights the pool serves (nothing to do before the first update)."""
-        if self.weight_dir is not None:
-            data = await self._request(
-                "POST", f"{server_root(server.base)}/update_weights", {"weight_dir": self.weight_dir}
-            )
-            server.step = int(data["step"])
+    @property
+    def weight_dir(self) -> str | None:
+        """The weight dir the pool serves (the last `update_weights`); None: the servers' base weights."""
+        return self.weights.weight_dir
 
     async def update_weights(self, weight_dir: str) -> int:
-        """Load `weight_dir` on every live server; return the step they now serve.
-
-        A server that is down is taken out (the others carry on; it gets these weights when it rejoins);
-        any other failure is an error.
-        """
-        self.weight_dir = weight_dir
-
-        async def one(server: Server) -> None:
-            try:
-                await self._load(server)
-            except ServerDown as e:
-                self.pool.take_out(server, str(e))
-
-        await asyncio.gather(*(one(s) for s in self.pool.live()))
-        if not self.pool.live():
-            await self.revive(f"all of {self.pool.base_urls} failed to load {weight_dir}")
-        steps = [s.step for s in self.pool.live()]
-        if len(set(steps)) != 1:
-            raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
-        return steps[0]
+        """Load `weight_dir` on every live server; the step they now serve."""
+        return await self.weights.update(weight_dir)
 
     async def reload_weights(self) -> int:
-        """Every live server goes back to the weights it started with (POST /reload_weights); returns
-        their step (0). Later rejoining servers get those weights too."""
-        self.weight_dir = None
-
-        async def one(server: Server) -> None:
-            data = await self._request("POST", f"{server_root(server.base)}/reload_weights", {})
-            server.step = int(data["step"])
-
-        await asyncio.gather(*(one(s) for s in self.pool.live()))
-        steps = {s.step for s in self.pool.live()}
-        if len(steps) != 1:
-            raise InferenceError(f"servers report different steps after reloading their weights: {sorted(steps)}")
-        return steps.pop()
+        """Every live server back on the weights it started with; their step (0)."""
+        return await self.weights.reload()
 
     async def broadcast_weights(self, step: int, rendezvous: dict) -> int:
-        """Have every server receive weight step `step` over the trainer's broadcast group; return the step.
-
-        The trainer sends to all seats at once, so every server must take part: one that is down or
-        refuses is an error naming it (never retried: a second join would take a seat twice). `rendezvous`:
-        host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 + the
-        servers' seats (their /health `weight_receivers`)."""
-        # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
-        down = [s.base for s in self.pool.servers if not s.alive]
-        if down:
-            raise InferenceError(f"weight broadcast of step {step} needs every inference server; down: {down}")
-        unable = [s.base for s in self.pool.servers if s.receivers == 0]
-        if unable:
-            message = "take no weights over a process group; start them with --weight-transfer broadcast"
-            raise InferenceError(f"{unable} {message}")
-        world_size = 1 + sum(s.receivers for s in self.pool.servers)
-
-        async def one(server: Server, rank: int) -> None:
-            body = {"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}}
-            url = f"{server_root(server.base)}/update_weights"
-            try:
-                response = await self._http.post(url, json=body, timeout=rendezvous["timeout"] + 30)
-            except httpx.TransportError as e:
-                problem = f"{type(e).__name__}: {e}"
-                raise InferenceError(f"{server.base}: weight broadcast of step {step}: {problem}") from None
-            if response.status_code != 200:
-                try:
-                    message = response.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = f"HTTP {response.status_code}: {response.text[:500]}"
-                raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
-            server.step, server.group = int(response.json()["step"]), rendezvous["group"]
-
-        ranks = [1 + sum(s.receivers for s in self.pool.servers[:i]) for i in range(len(self.pool.servers))]
-        sends = (one(s, r) for s, r in zip(self.pool.servers, ranks, strict=True))
-        results = await asyncio.gather(*sends, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
-        return min(s.step for s in self.pool.servers)
+        """Every server receives weight step `step` over the trainer's broadcast group; the step."""
+        return await self.weights.broadcast(step, rendezvous)

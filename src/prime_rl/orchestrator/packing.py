@@ -1,36 +1,30 @@
 """From scored rollouts to the micro batches each trainer rank receives (DESIGN §2, rank file).
 
+The packing rules shared with the trainer (first-fit-decreasing rows, all-masked padding rows) are in
+`protocol/packing.py`; this module owns what is the orchestrator's own:
+
 1. `make_sample`: one rollout becomes one sample: prompt + completion tokens, the loss mask (sampled
    completion tokens only), the rollout's advantage on those tokens and the sampler's logprobs (μ) there.
-2. `first_fit_decreasing`: samples are packed into rows of at most `seq_len` tokens. Longest first, each
-   sample goes into the first row with room, else opens a new row. Lengths [5, 2, 7, 3, 4], seq_len 10:
-
-       sorted 7 5 4 3 2  →  row0 [7, 3]   (7, then 5 no fit, 4 no fit, 3 fits → 10)
-                            row1 [5, 4]   (5, then 4 fits → 9; 2 no longer fits in row0 or row1)
-                            row2 [2]
-
-   A sample longer than `seq_len` is an error (`SampleTooLong`), never truncated: a cut completion
-   would train on a sequence the policy never produced.
+2. `pack_rows` (protocol): samples are packed first-fit-decreasing into rows of at most `seq_len` tokens;
+   a sample longer than that is `SampleTooLong`, never truncated.
 3. `split_over_ranks`: rows are dealt out longest first, each to the rank with the fewest rows (ties:
-   fewest tokens), so every rank gets ceil(rows / ranks) or one fewer, with tokens balanced.
-4. Ranks with fewer rows get all-masked padding rows, so each rank runs the same number of
-   forward/backward passes and FSDP collectives stay in lockstep.
+   fewest tokens), so every rank gets ceil(rows / ranks) or one fewer, with tokens balanced. Row sizes
+   [10, 9, 8, 2, 1] over 2 ranks → [[0, 3, 4], [1, 2]] (rank 0: 10 + 2 + 1 tokens, rank 1: 9 + 8).
+4. `pad_rows` (protocol): ranks with fewer rows get all-masked padding rows, so each rank runs the same
+   number of forward/backward passes and FSDP collectives stay in lockstep.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prime_rl.protocol.packing import SampleTooLong, pack_rows, pad_rows
+
 if TYPE_CHECKING:
     from prime_rl.protocol.records import MicroBatch
 
-# Padding rows are all masked, so their content never matters. A few tokens keep their compute negligible
-# while sparing the trainer zero-size tensors after its next-token shift.
-PADDING_LENGTH = 8
-
-
-class SampleTooLong(ValueError):
-    """A rollout does not fit in one micro batch row."""
+# SampleTooLong is re-exported: the orchestrator catches what `pack_micro_batches` raises by this module.
+__all__ = ["SampleTooLong", "make_sample", "pack_micro_batches", "split_over_ranks"]
 
 
 def make_sample(
@@ -59,29 +53,6 @@ def make_sample(
     }
 
 
-def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins of total length <= capacity (see the module docstring)."""
-    for i, n in enumerate(lengths):
-        if n > capacity:
-            raise SampleTooLong(
-                f"sample {i} has {n} tokens but seq_len is {capacity}; raise seq_len or lower "
-                f"sampling.max_tokens / the prompt length (samples are never truncated)"
-            )
-    bins: list[list[int]] = []
-    room: list[int] = []
-    # Stable sort: equal lengths keep their original order, so packing is deterministic.
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - lengths[i])
-    return bins
-
-
 def split_over_ranks(sizes: list[int], num_ranks: int) -> list[list[int]]:
     """Indices of rows (with token counts `sizes`) for each rank: equal counts ±1, tokens balanced."""
     ranks: list[list[int]] = [[] for _ in range(num_ranks)]
@@ -97,12 +68,7 @@ def pack_micro_batches(
     samples: list[dict], seq_len: int, num_ranks: int, temperature: float, pad_id: int = 0
 ) -> list[list[MicroBatch]]:
     """The micro batches of each rank, all ranks with the same number of them."""
-    from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
-
-    bins = first_fit_decreasing([len(s["input_ids"]) for s in samples], seq_len)
-    rows = [MicroBatch.pack([samples[i] for i in b], temperature) for b in bins]
+    rows = pack_rows(samples, seq_len, temperature)
     per_rank = [[rows[i] for i in idx] for idx in split_over_ranks([r.num_tokens for r in rows], num_ranks)]
     count = max(1, max(len(mbs) for mbs in per_rank))
-    for mbs in per_rank:
-        mbs.extend(MicroBatch.padding(PADDING_LENGTH, temperature, pad_id) for _ in range(count - len(mbs)))
-    return per_rank
+    return [pad_rows(mbs, count, temperature, pad_id=pad_id) for mbs in per_rank]

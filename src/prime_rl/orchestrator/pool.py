@@ -3,20 +3,49 @@
 `client.base_url` lists one or more servers, optionally with `client.traffic_share`: shares 2,1,1 send
 50/25/25% of the requests. Servers are picked by smooth weighted round-robin (nginx's), which hits the
 shares exactly rather than on average: with shares a=2, b=1, c=1 every four requests go a, b, a, c. The
-same rotation mixes environments by their `ratio` (orchestrator.EnvMix).
+same rotation mixes environments by their `ratio` (batch.EnvMix).
 
-A server whose retries ran out is taken out (logged) and requests go to the live ones. The HTTP side
-(`client.InferenceClient`) probes removed servers at every step's health check and when none is left,
-and `rejoin`s one that answers, after giving it the weights the pool serves.
+A server whose retries ran out is taken out (logged) and requests go to the live ones. The pool's health
+checks (`wait_for_servers` at the start, `server_step` at every step's start, `revive` when no server is
+left) probe removed servers and `rejoin` one that answers, after `load` gave it the weights the pool
+serves (weight_control.WeightControl.load, passed in by the caller).
+
+The HTTP goes through the client (`client.InferenceClient`): `request` is its JSON request with
+retries, which raises `ServerDown` when a server's retries run out; `http` sends single quick tries.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import httpx
+
+from prime_rl.configs.orchestrator import ClientConfig
+
 logger = logging.getLogger("prime_rl")
+
+PROBE_TIMEOUT = 2.0  # seconds a removed server gets to answer /health at a step start
+
+Request = Callable[..., Awaitable[dict]]  # (method, url, body=None, server=None) -> the JSON answer
+Load = Callable[["Server"], Awaitable[None]]  # gives one server the weights the pool serves
+
+
+class InferenceError(RuntimeError):
+    """An inference server was unreachable or answered something unusable; the message names the URL."""
+
+
+class ServerDown(InferenceError):
+    """One server failed transiently on every retry; the pool takes it out and tries another."""
+
+
+def server_root(base_url: str) -> str:
+    """`http://host:8000/v1` → `http://host:8000` (where /health and /update_weights live)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 class SmoothRoundRobin:
@@ -55,9 +84,12 @@ class Server:
 
 
 class ServerPool:
-    def __init__(self, base_urls: list[str], traffic_share: list[float] | None, max_concurrency: int):
-        self.servers = [Server(url.rstrip("/"), asyncio.Semaphore(max_concurrency)) for url in base_urls]
-        self._rotation = SmoothRoundRobin(traffic_share or [1.0] * len(base_urls))
+    def __init__(self, config: ClientConfig, http: httpx.AsyncClient, request: Request):
+        self.config = config
+        self.servers = [Server(url.rstrip("/"), asyncio.Semaphore(config.max_concurrency)) for url in config.base_url]
+        self._rotation = SmoothRoundRobin(config.traffic_share or [1.0] * len(config.base_url))
+        self._http, self._request = http, request
+        self._revival = asyncio.Lock()
 
     @property
     def base_urls(self) -> list[str]:
@@ -89,3 +121,92 @@ class ServerPool:
         server.alive = True
         self._rotation.reset(self.servers.index(server))
         logger.info(f"inference server {server.base} answers again; back in the pool (step {server.step})")
+
+    # ---- health -----------------------------------------------------------------------------------
+
+    async def health(self, server: Server) -> int:
+        """A live server's /health (with retries): its weight step, broadcast seats and group."""
+        data = await self._request("GET", f"{server_root(server.base)}/health")
+        server.step = int(data.get("step", 0))
+        server.receivers = int(data.get("weight_receivers", 0))
+        server.group = data.get("weight_group")
+        return server.step
+
+    async def wait_for_servers(self, timeout: float) -> dict[str, int]:
+        """Poll every server's /health until all answer 200; return the weight step each holds."""
+        deadline = time.monotonic() + timeout
+        for server in self.servers:
+            await self._wait_for(server, deadline, timeout)
+            logger.info(f"inference server {server.base} is up (weight step {server.step})")
+        return self.steps
+
+    async def _wait_for(self, server: Server, deadline: float, timeout: float) -> None:
+        url = f"{server_root(server.base)}/health"
+        delay, next_note = 0.2, time.monotonic()
+        while True:
+            try:
+                response = await self._http.get(url, timeout=min(10.0, self.config.timeout))
+                if response.status_code == 200:
+                    server.step = int(response.json().get("step", 0))
+                    return
+                problem = f"HTTP {response.status_code}"
+            except (httpx.TransportError, ValueError) as e:
+                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if time.monotonic() + delay > deadline:
+                raise InferenceError(
+                    f"inference server at {url} not ready after {timeout:.0f}s ({problem}); "
+                    f"is it running and is client.base_url right?"
+                )
+            if time.monotonic() >= next_note:  # say what we wait for, then every 30 s, never silently
+                left = deadline - time.monotonic()
+                logger.info(f"waiting for the inference server at {url} ({problem}; giving up in {left:.0f}s)")
+                next_note = time.monotonic() + 30
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+
+    async def _probe(self, server: Server, load: Load) -> None:
+        """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
+        try:
+            response = await self._http.get(f"{server_root(server.base)}/health", timeout=PROBE_TIMEOUT)
+            if response.status_code != 200:
+                return
+            server.step = int(response.json().get("step", 0))
+            await load(server)
+        except (httpx.TransportError, ValueError, ServerDown):
+            return
+        self.rejoin(server)
+
+    async def revive(self, problem: str, load: Load) -> None:
+        """With no live server left, wait up to client.health_timeout for one to answer again (a server that
+        restarts, e.g. under `rl --restart`); InferenceError naming the servers if none does."""
+        async with self._revival:  # every request that lost its server lands here; one of them probes
+            timeout = self.config.health_timeout
+            deadline, next_note = time.monotonic() + timeout, 0.0
+            while not self.live():
+                if time.monotonic() > deadline:
+                    raise InferenceError(
+                        f"no live inference server left ({problem}); none of {self.base_urls} answered /health "
+                        f"within {timeout:.0f}s"
+                    )
+                if time.monotonic() >= next_note:
+                    logger.warning(f"no inference server is up ({problem}); waiting up to {timeout:.0f}s for one")
+                    next_note = time.monotonic() + 30
+                await asyncio.gather(*(self._probe(s, load) for s in self.servers))
+                if not self.live():
+                    await asyncio.sleep(1.0)
+
+    async def server_step(self, load: Load) -> int:
+        """The oldest weight step any live server holds (every server is asked; dead ones are probed)."""
+
+        async def check(server: Server) -> None:
+            if not server.alive:
+                return await self._probe(server, load)
+            try:
+                await self.health(server)
+            except ServerDown as e:
+                self.take_out(server, str(e))
+
+        await asyncio.gather(*(check(s) for s in self.servers))
+        if not self.live():
+            await self.revive(f"all of {self.base_urls} failed /health", load)
+        return min(s.step for s in self.live())

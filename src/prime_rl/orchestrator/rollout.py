@@ -29,8 +29,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from prime_rl.configs.orchestrator import SamplingConfig
-from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, max_turns, split_score
+from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig, SamplingConfig
+from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, load_environment, max_turns, split_score
 from prime_rl.orchestrator.client import Completion, InferenceClient
 from prime_rl.utils.tool_calls import parse_tool_calls
 
@@ -228,6 +228,17 @@ class RolloutSource:
         values = await asyncio.gather(*(resolve(self.env.score(r.completion, group.example)) for r in group.rollouts))
         for rollout, value in zip(group.rollouts, values, strict=True):
             rollout.reward, rollout.metrics = split_score(value, self.name)
+
+
+def build_source(
+    cfg: EnvConfig, config: OrchestratorConfig, sampling: SamplingConfig | None = None
+) -> tuple[Environment, RolloutSource]:
+    """An `[[env]]` (or `[[eval]]`) entry's environment and its sampler (sampling: config.sampling unless given)."""
+    env = load_environment(cfg.id, **cfg.args)
+    tokenizer = load_tokenizer(env, config.model.name)
+    source = RolloutSource(env, cfg.label, sampling or config.sampling, config.seq_len, tokenizer, config.max_turns,
+                           cfg.max_tokens)  # fmt: skip
+    return env, source
 
 
 def load_tokenizer(env: Environment, model_name: str) -> Any:

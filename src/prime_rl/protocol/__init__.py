@@ -1,7 +1,9 @@
-"""The OUTPUT_DIR contract (DESIGN §2): paths, atomic writes, STABLE markers, waits and heartbeats.
+"""The OUTPUT_DIR contract (DESIGN §2): paths, atomic writes, STABLE markers, waits and heartbeats, locks and
+what a fresh or resumed run clears.
 
 Both sides of every exchange import from here; nothing else formats these paths or polls these files.
-`records` (the rank-file format) needs torch and is imported explicitly where used.
+`records` (the rank-file format; needs torch) and `packing` (its rows: first-fit-decreasing, padding) are
+imported explicitly where used.
 """
 
 from prime_rl.protocol.checkpoints import (
@@ -48,6 +50,7 @@ from prime_rl.protocol.paths import (
     weights_dir,
     weights_root,
 )
+from prime_rl.protocol.prepare import prepare_output_dir, run_locks
 from prime_rl.protocol.wait import (
     Heartbeat,
     WaitTimeout,
@@ -87,6 +90,7 @@ __all__ = [
     "mark_stable",
     "metrics_file",
     "orchestrator_checkpoint_file",
+    "prepare_output_dir",
     "prune_checkpoints",
     "prune_rollouts",
     "prune_steps",
@@ -97,6 +101,7 @@ __all__ = [
     "rollouts_dir",
     "stopped_file",
     "run_dir",
+    "run_locks",
     "stable_steps",
     "step_dir",
     "step_of",

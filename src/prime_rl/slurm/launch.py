@@ -28,7 +28,6 @@ checkpoint and passes `--ckpt.resume-step=latest`, so it goes on at the next ste
 from __future__ import annotations
 
 import math
-import secrets
 import shlex
 import subprocess
 import sys
@@ -152,9 +151,10 @@ NODE_LISTS = """mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIS
 join() {{ local IFS=,; echo "$*"; }}
 export TRAINER_HEAD=${{TRAINER_NODES[0]}} RDZV_PORT={port}"""
 
+# A fresh job's first step: the fresh case of `protocol.prepare_output_dir`, the one owner of that rule.
 CLEAR_PREVIOUS_RUN = (
-    "import pathlib, sys; from prime_rl.protocol import clear_previous_run; "
-    'print("prime-rl:", clear_previous_run(pathlib.Path(sys.argv[1])) or "fresh start")'
+    "import pathlib, sys; from prime_rl.protocol import prepare_output_dir; "
+    'print("prime-rl:", prepare_output_dir(pathlib.Path(sys.argv[1]), None) or "fresh start")'
 )
 
 # Bash that follows the steps started in the background (STEP_PIDS: name -> srun pid).
@@ -219,7 +219,7 @@ rc=$STOPPED
 
 
 def render_rl(config, argv: list[str]) -> Job:
-    from prime_rl.rl import SERVICES
+    from prime_rl.configs.rl import SERVICES
 
     slurm: SlurmConfig = config.slurm
     output_dir = Path(config.orchestrator.output_dir).resolve()
@@ -230,14 +230,21 @@ def render_rl(config, argv: list[str]) -> Job:
             )
         resumable = config.trainer.ckpt is not None
         lines = sbatch_header(slurm, "rl", 1, output_dir, argv, resumable)
-        rl = ["$PY", "-m", "prime_rl.rl", "@", "$OUTPUT_DIR/run/slurm/rl.toml", *([RESUME] if resumable else [])]
+        rl = [
+            "$PY",
+            "-m",
+            "prime_rl.entrypoints.rl",
+            "@",
+            "$OUTPUT_DIR/run/slurm/rl.toml",
+            *([RESUME] if resumable else []),
+        ]
         lines += ["rc=0", srun(slurm, "--nodes=1", "--ntasks=1") + " " + sh(*rl) + " || rc=$?", finish(slurm)]
         return Job(output_dir, "\n".join(lines) + "\n", {"rl.toml": _toml_data(config, output_dir, SERVICES)})
     return _render_rl_nodes(config, slurm, output_dir, argv)
 
 
 def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[str]) -> Job:
-    from prime_rl.rl import assign_devices, service_commands
+    from prime_rl.launch.services import assign_devices, service_configs
 
     n_inf, n_train = slurm.inference_nodes or 1, slurm.trainer_nodes or 1
     shared = slurm.nodes == 1
@@ -245,33 +252,13 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
     env, procs = assign_devices(config, slurm.gpus_per_node or 0)
     if not shared and slurm.gpus_per_node:
         env, procs = {s: {} for s in env}, slurm.gpus_per_node
-    world = n_train * procs
-    if "num_train_workers" in config.orchestrator.model_fields_set and config.orchestrator.num_train_workers != world:
-        raise ValueError(f"orchestrator.num_train_workers={config.orchestrator.num_train_workers} but the trainer "
-                         f"runs {world} ranks ({n_train} node(s) x {procs})")  # fmt: skip
-    key_var = config.orchestrator.client.api_key_var
-    configs = {s: _toml_data(getattr(config, s), output_dir) for s in ("inference", "orchestrator", "trainer")}
-    for data in configs.values():
-        data.setdefault("log", {})["file"] = False  # each step's output is its log, one file per node
-    configs["orchestrator"]["num_train_workers"] = world
-    configs["inference"]["api_key_var"] = key_var
-    configs["inference"].setdefault("server", {})["host"] = "0.0.0.0"
-    port = config.inference.server.port
-
+    # The job puts a fresh API key in the steps' environment; the servers listen on every interface.
+    layout = f" ({n_train} node(s) x {procs})"
+    subs = service_configs(config, n_train * procs, key_in_env=True, layout=layout, host="0.0.0.0")
+    configs = {name: _toml_data(sub, output_dir) for name, sub in subs.items()}
+    key_var, port = config.orchestrator.client.api_key_var, config.inference.server.port
     resumable = config.trainer.ckpt is not None
-    commands = {k: ["$PY", *v[1:]] for k, v in service_commands(Path("$OUTPUT_DIR/run/slurm"), procs).items()}
-    if resumable:
-        commands["trainer"].append(RESUME)
-        commands["orchestrator"].append(RESUME)
-    at = commands["trainer"].index("--standalone")
-    commands["trainer"][at : at + 1] = torchrun_nodes(n_train)
-    orchestrator_flags = ["--client.base-url", "$BASE_URLS"]
-    if slurm.traffic_share:
-        orchestrator_flags += ["--client.traffic-share", ",".join(str(s) for s in slurm.traffic_share)]
-    trainer_flags = []
-    if config.trainer.weight_transfer == "broadcast":  # trainer rank 0 (on $TRAINER_HEAD) hosts the group
-        orchestrator_flags += ["--weight-broadcast.host", "$TRAINER_HEAD"]
-        trainer_flags += ["--weight-broadcast.host", "$TRAINER_HEAD"]
+    commands = _node_commands(config, slurm, procs, n_train, resumable)
 
     first_trainer = 0 if shared else n_inf
     arrays = f'INFERENCE_NODES=("${{NODES[@]:0:{n_inf}}}")\nTRAINER_NODES=("${{NODES[@]:{first_trainer}:{n_train}}}")'
@@ -296,17 +283,37 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
         "STEP_PIDS[inference]=$!",
         srun(slurm, "--overlap", f"--nodes={n_train}", f"--ntasks={n_train}", "--ntasks-per-node=1",
              '--nodelist=$(join "${TRAINER_NODES[@]}")', "--output=$OUTPUT_DIR/logs/trainer-%N.log")
-        + " " + in_step([*commands["trainer"], *trainer_flags], env["trainer"]) + " &",
+        + " " + in_step(commands["trainer"], env["trainer"]) + " &",
         "STEP_PIDS[trainer]=$!",
         srun(slurm, "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=$TRAINER_HEAD",
              "--output=$OUTPUT_DIR/logs/orchestrator.log")
-        + " " + in_step([*commands["orchestrator"], *orchestrator_flags], env["orchestrator"]) + " &",
+        + " " + in_step(commands["orchestrator"], env["orchestrator"]) + " &",
         "STEP_PIDS[orchestrator]=$!",
         f"INFERENCE_GRACE=30 STOP_TIMEOUT={math.ceil(config.stop_timeout)}",
         WATCH_STEPS,
         finish(slurm),
     ]  # fmt: skip
     return Job(output_dir, "\n".join(lines) + "\n", {f"{s}.toml": data for s, data in configs.items()})
+
+
+def _node_commands(config, slurm: SlurmConfig, procs: int, n_train: int, resumable: bool) -> dict[str, list[str]]:
+    """The steps' programs: `rl`'s commands on the job's configs, torchrun across the trainer nodes, the
+    orchestrator given every server, and the resume flag a requeued or resubmitted job sets."""
+    from prime_rl.launch.services import service_commands
+
+    commands = {k: ["$PY", *v[1:]] for k, v in service_commands(Path("$OUTPUT_DIR/run/slurm"), procs).items()}
+    if resumable:
+        commands["trainer"].append(RESUME)
+        commands["orchestrator"].append(RESUME)
+    at = commands["trainer"].index("--standalone")
+    commands["trainer"][at : at + 1] = torchrun_nodes(n_train)
+    commands["orchestrator"] += ["--client.base-url", "$BASE_URLS"]
+    if slurm.traffic_share:
+        commands["orchestrator"] += ["--client.traffic-share", ",".join(str(s) for s in slurm.traffic_share)]
+    if config.trainer.weight_transfer == "broadcast":  # trainer rank 0 (on $TRAINER_HEAD) hosts the group
+        commands["orchestrator"] += ["--weight-broadcast.host", "$TRAINER_HEAD"]
+        commands["trainer"] += ["--weight-broadcast.host", "$TRAINER_HEAD"]
+    return commands
 
 
 def render_sft(config, argv: list[str]) -> Job:
@@ -319,7 +326,7 @@ def render_sft(config, argv: list[str]) -> Job:
     data.setdefault("log", {})["file"] = False  # each node's output is its log
     resumable = config.ckpt is not None
     cmd = ["$PY", "-m", "torch.distributed.run", *torchrun_nodes(nodes), "--nproc-per-node", str(procs),
-           "-m", "prime_rl.trainer.sft.train", "@", "$OUTPUT_DIR/run/slurm/sft.toml"]  # fmt: skip
+           "-m", "prime_rl.entrypoints.sft", "@", "$OUTPUT_DIR/run/slurm/sft.toml"]  # fmt: skip
     cmd += [RESUME] if resumable else []
     env = {} if slurm.gpus_per_node else {"CUDA_VISIBLE_DEVICES": ""}
     lines = sbatch_header(slurm, "sft", nodes, output_dir, argv, resumable)
@@ -354,19 +361,19 @@ def write_job(job: Job) -> Path:
     return atomic_write_text(job_dir(job.output_dir) / "job.sbatch", job.script)
 
 
-def clear_for_fresh_run(config) -> None:
-    """As `rl` does before it starts anything: a fresh run must not see an earlier run's rollouts and weights
-    (the trainer starts beside the orchestrator, which clears them too late for it). Refused while a live run
-    holds the output dir."""
-    from prime_rl.protocol import RunLock, clear_previous_run, resolve_resume_step
+def prepare_for_run(config) -> None:
+    """As `rl` does before it starts anything, for a fresh run: an earlier run's rollouts and weights go (the
+    trainer starts beside the orchestrator, which clears them too late for it). Refused while a live run holds
+    the output dir. A resumed run is prepared where it starts (`rl`, or the orchestrator across nodes)."""
+    from prime_rl.launch.services import resume_step
+    from prime_rl.protocol import prepare_output_dir, run_locks
 
-    output_dir, ckpt = config.orchestrator.output_dir, config.orchestrator.ckpt
-    if ckpt is not None and resolve_resume_step(output_dir, ckpt.resume_step, "orchestrator") is not None:
+    if resume_step(config) is not None:
         return
-    token = secrets.token_hex(8)
-    with RunLock(output_dir, "orchestrator", token), RunLock(output_dir, "trainer", token):
-        if removed := clear_previous_run(output_dir):
-            print(f"prime-rl: {removed}", file=sys.stderr)
+    output_dir = config.orchestrator.output_dir
+    with run_locks(output_dir):
+        if said := prepare_output_dir(output_dir, None):
+            print(f"prime-rl: {said}", file=sys.stderr)
 
 
 def submit(config, service: str, argv: list[str] | None = None) -> int:
@@ -380,7 +387,7 @@ def submit(config, service: str, argv: list[str] | None = None) -> int:
             print(job.script, end="")
             return 0
         if service == "rl":
-            clear_for_fresh_run(config)
+            prepare_for_run(config)
         script = write_job(job)
     except (ValueError, RunLocked) as e:
         print(f"{service}: {e}", file=sys.stderr)

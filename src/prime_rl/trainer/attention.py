@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from prime_rl.trainer.errors import TrainerError
+
 logger = logging.getLogger("prime_rl")
 
 BLOCK = 64  # query rows per work item of the CPU kernel
@@ -266,8 +268,6 @@ def check_supported(model: torch.nn.Module) -> None:
     layers that are not attention (linear attention / state-space layers would run across sample
     boundaries). Attention sinks (gpt-oss) are an extra softmax column no packed path adds.
     """
-    from prime_rl.trainer.errors import TrainerError
-
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     arch = type(model).__name__
     features = []

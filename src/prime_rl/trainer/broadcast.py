@@ -27,7 +27,8 @@ from prime_rl.protocol.broadcast import (
     write_marker,
 )
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.weights import ModelFiles, export_specs, full_tensor, reverts_conversion
+from prime_rl.trainer.weights import ModelFiles, export_specs, full_tensor
+from prime_rl.utils.hf_layout import broadcast_refusal
 
 logger = logging.getLogger("prime_rl")
 
@@ -50,11 +51,9 @@ class WeightSender:
         self.rdv = Rendezvous(b.host, b.port, group, 0, backend, b.timeout)
         self.pg = None
         self.dtype = files.dtype
-        if reverts_conversion(model):
-            raise TrainerError(
-                f"{type(model).__name__}: transformers converts its weights at load, which weight_transfer = "
-                "broadcast does not undo; use weight_transfer = filesystem"
-            )
+        refusal = broadcast_refusal(model)
+        if refusal is not None:
+            raise TrainerError(refusal)
         if d.is_main:
             logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {group})")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prime_rl.protocol import DiskFull
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.utils.logging import setup_logging
 
 logger = logging.getLogger("prime_rl")
 
@@ -36,8 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from prime_rl.utils.logging import setup_logging
-
     args = parse_args(argv)
     setup_logging("convert", None, "INFO", to_file=False)
     try:

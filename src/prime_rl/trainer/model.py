@@ -11,15 +11,21 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prime_rl.configs import LoraConfig
+from prime_rl.configs.training import TrainingConfig
 from prime_rl.trainer.attention import attention_implementation, check_supported
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.optim import build_optimizer, build_scheduler
+from prime_rl.trainer.parallel import Dist, parallelize
 from prime_rl.trainer.weights import check_export_layout
 from prime_rl.utils.lora import ADAPTER
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger("prime_rl")
 
@@ -45,7 +51,7 @@ def build_model(name: str, device_type: str = "cpu", lora: LoraConfig | None = N
     return model
 
 
-def disable_dropout(config) -> list[str]:
+def disable_dropout(config: PretrainedConfig) -> list[str]:
     """Set every dropout probability of an HF config (and its sub-configs) to 0; returns what was > 0."""
     changed = []
     for key, value in vars(config).items():
@@ -81,12 +87,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> None:
     logger.info(f"LoRA rank {lora.rank} on {lora.target_modules}: {trainable:,} of {total:,} parameters train")
 
 
-def build_training(config, d, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    """The model of a trainer config (RL or SFT) parallelized over `d`, with its optimizer and lr schedule."""
-    from prime_rl.trainer.optim import build_optimizer, build_scheduler
-    from prime_rl.trainer.parallel import parallelize
-
-    model = build_model(config.model.name, d.device.type, config.model.lora)
-    parallelize(model, d, config)
+def build_training(
+    config: TrainingConfig, dist: Dist, max_steps: int
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The model of a trainer config (RL or SFT) parallelized over `dist`, with its optimizer and lr schedule."""
+    model = build_model(config.model.name, dist.device.type, config.model.lora)
+    parallelize(model, dist, config)
     optimizer = build_optimizer(model, config.optim)
     return model, optimizer, build_scheduler(optimizer, config.optim, max_steps)

@@ -24,12 +24,12 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from prime_rl.configs.training import OptimConfig
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.parallel import decoder_layers
 
 
 def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     """AdamW with the fused kernel (one pass over all parameters, CPU and CUDA; ~3x faster than per-tensor),
     or with `o.type = "muon"` Muon for the decoder layers' matrices and fused AdamW for the rest."""
-    from prime_rl.trainer.parallel import decoder_layers
 
     def adamw(params: list[torch.Tensor]) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True)

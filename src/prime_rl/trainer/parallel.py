@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from prime_rl.configs.training import TrainingConfig
 from prime_rl.trainer.errors import TrainerError
 
 
@@ -51,15 +52,15 @@ def init_distributed(device_type: str) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def parallelize(model: torch.nn.Module, d: Dist, config) -> None:
-    """Make a trainer config's (RL or SFT) model ready to train on `d`, in the one order that works:
+def parallelize(model: torch.nn.Module, world: Dist, config: TrainingConfig) -> None:
+    """Make a trainer config's (RL or SFT) model ready to train on `world`, in the one order that works:
     activation checkpointing wraps each decoder layer, compile then compiles the layer's forward (the
     checkpoint and FSDP hooks stay eager, parameter names unchanged), FSDP shards last."""
     if config.activation_checkpointing:
         apply_ac(model)
     if config.compile:
-        apply_compile(model, d.device.type)
-    apply_fsdp(model, d, compute_dtype(config.dtype, d.device), config.cpu_offload)
+        apply_compile(model, world.device.type)
+    apply_fsdp(model, world, compute_dtype(config.dtype, world.device), config.cpu_offload)
 
 
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -92,7 +93,7 @@ def apply_compile(model: torch.nn.Module, device_type: str) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
+def apply_fsdp(model: torch.nn.Module, world: Dist, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
     """Shard every decoder layer, then the root (embeddings, final norm, head), over all ranks.
 
     Master weights and optimizer state stay float32; with `param_dtype=bfloat16` the all-gathered
@@ -106,18 +107,18 @@ def apply_fsdp(model: torch.nn.Module, d: Dist, param_dtype: torch.dtype, cpu_of
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if d.world_size == 1 and param_dtype == torch.float32 and not cpu_offload:
-        model.to(d.device)
+    if world.world_size == 1 and param_dtype == torch.float32 and not cpu_offload:
+        model.to(world.device)
         return
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if cpu_offload and d.device.type == "cuda" else OffloadPolicy()
+    offload = CPUOffloadPolicy() if cpu_offload and world.device.type == "cuda" else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
-def set_micro_batch_sync(model: torch.nn.Module, d: Dist, last: bool) -> None:
+def set_micro_batch_sync(model: torch.nn.Module, world: Dist, last: bool) -> None:
     """Before each micro batch: on one rank, reduce gradients and reshard only after the last one's backward.
 
     With several ranks every micro batch reduce-scatters, so no rank ever holds a full unsharded gradient.
@@ -126,7 +127,7 @@ def set_micro_batch_sync(model: torch.nn.Module, d: Dist, last: bool) -> None:
     (Not resharding after forward would also skip the backward re-gather, but a forward without backward,
     e.g. an evaluation, would then leave stale unsharded weights behind after the optimizer step.)
     """
-    if d.world_size == 1 and hasattr(model, "set_requires_gradient_sync"):  # plain module: nothing to do
+    if world.world_size == 1 and hasattr(model, "set_requires_gradient_sync"):  # plain module: nothing to do
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)
 
@@ -150,12 +151,3 @@ def all_reduce(values: list[float], device: torch.device, op: Literal["sum", "ma
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def run_lock(output_dir, role: str, rank: int):
-    """The output dir's lock for this trainer world, held by global rank 0 (see protocol/lock.py)."""
-    import contextlib
-
-    from prime_rl.protocol import RunLock
-
-    return RunLock(output_dir, role) if rank == 0 else contextlib.nullcontext()

@@ -1,46 +1,64 @@
 """What the two trainer entrypoints (`trainer` for RL, `sft`) share around their steps: process start-up
 (logging per rank, the output dir's lock, the recorded config, clean errors), the training state of a config
 (distributed group, model, optimizer, schedule, weight files), resuming, checkpoints when due, and stopping
-on a stop signal (Slurm's USR1 / SIGTERM) with a checkpoint, every rank after the same step."""
+on a stop signal (Slurm's USR1 / SIGTERM) with a checkpoint, every rank after the same step.
+
+Importing it loads no torch (`--help` and config errors stay instant): the training modules, which do, are
+imported inside the functions that build or use the training state.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from prime_rl.configs import parse_config
-from prime_rl.protocol import DiskFull, RunLocked, WaitTimeout, WriterDead, stopped_file
+from prime_rl.configs.training import TrainingConfig
+from prime_rl.protocol import (
+    DiskFull,
+    RunLock,
+    RunLocked,
+    WaitTimeout,
+    WriterDead,
+    atomic_write_json,
+    checkpoint_due,
+    is_stable,
+    prune_checkpoints,
+    resolve_resume_step,
+    stopped_file,
+    trainer_checkpoint_dir,
+)
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.parallel import run_lock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import (
     PREEMPTED,
     StopRequested,
     catch_stop_signals,
-    die_with_parent,
     ignore_usr1,
     stop_requested,
 )
 from prime_rl.utils.run_record import write_run_config
+from prime_rl.utils.timer import timer
+
+if TYPE_CHECKING:
+    from prime_rl.trainer.ckpt import Progress
+    from prime_rl.trainer.parallel import Dist
+    from prime_rl.trainer.weights import ModelFiles
 
 logger = logging.getLogger("prime_rl")
 
 
-def main(config_cls, service: str, run: Callable[[Any], None]) -> None:
-    """Parse `config_cls`, set up logging and the run lock (rank 0), call `run(config)`; a known failure
-    is one log line and exit status 1."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent (it may be SIGKILLed)
-        die_with_parent(signal.SIGKILL)
-    config = parse_config(config_cls, prog=service)
-    if getattr(config, "slurm", None) is not None:  # `sft --slurm`: submit the run as a Slurm job instead
-        from prime_rl.slurm.launch import submit
+# The failures that end a trainer with one log line and exit status 1 (the entry catches them).
+ERRORS = (WaitTimeout, WriterDead, TrainerError, RunLocked, DiskFull)
 
-        raise SystemExit(submit(config, service))
+
+def start(config: TrainingConfig, service: str, run: Callable[[Any], None]) -> None:
+    """Stop signals, logging (per rank), the run lock (rank 0) and the recorded config around `run(config)`."""
     # With checkpoints a stop signal ends the run after the current step, resumable; without, USR1 is ignored.
     catch_stop_signals() if config.ckpt is not None else ignore_usr1()
     rank = int(os.environ.get("RANK", 0))
@@ -48,32 +66,35 @@ def main(config_cls, service: str, run: Callable[[Any], None]) -> None:
         setup_logging(service, config.output_dir, config.log.level, config.log.file)
     else:  # one log per service: other ranks only surface problems, on their stderr
         setup_logging(f"{service}-rank{rank}", None, "WARNING", to_file=False)
-    try:
-        with run_lock(config.output_dir, service, rank):
-            if rank == 0:
-                write_run_config(config, service, config.output_dir)
-                stopped_file(config.output_dir, service).unlink(missing_ok=True)
-            run(config)
-    except (WaitTimeout, WriterDead, TrainerError, RunLocked, DiskFull) as e:
-        logger.error(str(e))
-        raise SystemExit(1) from None
-    except StopRequested as e:
-        logger.warning(str(e))
-        # torchrun reports a worker's non-zero status as a crash: there the job script reads stopped_file.
-        raise SystemExit(0 if "TORCHELASTIC_RUN_ID" in os.environ else PREEMPTED) from None
+    with run_lock(config.output_dir, service, rank):
+        if rank == 0:
+            write_run_config(config, service, config.output_dir)
+            stopped_file(config.output_dir, service).unlink(missing_ok=True)
+        run(config)
+
+
+def stopped_status() -> int:
+    """Exit status of a trainer stopped on a stop signal: torchrun reports a worker's non-zero status as a
+    crash, so its workers exit 0 (the job script reads stopped_file); a lone process exits PREEMPTED."""
+    return 0 if "TORCHELASTIC_RUN_ID" in os.environ else PREEMPTED
 
 
 @dataclass
 class Training:
-    d: Any  # parallel.Dist
+    dist: Dist
     model: Any
     optimizer: Any
     scheduler: Any
-    files: Any  # weights.ModelFiles: what every weight export copies from the base model
+    files: ModelFiles  # what every weight export copies from the base model
+
+
+def run_lock(output_dir: Path, role: str, rank: int) -> contextlib.AbstractContextManager:
+    """The output dir's lock for this trainer world, held by global rank 0 (see protocol/lock.py)."""
+    return RunLock(output_dir, role) if rank == 0 else contextlib.nullcontext()
 
 
 @contextmanager
-def training(config, max_steps: int) -> Iterator[Training]:
+def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
     """Seeded, joined to the process group, with the config's model parallelized and its optimizer built;
     the group is closed on the way out."""
     import torch
@@ -83,79 +104,78 @@ def training(config, max_steps: int) -> Iterator[Training]:
     from prime_rl.trainer.weights import build_model_files
 
     torch.manual_seed(config.seed)
-    d = init_distributed(resolve_device(config.device))
+    dist = init_distributed(resolve_device(config.device))
     try:
-        model, optimizer, scheduler = build_training(config, d, max_steps)
+        model, optimizer, scheduler = build_training(config, dist, max_steps)
         files = build_model_files(config.model.name, config.model.lora)  # every rank writes in its dtype
-        yield Training(d, model, optimizer, scheduler, files)
+        yield Training(dist, model, optimizer, scheduler, files)
     finally:
         close_distributed()
 
 
-def resume_step(config) -> int | None:
+def resume_step(config: TrainingConfig) -> int | None:
     """The checkpoint step `--ckpt.resume-step` asks for (-1 = newest), None for a fresh start."""
-    from prime_rl.protocol import resolve_resume_step
-
     try:
         return resolve_resume_step(config.output_dir, config.ckpt and config.ckpt.resume_step, "trainer")
     except ValueError as e:
         raise TrainerError(str(e)) from None
 
 
-def load(config, t: Training, step: int):
-    """Restore checkpoint `step` into `t`; returns its Progress."""
+def load(config: TrainingConfig, state: Training, step: int) -> Progress:
+    """Restore checkpoint `step` into `state`; returns its Progress."""
     from prime_rl.trainer.ckpt import load_checkpoint
 
-    progress = load_checkpoint(config.output_dir, step, t.model, t.optimizer, t.scheduler, t.d.rank)
+    progress = load_checkpoint(config.output_dir, step, state.model, state.optimizer, state.scheduler, state.dist.rank)
     if progress.step != step:
         raise TrainerError(f"checkpoint step_{step} holds trainer progress of step {progress.step}")
     return progress
 
 
-def checkpoint_if_due(config, t: Training, progress, max_steps: int, times: dict) -> bool:
+def checkpoint_if_due(config: TrainingConfig, state: Training, progress: Progress, max_steps: int, times: dict) -> bool:
     """Write `checkpoints/step_n/trainer` when `ckpt.interval` (or the last step) says so; prune old ones."""
-    from prime_rl.protocol import checkpoint_due
-
     ckpt = config.ckpt
     if ckpt is None or not checkpoint_due(progress.step, max_steps, ckpt.interval):
         return False
-    save(config, t, progress, max_steps, times)
+    save(config, state, progress, max_steps, times)
     return True
 
 
-def save(config, t: Training, progress, max_steps: int, times: dict) -> None:
+def save(config: TrainingConfig, state: Training, progress: Progress, max_steps: int, times: dict) -> None:
     """Collective: write `checkpoints/step_n/trainer` for `progress`; rank 0 prunes old ones."""
-    from prime_rl.protocol import prune_checkpoints
     from prime_rl.trainer.ckpt import save_checkpoint
-    from prime_rl.utils.timer import timer
 
     with timer(times, "save_ckpt"):
         save_checkpoint(
-            config.output_dir, progress.step, t.model, t.optimizer, t.scheduler, progress, t.files, t.d.rank
+            config.output_dir,
+            progress.step,
+            state.model,
+            state.optimizer,
+            state.scheduler,
+            progress,
+            state.files,
+            state.dist.rank,
         )
-    if t.d.is_main:
+    if state.dist.is_main:
         prune_checkpoints(config.output_dir, "trainer", config.ckpt.keep, max_steps, config.ckpt.interval)
 
 
-def stop_agreed(d) -> bool:
+def stop_agreed(dist: Dist) -> bool:
     """Collective, between steps: did any rank receive a stop signal? Then every rank stops here (a rank
     that went on alone would wait forever in the next step's collectives)."""
     from prime_rl.trainer.parallel import all_reduce
 
-    (stop,) = all_reduce([float(stop_requested() is not None)], d.device, op="max")
+    (stop,) = all_reduce([float(stop_requested() is not None)], dist.device, op="max")
     return stop > 0
 
 
-def stop_on_signal(name: str, config, t: Training, progress, max_steps: int) -> None:
+def stop_on_signal(name: str, config: TrainingConfig, state: Training, progress: Progress, max_steps: int) -> None:
     """Collective: the run stops after `progress.step` steps; checkpoint that state (unless it is on disk),
     record the stop in run/<name>.stopped (rank 0) and raise StopRequested."""
-    from prime_rl.protocol import atomic_write_json, is_stable, trainer_checkpoint_dir
-
     step = progress.step
     if step > 0 and not is_stable(trainer_checkpoint_dir(config.output_dir, step)):
-        save(config, t, progress, max_steps, {})
+        save(config, state, progress, max_steps, {})
     signal_name = stop_requested() or "a stop signal (on another rank)"
-    if t.d.is_main:
+    if state.dist.is_main:
         atomic_write_json(stopped_file(config.output_dir, name), {"signal": signal_name, "step": step})
     saved = f"checkpoint checkpoints/step_{step}" if step > 0 else "no step done, nothing to save"
     raise StopRequested(f"stopped on {signal_name} after {step} step(s): {saved}; resume: --ckpt.resume-step latest")

@@ -17,13 +17,16 @@ import math
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, sample_starts
-from prime_rl.trainer.parallel import all_reduce, set_micro_batch_sync
+from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
+
+if TYPE_CHECKING:
+    from prime_rl.trainer.ckpt import Progress
 
 logger = logging.getLogger("prime_rl")
 
@@ -47,7 +50,7 @@ def train_step(
     model,
     optimizer,
     micro_batches: list[MicroBatch],
-    d,
+    dist: Dist,
     loss_fn: LossFn,
     max_norm: float,
     norm: Literal["token", "sequence"] = "token",
@@ -55,22 +58,22 @@ def train_step(
 ) -> StepStats:
     """Accumulate `loss_fn`'s gradient over the micro batches, clip to `max_norm`, take one optimizer step."""
     # The first token of each sample has no prefix, so it never carries a logprob to train on.
-    masks = [(mb.loss_mask & ~sample_starts(mb)).to(d.device) for mb in micro_batches]
+    masks = [(mb.loss_mask & ~sample_starts(mb)).to(dist.device) for mb in micro_batches]
     local_counts = [
         sum(mb.num_tokens for mb in micro_batches),
         sum(int(m.sum()) for m in masks),
         sum(samples_with_loss(mb.cu_seqlens, m) for mb, m in zip(micro_batches, masks, strict=True)),
     ]
-    num_tokens, num_loss_tokens, num_samples = all_reduce(local_counts, d.device)
+    num_tokens, num_loss_tokens, num_samples = all_reduce(local_counts, dist.device)
     denominator = max(num_loss_tokens if norm == "token" else num_samples, 1)
-    scale = d.world_size / denominator
+    scale = dist.world_size / denominator
 
-    if d.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(d.device)
+    if dist.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dist.device)
     sums: dict[str, torch.Tensor] = {}
     for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
-        set_micro_batch_sync(model, d, last=i == len(micro_batches) - 1)
-        out = forward_logprobs(model, mb, d.device, entropy_grad, where=mask)
+        set_micro_batch_sync(model, dist, last=i == len(micro_batches) - 1)
+        out = forward_logprobs(model, mb, dist.device, entropy_grad, where=mask)
         term, reported = loss_fn(out, mb, mask, scale)
         term.backward()
         for key, value in reported.items():
@@ -86,8 +89,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
     keys = sorted(sums)
-    totals = dict(zip(keys, all_reduce([float(sums[k]) for k in keys], d.device), strict=True)) if keys else {}
-    (peak,) = all_reduce([peak_memory_gib(d.device)], d.device, op="max")
+    totals = dict(zip(keys, all_reduce([float(sums[k]) for k in keys], dist.device), strict=True)) if keys else {}
+    (peak,) = all_reduce([peak_memory_gib(dist.device)], dist.device, op="max")
     per_token = max(num_loss_tokens, 1)
     return StepStats(
         loss=totals.pop("loss", 0.0) / denominator,
@@ -110,7 +113,7 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress) -> dict:
+def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress: Progress) -> dict:
     """What every step reports: loss (+ the loss's own means), gradient, lr, token counts, throughput,
     memory, progress and timers."""
     return {

@@ -28,6 +28,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,9 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
 from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
 from prime_rl.utils.memory import PeakMemory
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger("prime_rl")
 
@@ -79,7 +83,7 @@ def build_model_files(name: str, lora: LoraConfig | None = None) -> ModelFiles:
     return ModelFiles(config, generation_config, tokenizer, saved_dtype(config), name, lora)
 
 
-def saved_dtype(config) -> torch.dtype:
+def saved_dtype(config: PretrainedConfig) -> torch.dtype:
     """The dtype a model's weights are stored in (its config's `dtype`), float32 when unset."""
     dtype = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -92,7 +96,7 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def meta_model(config) -> torch.nn.Module:
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
     """The causal LM of `config` without memory (meta device): enough to revert its weight conversion."""
     from transformers import AutoModelForCausalLM
 

@@ -30,6 +30,26 @@ def checkpoint_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Te
     return revert_weight_conversion(model, state_dict)
 
 
+def converted_at_load(model: torch.nn.Module) -> bool:
+    """Whether transformers converted `model`'s tensors at load (its state dict's names are not its checkpoint's)."""
+    meta = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
+    return set(checkpoint_state_dict(model, meta)) != set(meta)
+
+
+def broadcast_refusal(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot send or take a weight broadcast, else None.
+
+    The broadcast moves checkpoint-layout tensors straight into the receiver's state dict; neither side
+    converts them, so an architecture transformers converts at load needs the filesystem transfer.
+    """
+    if not converted_at_load(model):
+        return None
+    return (
+        f"{type(model).__name__}: transformers converts this architecture's weights at load, which the weight "
+        "broadcast does not do; use weight_transfer = filesystem"
+    )
+
+
 def checkpoint_files(name: str) -> list[Path] | None:
     """The safetensors files of `name`'s checkpoint (a local dir, or a hub id already in the local cache),
     following its index when sharded; None when it has no (complete) safetensors checkpoint."""

@@ -15,9 +15,10 @@ from fastapi.testclient import TestClient
 
 from prime_rl.configs import ModelConfig
 from prime_rl.configs.inference import InferenceConfig, StartupError
-from prime_rl.inference.api import _assistant_message, _chat_chunks, build_app
-from prime_rl.inference.engine import build_engine
-from prime_rl.inference.engine.engine import Delta
+from prime_rl.inference.api import build_app
+from prime_rl.inference.engine import Delta, build_engine
+from prime_rl.inference.openai.serving import assistant_message as _assistant_message
+from prime_rl.inference.openai.stream import chat_chunks as _chat_chunks
 from prime_rl.inference.vllm.args import vllm_serve_args
 
 # Qwen-style: tools in the system turn, calls as <tool_call> blocks, tool results as a user turn.

@@ -13,8 +13,7 @@ import httpx
 
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
 from prime_rl.envs import Example
-from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.orchestrator import (
+from prime_rl.orchestrator.batch import (
     DataStream,
     EnvMix,
     EnvSlot,
@@ -23,6 +22,7 @@ from prime_rl.orchestrator.orchestrator import (
     generate_batch,
     step_metrics,
 )
+from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.sinks import ProgressLine
 

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.client import InferenceClient, InferenceError, parse_token_id, server_root
+from prime_rl.orchestrator.client import InferenceClient, InferenceError, parse_token_id
+from prime_rl.orchestrator.pool import server_root
 
 BASE = "http://127.0.0.1:9/v1"
 STEP_4 = {"x-weight-step": "4"}

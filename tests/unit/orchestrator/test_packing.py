@@ -3,14 +3,8 @@ import itertools
 import pytest
 import torch
 
-from prime_rl.orchestrator.packing import (
-    PADDING_LENGTH,
-    SampleTooLong,
-    first_fit_decreasing,
-    make_sample,
-    pack_micro_batches,
-    split_over_ranks,
-)
+from prime_rl.orchestrator.packing import make_sample, pack_micro_batches, split_over_ranks
+from prime_rl.protocol.packing import PADDING_LENGTH, SampleTooLong, first_fit_decreasing
 
 
 def sample(uid: int, n_prompt: int, n_completion: int, advantage: float = 0.5) -> dict:

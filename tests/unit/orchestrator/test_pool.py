@@ -191,7 +191,7 @@ def test_requests_ride_through_a_restart_of_the_only_server_which_gets_the_weigh
     async def go():
         async with InferenceClient(config, "m") as client:
             assert await client.update_weights("/w/step_3") == 3
-            client.floor = 3
+            client.set_floor(3)
             first.kill()
 
             async def come_back():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from prime_rl.configs import ConfigError, load_config
+from prime_rl.configs.rl import RLConfig
 from prime_rl.configs.sft import SFTConfig
-from prime_rl.rl import RLConfig
 from prime_rl.slurm.launch import render, write_job
 
 ROOT = Path(__file__).parents[3]
@@ -37,7 +37,9 @@ def test_single_node_rl_runs_rl_on_the_resolved_config_with_the_sbatch_options(t
                    f"--chdir={Path.cwd()}"):  # fmt: skip
         assert f"#SBATCH {option}" in lines
     assert lines.index("module load cuda/12.4") > lines.index("set -euo pipefail")
-    assert 'srun --nodes=1 --ntasks=1 "$PY" -m prime_rl.rl @ "$OUTPUT_DIR/run/slurm/rl.toml" || rc=$?' in lines
+    assert (
+        'srun --nodes=1 --ntasks=1 "$PY" -m prime_rl.entrypoints.rl @ "$OUTPUT_DIR/run/slurm/rl.toml" || rc=$?' in lines
+    )
     assert lines[-1] == "exit $rc" and not any(line.startswith("#SBATCH --signal") for line in lines)  # no ckpt
     write_job(job)
     toml = tmp_path / "out/run/slurm/rl.toml"
@@ -59,11 +61,11 @@ def test_multi_node_rl_puts_servers_trainer_and_one_orchestrator_on_their_nodes(
     assert 'INFERENCE_NODES=("${NODES[@]:0:2}")' in script and 'TRAINER_NODES=("${NODES[@]:2:2}")' in script
     assert 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")' in script
     assert "--nnodes 2 --node-rank \"$SLURM_PROCID\" --rdzv-endpoint \"$TRAINER_HEAD:$RDZV_PORT\" --nproc-per-node 8 " \
-           "-m prime_rl.trainer.rl.train" in script  # fmt: skip
+           "-m prime_rl.entrypoints.trainer" in script  # fmt: skip
     assert '--client.base-url "$BASE_URLS" --client.traffic-share 3.0,1.0' in script
     # Three steps, and one that clears an earlier attempt's outputs first when there is nothing to resume.
     assert script.count("\nsrun ") == 3 and script.count("--container-image=img.sqsh") == 4
-    assert script.count("prime_rl.orchestrator.orchestrator") == 1 and '"--nodelist=$TRAINER_HEAD"' in script
+    assert script.count("prime_rl.entrypoints.orchestrator") == 1 and '"--nodelist=$TRAINER_HEAD"' in script
     assert "export INFERENCE_SERVER_API_KEY=$(" in script  # generated in the job, never a literal
     assert job.configs["orchestrator.toml"]["num_train_workers"] == 16
     assert job.configs["inference.toml"]["api_key_var"] == "INFERENCE_SERVER_API_KEY"
@@ -78,7 +80,7 @@ def test_multi_node_sft_runs_torchrun_over_every_node(tmp_path):
     assert "#SBATCH --nodes=2" in job.script and "#SBATCH --job-name=sft" in job.script
     assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "--output=$OUTPUT_DIR/logs/sft-%N.log"' in job.script
     assert "--nnodes 2 --node-rank \"$SLURM_PROCID\" --rdzv-endpoint \"$TRAINER_HEAD:$RDZV_PORT\" --nproc-per-node 4 " \
-           "-m prime_rl.trainer.sft.train @ \"$OUTPUT_DIR/run/slurm/sft.toml\"" in job.script  # fmt: skip
+           "-m prime_rl.entrypoints.sft @ \"$OUTPUT_DIR/run/slurm/sft.toml\"" in job.script  # fmt: skip
     assert "slurm" not in job.configs["sft.toml"]
     with pytest.raises(ValueError, match="RL layouts"):
         render(load_config(SFTConfig, ["@", str(ROOT / "configs/sft/debug.toml"), "--slurm.trainer-nodes", "2"]),
@@ -159,10 +161,11 @@ def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_th
     assert "step trainer done" in result.stdout and "step orchestrator done" in result.stdout
     commands = (tmp_path / "commands").read_text().splitlines()
     out = tmp_path / "out"
-    assert f"CUDA_VISIBLE_DEVICES= -m prime_rl.inference.server @ {out}/run/slurm/inference.toml" in commands
+    assert f"CUDA_VISIBLE_DEVICES= -m prime_rl.entrypoints.inference @ {out}/run/slurm/inference.toml" in commands
     assert (f"CUDA_VISIBLE_DEVICES= -m torch.distributed.run --nnodes 2 --node-rank 0 --rdzv-endpoint n3:29500 "
-            f"--nproc-per-node 1 -m prime_rl.trainer.rl.train @ {out}/run/slurm/trainer.toml") in commands  # fmt: skip
-    assert (f"CUDA_VISIBLE_DEVICES= -m prime_rl.orchestrator.orchestrator @ {out}/run/slurm/orchestrator.toml "
+            f"--nproc-per-node 1 -m prime_rl.entrypoints.trainer @ {out}/run/slurm/trainer.toml"
+            ) in commands  # fmt: skip
+    assert (f"CUDA_VISIBLE_DEVICES= -m prime_rl.entrypoints.orchestrator @ {out}/run/slurm/orchestrator.toml "
             "--client.base-url http://n1:8000/v1,http://n2:8000/v1") in commands  # fmt: skip
     # The steps run at once: each srun's options were recorded in a file of its own, named by its log.
     steps = {}
@@ -174,14 +177,14 @@ def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_th
     assert "--nodelist=n3,n4" in steps["trainer-%N.log"]
     assert "--nodelist=n3" in steps["orchestrator.log"]
     # Nothing to resume: an earlier attempt's rollouts and weights are cleared before any step starts.
-    cleared = next(i for i, c in enumerate(commands) if "clear_previous_run" in c)
+    cleared = next(i for i, c in enumerate(commands) if "prepare_output_dir" in c)
     assert cleared < min(i for i, c in enumerate(commands) if "-m prime_rl." in c)
 
 
 def test_a_failed_step_stops_the_others_and_ends_the_job_naming_it(tmp_path):
     config = rl(tmp_path, "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
                 "--slurm.python", str(tmp_path / "bin/python"))  # fmt: skip
-    result = run_script(tmp_path, render(config, "rl", []).script, fail="trainer.rl.train")
+    result = run_script(tmp_path, render(config, "rl", []).script, fail="entrypoints.trainer")
     assert result.returncode == 3
     assert "step trainer failed (exit 3); stopping the others" in result.stderr
 
@@ -205,8 +208,8 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     (bin_dir / "sbatch").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "prime_rl.rl", "@", "configs/debug/rl.toml", "--output-dir",
-                             str(out), "--slurm.dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", "configs/debug/rl.toml",
+                             "--output-dir", str(out), "--slurm.dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=rl\n")
@@ -234,7 +237,7 @@ def test_a_stopped_single_node_run_is_requeued_and_the_requeued_job_resumes(tmp_
     assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script
     assert "#SBATCH --open-mode=append" in script  # the requeued run's lines follow the first's in slurm-%j.log
 
-    first = run_script(tmp_path, script, fail="prime_rl.rl")
+    first = run_script(tmp_path, script, fail="prime_rl.entrypoints.rl")
     assert first.returncode == 0, first.stderr
     assert (tmp_path / "requeued").read_text() == "requeue 42\n"
     assert (tmp_path / "commands").read_text().splitlines()[-1].endswith(f"@ {out}/run/slurm/rl.toml")  # fresh
@@ -247,7 +250,7 @@ def test_a_stopped_single_node_run_is_requeued_and_the_requeued_job_resumes(tmp_
 
     no_requeue = render(rl(tmp_path, "--ckpt.interval", "4", "--slurm.python", py), "rl", []).script
     assert "#SBATCH --no-requeue" in no_requeue and "#SBATCH --signal=USR1@300" in no_requeue
-    stopped = run_script(tmp_path, no_requeue, fail="prime_rl.rl")
+    stopped = run_script(tmp_path, no_requeue, fail="prime_rl.entrypoints.rl")
     assert stopped.returncode == 3
     assert f"resume it with: sbatch {out}/run/slurm/job.sbatch" in stopped.stderr
 
@@ -265,10 +268,10 @@ def test_multi_node_orchestrator_stopped_on_a_signal_ends_the_job_as_stopped_and
     assert "step orchestrator done" not in result.stdout
     assert (tmp_path / "requeued").exists()
     commands = (tmp_path / "commands").read_text().splitlines()
-    for module in ("prime_rl.trainer.rl.train", "prime_rl.orchestrator.orchestrator"):
+    for module in ("prime_rl.entrypoints.trainer", "prime_rl.entrypoints.orchestrator"):
         assert any(module in c and "--ckpt.resume-step=latest" in c for c in commands), commands
     assert not any("inference.server" in c and "resume" in c for c in commands)
-    assert not any("clear_previous_run" in c for c in commands)  # the checkpoint's run goes on
+    assert not any("prepare_output_dir" in c for c in commands)  # the checkpoint's run goes on
 
 
 def test_sft_stopped_on_a_signal_ends_with_status_3(tmp_path):

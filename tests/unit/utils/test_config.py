@@ -89,8 +89,8 @@ def test_missing_file_and_invalid_toml_are_config_errors(tmp_path):
 @pytest.mark.parametrize("command", ["trainer", "orchestrator", "inference", "rl"])
 def test_entrypoint_bad_config_exits_2_with_readable_lines(command, tmp_path):
     bad = write(tmp_path, "bad.toml", "max_stepz = 3\n")
-    module = {"trainer": "prime_rl.trainer.rl.train", "orchestrator": "prime_rl.orchestrator.orchestrator",
-              "inference": "prime_rl.inference.server", "rl": "prime_rl.rl"}[command]  # fmt: skip
+    module = {"trainer": "prime_rl.entrypoints.trainer", "orchestrator": "prime_rl.entrypoints.orchestrator",
+              "inference": "prime_rl.entrypoints.inference", "rl": "prime_rl.entrypoints.rl"}[command]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", module, "@", bad, "--no-such-flag", "1"], capture_output=True, text=True, timeout=60
     )
@@ -102,7 +102,7 @@ def test_entrypoint_bad_config_exits_2_with_readable_lines(command, tmp_path):
 
 def test_help_lists_every_field_with_description_and_default():
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.trainer.rl.train", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "prime_rl.entrypoints.trainer", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
     assert "--optim.lr VALUE  AdamW learning rate (peak, after warmup) (default: 1e-06)" in result.stdout
@@ -113,9 +113,9 @@ def test_every_shipped_toml_parses():
     from prime_rl.configs.eval import EvalConfig
     from prime_rl.configs.inference import InferenceConfig
     from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.configs.rl import RLConfig
     from prime_rl.configs.sft import SFTConfig
     from prime_rl.configs.trainer import TrainerConfig
-    from prime_rl.rl import RLConfig
 
     by_prefix = {"rl": RLConfig, "infer": InferenceConfig, "orch": OrchestratorConfig, "train": TrainerConfig,
                  "eval": EvalConfig, "sft": SFTConfig}  # fmt: skip
@@ -137,3 +137,36 @@ def test_run_configs_never_hold_the_api_key(tmp_path, monkeypatch):
         path = write_run_config(config, "inference", tmp_path)
         assert "s3cr3t" not in path.read_text()
     assert 'api_key_var = "MY_KEY"' in path.read_text()
+
+
+def test_mistyped_flag_exits_2_suggesting_the_nearest_key(capsys):
+    from prime_rl.configs import parse_config  # here, not at the top: the import lines are shared
+    from prime_rl.configs.rl import RLConfig
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(Demo, ["--optim.max-nrom", "1", "--no-verbos", "--nope", "1"], prog="demo")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "demo: config error: unknown option --optim.max-nrom (flag); see --help (did you mean --optim.max-norm?)",
+        "demo: config error: unknown option --no-verbos (flag); see --help (did you mean --no-verbose?)",
+        "demo: config error: unknown option --nope (flag); see --help",  # nothing close: no guess
+    ]
+    with pytest.raises(ConfigError) as err:  # at any depth of a real config, vLLM flag aliases included
+        load_config(RLConfig, ["--trainer.optim.max-nrom", "1", "--inference.tensor-parallel-sise", "2"])
+    assert err.value.lines == [
+        "unknown option --trainer.optim.max-nrom (flag); see --help (did you mean --trainer.optim.max-norm?)",
+        "unknown option --inference.tensor-parallel-sise (flag); see --help"
+        " (did you mean --inference.tensor-parallel-size?)",
+    ]
+
+
+def test_mistyped_toml_key_exits_2_naming_the_file_and_the_nearest_key(tmp_path, capsys):
+    from prime_rl.configs import parse_config  # here, not at the top: the import lines are shared
+
+    bad = write(tmp_path, "bad.toml", "[optim]\nmax_nrom = 2.0\n")
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(Demo, ["@", bad], prog="demo")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"demo: config error: optim.max_nrom: unknown key [{bad}] (did you mean optim.max_norm?)"
+    ]

@@ -4,8 +4,8 @@ import json
 import subprocess
 import sys
 
+from prime_rl.launch.console import status_text
 from prime_rl.protocol import eval_summary_file
-from prime_rl.rl import status_text
 from prime_rl.utils.metrics import MetricsWriter, read_metrics, tail_metrics
 
 

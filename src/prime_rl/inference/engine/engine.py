@@ -19,6 +19,9 @@ swap is pending no request is admitted; once the running rows have finished, the
 in between two iterations. No response is ever computed with a mix of two policies, and the route that
 awaits the swap knows every later request sees the new weights. A CPU copy of the base weights taken at
 startup makes `/reload_weights` exact, and is what a LoRA adapter (`lora`) is merged onto (weights.py).
+
+This module holds the `Engine`, its asyncio API and the worker's scheduling loop. The data it takes and hands
+out is in types.py, a row's stop rules and text in rows.py, and `build_engine` (loading a model) in build.py.
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from prime_rl.configs import LoraConfig
-from prime_rl.configs.inference import StartupError
+from prime_rl.configs.inference import EngineConfig, StartupError
+from prime_rl.inference.broadcast import BroadcastReceiver
 from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
+from prime_rl.inference.engine.rows import Row, eos_ids
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
+from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Request, Sample, Swap
 from prime_rl.inference.engine.weights import (
     LoadedWeights,
     checkpoint_specs,
@@ -50,7 +55,7 @@ from prime_rl.inference.engine.weights import (
     lora_targets,
     receive_weights,
 )
-from prime_rl.inference.weights import BroadcastReceiver, WeightsError
+from prime_rl.inference.weights import WeightsError
 
 logger = logging.getLogger("prime_rl")
 
@@ -60,94 +65,24 @@ logger = logging.getLogger("prime_rl")
 PARALLEL_WORK = 3e7
 
 
-class EngineBusy(RuntimeError):
-    """The waiting queue is full; the client should retry later (HTTP 429)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down (HTTP 503)."""
-
-
-@dataclass
-class Sample:
-    """One generated completion. `token_ids` include the EOS / stop token when one ended it."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]  # per token; empty lists unless asked for
-    text: str
-    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
-    weight_step: int = 0  # the policy every token of this sample was computed with
-
-
-@dataclass
-class Delta:
-    """What one sample of a streamed request gained since the last delta; `finish_reason` on its last one."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    text: str
-    finish_reason: str | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    events: asyncio.Queue | None  # set for streamed requests: lists of Delta, or an exception
-    samples: list[Sample | None] = field(default_factory=list)
-    cancelled: bool = False  # set from the asyncio side; the worker drops the request's rows
-
-
-@dataclass(eq=False)
-class _Row:
-    """One sample of one request while it is being decoded."""
-
-    request: _Request
-    index: int
-    generator: random.Random
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    text: str | None = None
-    finish_reason: str | None = None
-    streamed: int = 0  # tokens already sent as deltas
-    streamed_chars: int = 0
-
-
-@dataclass
-class _Swap:
-    tensors: dict[str, torch.Tensor]
-    step: int
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
 class Engine:
     def __init__(
         self,
         model: torch.nn.Module,
         tokenizer: Any,
         device: torch.device,
-        max_batch_size: int = 64,
-        max_waiting: int = 1024,
+        config: EngineConfig | None = None,
         seed: int = 0,
-        cpu_threads: int = 0,
-        model_impl: str = "auto",
         lora: LoraConfig | None = None,
     ):
+        config = config or EngineConfig()  # its `device` and `dtype` were applied by whoever loaded the model
         self.model = model.eval()
         self.lora = lora  # set: weight updates are adapters, merged onto the base weights
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.max_batch_size = max_batch_size
-        self.max_waiting = max_waiting
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.max_batch_size = config.max_batch_size
+        self.max_waiting = config.max_waiting
+        self.eos_ids = eos_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.step = 0  # weight step being served; 0 = base model
@@ -161,17 +96,17 @@ class Engine:
         self.checkpoint_specs = checkpoint_specs(model)  # what a weight dir must hold (the checkpoint's layout)
         self.lora_targets = lora_targets(model, lora) if lora is not None else []
         self._seeds = random.Random(seed)  # seeds for requests that bring none
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._swap: _Swap | None = None
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._swap: Swap | None = None
         self.receiver = BroadcastReceiver()
         self._wake = threading.Condition()
-        self._native = _native_decoder(model, model_impl, max_batch_size, self.device)
+        self._native = _native_decoder(model, config.model_impl, config.max_batch_size, self.device)
         self.model_impl = "native" if self._native is not None else "transformers"
         self._batch = self._new_batch()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
         self._weights_lock: asyncio.Lock | None = None
-        self.cpu_threads = cpu_threads
+        self.cpu_threads = config.cpu_threads
         self._cores = len(os.sched_getaffinity(0))
         self._params = sum(p.numel() for p in model.parameters())  # ≈ multiply-adds per token
 
@@ -222,7 +157,7 @@ class Engine:
         """
         return self._deltas(self._submit(prompt_ids, params, stream=True))
 
-    async def _deltas(self, request: _Request) -> AsyncIterator[list[Delta]]:
+    async def _deltas(self, request: Request) -> AsyncIterator[list[Delta]]:
         params = request.params
         try:
             finished = 0
@@ -235,7 +170,7 @@ class Engine:
         finally:
             request.cancelled = True
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> _Request:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> Request:
         if self._stop.is_set():
             raise EngineClosed("the engine is shutting down")
         if params.n > self.max_batch_size:
@@ -243,7 +178,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         events = asyncio.Queue() if stream else None
-        request = _Request(list(prompt_ids), params, seed, loop, loop.create_future(), events, [None] * params.n)
+        request = Request(list(prompt_ids), params, seed, loop, loop.create_future(), events, [None] * params.n)
         with self._wake:
             if len(self._waiting) >= self.max_waiting:
                 raise EngineBusy(f"{len(self._waiting)} requests are already waiting; retry later")
@@ -290,7 +225,7 @@ class Engine:
     async def swap(self, tensors: dict[str, torch.Tensor], step: int) -> int:
         """Serve checked tensors (`load_weight_dir`) as `step` once the running rows have finished."""
         loop = asyncio.get_running_loop()
-        swap = _Swap(tensors, step, loop, loop.create_future())
+        swap = Swap(tensors, step, loop, loop.create_future())
         with self._wake:
             self._swap = swap
             self._wake.notify()
@@ -340,7 +275,7 @@ class Engine:
             with torch.inference_mode():  # the cache is made of inference tensors: moving slots writes them
                 self._batch.keep([b for b, row in enumerate(rows) if not row.request.cancelled])
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[Request]:
         admitted, room = [], self.max_batch_size - len(self._batch.rows)
         with self._wake:
             while self._waiting and self._waiting[0].params.n <= room:
@@ -350,9 +285,9 @@ class Engine:
                     room -= request.params.n
         return admitted
 
-    def _prefill(self, requests: list[_Request]) -> None:
+    def _prefill(self, requests: list[Request]) -> None:
         """Run the prompts of newly admitted requests, sample each row's first token, join the batch."""
-        rows = [_Row(r, i, random.Random(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
+        rows = [Row(r, i, random.Random(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
         start = len(self._batch.rows)
         logits = self._batch.join(requests, rows)
         self._sample(logits, rows)
@@ -365,7 +300,7 @@ class Engine:
         self._sample(logits, self._batch.rows)
         self._retire(range(len(self._batch.rows)))
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> None:
+    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> None:
         params = [row.request.params for row in rows]
         seen = None
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -373,10 +308,10 @@ class Engine:
             for b, row in enumerate(rows):
                 if row.request.params.repetition_penalty != 1.0:
                     seen[b, row.request.prompt_ids + row.token_ids] = True
-        blocked = [self._blocked(row) for row in rows]
+        blocked = [row.blocked(self.eos_ids) for row in rows]
         draws = sample_batch(logits, params, [row.generator for row in rows], seen, blocked)
         for b, row in enumerate(rows):
-            self._append(row, draws.tokens[b], draws.logprobs[b], draws.top[b])
+            row.append(draws.tokens[b], draws.logprobs[b], draws.top[b], self.eos_ids, self._text)
         self.generated_tokens += len(rows)
         now = time.monotonic()
         self._recent.append((now, len(rows)))
@@ -384,37 +319,6 @@ class Engine:
             self._recent.popleft()
         if any(row.request.events is not None for row in rows):
             self._post_deltas(rows)
-
-    def _blocked(self, row: _Row) -> list[int]:
-        """Token ids that may not be drawn yet: whatever would end the sample before `min_tokens`."""
-        params = row.request.params
-        if len(row.token_ids) >= params.min_tokens:
-            return []
-        return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
-
-    def _append(self, row: _Row, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
-        """Record the row's next token and decide whether the row is finished."""
-        params = row.request.params
-        row.token_ids.append(token)
-        row.logprobs.append(logprob)
-        if params.top_logprobs > 0:
-            row.top_logprobs.append(top)
-        if token in params.stop_token_ids and token not in self.eos_ids:
-            # Like vLLM: a stop token ends the sample and stays in token_ids, but not in the text.
-            row.text, row.finish_reason = self._text(row.token_ids[:-1]), "stop"
-        elif (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            row.finish_reason = "stop"
-        elif (
-            params.stop
-            and len(row.token_ids) >= params.min_tokens
-            and (cut := _stop_at(text := self._text(row.token_ids), params.stop)) is not None
-        ):
-            # Like vLLM: the text ends before the stop string; the token that completed it stays.
-            row.text, row.finish_reason = text[:cut], "stop"
-        elif len(row.token_ids) >= params.max_tokens:
-            row.finish_reason = "length"
-        if row.finish_reason is not None and row.text is None:
-            row.text = self._text(row.token_ids)
 
     def _retire(self, candidates: range) -> None:
         """Answer requests whose rows are all finished and drop finished rows from the batch."""
@@ -433,14 +337,14 @@ class Engine:
         finished = set(done)
         self._batch.keep([b for b in range(len(rows)) if b not in finished])
 
-    def _post_deltas(self, rows: list[_Row]) -> None:
+    def _post_deltas(self, rows: list[Row]) -> None:
         """Send each streamed request what its rows gained this iteration (one event per request)."""
-        by_request: dict[int, tuple[_Request, list[Delta]]] = {}
+        by_request: dict[int, tuple[Request, list[Delta]]] = {}
         for row in rows:
             request = row.request
             if request.events is None or request.cancelled:
                 continue
-            text = self._stream_text(row)
+            text = row.stream_text(self._text)
             delta = Delta(
                 row.index,
                 row.token_ids[row.streamed :],
@@ -453,21 +357,6 @@ class Engine:
             by_request.setdefault(id(request), (request, []))[1].append(delta)
         for request, deltas in by_request.values():
             _post(request.loop, request.events.put_nowait, deltas)
-
-    def _stream_text(self, row: _Row) -> str:
-        """New text that is safe to send: held back while it could still become (part of) a stop string or
-        ends in an incomplete UTF-8 character; everything left on the last delta."""
-        if row.finish_reason is not None:
-            end, text = len(row.text or ""), row.text or ""
-        else:
-            text = self._text(row.token_ids)
-            end = len(text.rstrip("\ufffd"))
-            if row.request.params.stop:
-                end -= max(len(s) for s in row.request.params.stop) - 1
-        if end <= row.streamed_chars:
-            return ""
-        new, row.streamed_chars = text[row.streamed_chars : end], end
-        return new
 
     def _apply_swap(self) -> None:
         swap, params = self._swap, self.model.state_dict()
@@ -484,7 +373,7 @@ class Engine:
         self._swap = None
         _post(swap.loop, _resolve, swap.future, result)
 
-    def _fail(self, requests: list[_Request], error: BaseException) -> None:
+    def _fail(self, requests: list[Request], error: BaseException) -> None:
         for request in {id(r): r for r in requests}.values():
             _post(request.loop, _resolve, request.future, error)
             if request.events is not None:
@@ -525,19 +414,6 @@ def _mix(seed: int, sample: int) -> int:
     return (seed + sample * 0x9E3779B97F4A7C15) % 2**63
 
 
-def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     """Run `fn(*args)` on the awaiting side's loop; a loop that is gone has no one left to tell."""
     try:
@@ -553,33 +429,3 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
         future.set_exception(result)
     else:
         future.set_result(result)
-
-
-def build_engine(
-    model_name: str,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_batch_size: int = 64,
-    max_waiting: int = 1024,
-    seed: int = 0,
-    cpu_threads: int = 0,
-    model_impl: str = "auto",
-    lora: LoraConfig | None = None,
-) -> Engine:
-    """Load the model and tokenizer on `device` (auto = CUDA when present) and start the worker."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise StartupError("engine.device is cuda, but no CUDA device is available")
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_name)
-        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=getattr(torch, dtype)).to(device)
-    except (OSError, ValueError) as e:  # missing path / not a model dir / hub id unreachable
-        raise StartupError(f"cannot load model {model_name!r}: {e}") from None
-    device = torch.device(device)
-    engine = Engine(model, tokenizer, device, max_batch_size, max_waiting, seed, cpu_threads, model_impl, lora)
-    return engine.start()

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from prime_rl.configs import LoraConfig
-from prime_rl.inference.weights import BroadcastReceiver, WeightsError, check_weight_dir, read_adapter, targeted
-from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict
+from prime_rl.inference.broadcast import BroadcastReceiver
+from prime_rl.inference.weights import WeightsError, check_weight_dir, read_adapter, targeted
+from prime_rl.utils.hf_layout import TensorSpecs, broadcast_refusal, checkpoint_state_dict
 from prime_rl.utils.lora import merge_weight
 
 
@@ -119,12 +120,10 @@ def merge_adapter(
 
 def receive_weights(receiver: BroadcastReceiver, request, model: torch.nn.Module, specs: TensorSpecs) -> LoadedWeights:
     """Receive a broadcast weight step (`request`: a BroadcastRequest) into tensors of `model`'s state dict."""
+    refusal = broadcast_refusal(model)
+    if refusal is not None:
+        raise WeightsError(refusal)
     params = model.state_dict()
-    if set(specs) != set(params):
-        raise WeightsError(
-            f"{type(model).__name__}: transformers converts this architecture's weights at load, which the "
-            "broadcast transfer does not do; use weight_transfer = filesystem"
-        )
     device = next(iter(params.values())).device
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = receiver.receive(request.rendezvous(), request.rank, request.step, device, specs, tied)

@@ -30,8 +30,8 @@ class WeightUpdateExtension:
         plus the worker's own rank."""
         import torch
 
+        from prime_rl.inference.broadcast import BroadcastReceiver
         from prime_rl.inference.control import BroadcastRequest
-        from prime_rl.inference.weights import BroadcastReceiver
 
         req = BroadcastRequest(**request)
         if getattr(self, "_receiver", None) is None:

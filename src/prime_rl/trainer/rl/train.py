@@ -5,7 +5,7 @@ micro batches (gradient accumulation), the ranks clip and step AdamW together, a
 `weights/step_{n+1}` for inference. The loss is in `loss.py`, the packed forward in `model.py`.
 
     trainer @ trainer.toml                                               # one process
-    torchrun --nproc-per-node 2 src/prime_rl/trainer/rl/train.py @ trainer.toml
+    torchrun --nproc-per-node 2 src/prime_rl/entrypoints/trainer.py @ trainer.toml
 """
 
 from __future__ import annotations
@@ -13,143 +13,156 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from typing import TYPE_CHECKING
 
-from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.configs.trainer import LossConfig, TrainerConfig
+from prime_rl.protocol import (
+    Heartbeat,
+    checkpoint_due,
+    is_stable,
+    prune_rollouts,
+    rank_file,
+    wait_for_rank_file,
+    weights_dir,
+)
 from prime_rl.trainer import service
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.rl.bench import print_bench_table
+from prime_rl.utils.metrics import MetricsWriter
+from prime_rl.utils.process import StopRequested
+from prime_rl.utils.timer import timer
+
+# The training modules import torch: under TYPE_CHECKING here, inside the functions at run time, so that
+# `trainer --help` and config errors never load it.
+if TYPE_CHECKING:
+    from prime_rl.protocol.records import MicroBatch
+    from prime_rl.trainer.broadcast import WeightSender
+    from prime_rl.trainer.ckpt import Progress
+    from prime_rl.trainer.parallel import Dist
+    from prime_rl.trainer.step import LossFn, StepStats
 
 logger = logging.getLogger("prime_rl")
 
 
-def main() -> None:
-    service.main(TrainerConfig, "trainer", run)
-
-
 def run(config: TrainerConfig) -> None:
-    from prime_rl.protocol import Heartbeat
     from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.step import step_metrics
-    from prime_rl.utils.metrics import MetricsWriter
-    from prime_rl.utils.timer import timer
 
-    with service.training(config, config.max_steps) as t, Heartbeat(config.output_dir, f"trainer-rank{t.d.rank}") as hb:
-        d = t.d
-        progress = resume(config, t) or Progress()
-        sender = WeightSender(config, t.model, t.files, d) if config.weight_transfer == "broadcast" else None
-        metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if d.is_main else None
-        logger.info(f"training {config.model.name} on {d.world_size} rank(s), device {d.device.type}")
+    with (
+        service.training(config, config.max_steps) as state,
+        Heartbeat(config.output_dir, f"trainer-rank{state.dist.rank}") as hb,
+    ):
+        dist = state.dist
+        progress = resume(config, state) or Progress()
+        sender = WeightSender(config, state.model, state.files, dist) if config.weight_transfer == "broadcast" else None
+        metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if dist.is_main else None
+        logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
         history = []
         for step in range(progress.step, config.max_steps):
             hb.step = step
             times: dict[str, float] = {}
             start = time.perf_counter()
-            micro_batches = load_micro_batches(config, step, d, times)
+            micro_batches = load_micro_batches(config, step, dist, times)
             if micro_batches is None:
-                service.stop_on_signal("trainer", config, t, progress, config.max_steps)
+                service.stop_on_signal("trainer", config, state, progress, config.max_steps)
             with timer(times, "train"):
-                stats = train_step(t.model, t.optimizer, micro_batches, config, d)
-                lr = t.scheduler.get_last_lr()[0]
-                t.scheduler.step()
+                stats = train_step(state.model, state.optimizer, micro_batches, config, dist)
+                lr = state.scheduler.get_last_lr()[0]
+                state.scheduler.step()
             optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
             progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
             if not config.bench:
-                publish(config, t, progress, times, sender)
+                publish(config, state, progress, times, sender)
             times["step"] = time.perf_counter() - start
             record = step_metrics(stats, times, lr, progress) | {"optimized_at": optimized_at}
             history.append(record)
-            if d.is_main:
+            if dist.is_main:
                 metrics.log(step, record)
                 log_step(step, record)
         if metrics is not None:
             metrics.close()
-        if config.bench and d.is_main:
-            print_bench_table(history, t.model, config, d)
+        if config.bench and dist.is_main:
+            print_bench_table(history, state.model, config, dist)
         written = "benchmark, no weights written" if config.bench else f"weights in {config.output_dir / 'weights'}"
         logger.info(f"done: {config.max_steps} steps, {written}")
 
 
-def resume(config: TrainerConfig, t):
+def resume(config: TrainerConfig, state: service.Training) -> Progress | None:
     """Restore `--ckpt.resume-step` (None = fresh start); make sure `weights/step_N` exists for the orchestrator."""
-    from prime_rl.protocol import is_stable, weights_dir
     from prime_rl.trainer.weights import save_weights
 
     step = service.resume_step(config)
     if step is None:
         return None
-    progress = service.load(config, t, step)
+    progress = service.load(config, state, step)
     # An orchestrator resuming at step N waits for weights/step_N (pruning keeps it, but it may be gone).
     if step > 0 and not is_stable(weights_dir(config.output_dir, step)):
-        save_weights(t.model, t.files, config.output_dir, step)
+        save_weights(state.model, state.files, config.output_dir, step)
     logger.info(f"resumed from checkpoints/step_{step} ({progress.tokens} tokens, {progress.samples} samples so far)")
     return progress
 
 
-def publish(config: TrainerConfig, t, progress, times: dict, sender) -> None:
+def publish(
+    config: TrainerConfig, state: service.Training, progress: Progress, times: dict, sender: WeightSender | None
+) -> None:
     """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more.
 
     With a broadcast `sender` the weights go over the process group, and `weights/step_n` is written only
     with a checkpoint (a resumed orchestrator loads it) and at the last step (for eval; never broadcast)."""
-    from prime_rl.protocol import checkpoint_due
     from prime_rl.trainer.weights import save_weights
-    from prime_rl.utils.timer import timer
 
     ckpt = config.ckpt
     due = ckpt is not None and checkpoint_due(progress.step, config.max_steps, ckpt.interval)
     last = progress.step == config.max_steps  # no rollouts are sampled from the last weights: disk only
     if sender is not None and not last:
         with timer(times, "broadcast_weights"):
-            sender.send(t.model, progress.step)
+            sender.send(state.model, progress.step)
     if sender is None or due or last:
         with timer(times, "save_weights"):
-            save_weights(t.model, t.files, config.output_dir, progress.step)
-    service.checkpoint_if_due(config, t, progress, config.max_steps, times)
-    if t.d.is_main:
+            save_weights(state.model, state.files, config.output_dir, progress.step)
+    service.checkpoint_if_due(config, state, progress, config.max_steps, times)
+    if state.dist.is_main:
         prune_old_steps(config, progress.step - 1)
 
 
-def load_micro_batches(config: TrainerConfig, step: int, d, times: dict) -> list | None:
+def load_micro_batches(config: TrainerConfig, step: int, dist: Dist, times: dict) -> list[MicroBatch] | None:
     """This rank's micro batches of `step`, or None when the run stops before it (a stop signal: every rank
     agrees, also one that had its data); every rank must hold the same number (checked, not hung on).
 
     `times` gets `wait` (for the orchestrator's rank file) and `load_data` (reading and checking it)."""
-    from prime_rl.protocol import wait_for_rank_file
-    from prime_rl.utils.process import StopRequested
-    from prime_rl.utils.timer import timer
-
     path = None
     if not config.data.fake:
         with timer(times, "wait"):
             try:
                 path = wait_for_rank_file(
-                    config.output_dir, step, d.rank, config.data.timeout, config.data.heartbeat_timeout
+                    config.output_dir, step, dist.rank, config.data.timeout, config.data.heartbeat_timeout
                 )
             except StopRequested:
                 pass
-    if service.stop_agreed(d):
+    if service.stop_agreed(dist):
         return None
     if config.data.fake:
-        return generated_micro_batches(config, step, d)
+        return generated_micro_batches(config, step, dist)
     with timer(times, "load_data"):
-        return _read_micro_batches(config, step, d, path)
+        return _read_micro_batches(config, step, dist, path)
 
 
-def _read_micro_batches(config: TrainerConfig, step: int, d, path) -> list:
-    from prime_rl.protocol import rank_file
+def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path) -> list[MicroBatch]:
     from prime_rl.protocol.records import read_rank_file
     from prime_rl.trainer.parallel import all_reduce
 
     try:
-        micro_batches = read_rank_file(path, step, d.rank)
+        micro_batches = read_rank_file(path, step, dist.rank)
     except (ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise TrainerError(f"unreadable rank file {path}: {e}") from None
-    if d.is_main and rank_file(config.output_dir, step, d.world_size).exists():
+    if dist.is_main and rank_file(config.output_dir, step, dist.world_size).exists():
         raise TrainerError(
-            f"rollouts of step {step} are split over more than {d.world_size} ranks: the orchestrator's "
-            f"num_train_workers must equal the trainer world size ({d.world_size})"
+            f"rollouts of step {step} are split over more than {dist.world_size} ranks: the orchestrator's "
+            f"num_train_workers must equal the trainer world size ({dist.world_size})"
         )
-    most, neg_fewest = all_reduce([len(micro_batches), -len(micro_batches)], d.device, op="max")
+    most, neg_fewest = all_reduce([len(micro_batches), -len(micro_batches)], dist.device, op="max")
     if most != -neg_fewest:
         raise TrainerError(
             f"step {step}: ranks hold between {-neg_fewest:.0f} and {most:.0f} micro batches; the orchestrator "
@@ -160,7 +173,7 @@ def _read_micro_batches(config: TrainerConfig, step: int, d, path) -> list:
     return micro_batches
 
 
-def generated_micro_batches(config: TrainerConfig, step: int, d) -> list:
+def generated_micro_batches(config: TrainerConfig, step: int, dist: Dist) -> list[MicroBatch]:
     from transformers import AutoConfig
 
     from prime_rl.trainer.fake_data import fake_micro_batches
@@ -168,19 +181,19 @@ def generated_micro_batches(config: TrainerConfig, step: int, d) -> list:
     f = config.data
     vocab = AutoConfig.from_pretrained(config.model.name).vocab_size
     return fake_micro_batches(
-        step, d.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, config.seed
+        step, dist.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, config.seed
     )
 
 
-def train_step(model, optimizer, micro_batches: list, config: TrainerConfig, d):
+def train_step(model, optimizer, micro_batches: list[MicroBatch], config: TrainerConfig, dist: Dist) -> StepStats:
     """One optimizer step of the RL loss (`loss.py`) over this rank's micro batches (`step.train_step`)."""
     from prime_rl.trainer.step import train_step as step
 
     c = config.loss
-    return step(model, optimizer, micro_batches, d, rl_loss(c), config.optim.max_norm, c.norm, c.entropy_coef > 0)
+    return step(model, optimizer, micro_batches, dist, rl_loss(c), config.optim.max_norm, c.norm, c.entropy_coef > 0)
 
 
-def rl_loss(c):
+def rl_loss(c: LossConfig) -> LossFn:
     """The step's loss callback: `policy_loss` on the policy's logprobs, with entropy, mismatch KL and the
     fraction of clipped tokens reported per loss token."""
     import torch
@@ -205,61 +218,10 @@ def rl_loss(c):
 
 def prune_old_steps(config: TrainerConfig, step: int) -> None:
     """Drop weights no reader can still need, and rollouts every rank has read (all are past step `step`)."""
-    from prime_rl.protocol import prune_rollouts
     from prime_rl.trainer.weights import prune_weights
 
     prune_weights(config.output_dir, keep=config.keep_weights or config.async_level + 1)
     prune_rollouts(config.output_dir, step, config.data.keep_rollouts, resumable=config.ckpt is not None)
-
-
-# Dense bf16 peak of common training GPUs, for MFU when --bench-peak-tflops is not given.
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
-
-
-def flops_per_token(model, num_layers: int, hidden: int, mean_context: float) -> float:
-    """Training FLOPs per token: 6 · parameters (matmuls, forward + backward) + 6 · layers · hidden · context.
-
-    The attention term is 12 · layers · hidden · (average causal context = half the sample length).
-    Example: 1M parameters, 2 layers, hidden 64, samples of 256 tokens → 6e6 + 6·2·64·128 = 6.1e6.
-    """
-    params = sum(p.numel() for p in model.parameters())
-    return 6 * params + 6 * num_layers * hidden * mean_context
-
-
-def print_bench_table(history: list[dict], model, config: TrainerConfig, d) -> None:
-    """Median step time, tokens/s and MFU over the steps after the first (warm-up) one, as a rich table."""
-    import statistics
-
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
-    measured = history[1:] or history
-    step_time = statistics.median(m["time/train"] for m in measured)
-    tokens = statistics.median(m["num_tokens"] for m in measured)
-    cfg = model.config
-    mean_context = (config.data.fake_min_len + config.data.fake_max_len) / 4 if config.data.fake else 256
-    flops = flops_per_token(model, cfg.num_hidden_layers, cfg.hidden_size, mean_context) * tokens / step_time
-    peak = config.bench_peak_tflops
-    if peak is None and d.device.type == "cuda":
-        name = torch.cuda.get_device_name(d.device)
-        peak = next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
-    mfu = f"{100 * flops / (peak * 1e12 * d.world_size):.1f}%" if peak else "n/a"
-    table = Table(title=f"trainer benchmark: {config.model.name}, {d.world_size} rank(s), {d.device.type}")
-    for column in ("steps", "step time (s)", "tokens/step", "tokens/s", "TFLOP/s", "MFU", "peak mem (GiB)"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        str(len(measured)),
-        f"{step_time:.3f}",
-        f"{tokens:.0f}",
-        f"{tokens / step_time:,.0f}",
-        f"{flops / 1e12:.3f}",
-        mfu,
-        f"{max(m['peak_memory_gib'] for m in measured):.2f}",
-    )
-    Console(width=120).print(table)
-    if not peak:
-        logger.info("MFU needs the device's peak: pass --bench-peak-tflops")
 
 
 def log_step(step: int, m: dict) -> None:
@@ -267,7 +229,3 @@ def log_step(step: int, m: dict) -> None:
         f"step {step} | loss {m['loss']:.4g} | entropy {m['entropy']:.3g} | mismatch_kl {m['mismatch_kl']:.2g} | "
         f"grad_norm {m['grad_norm']:.3g} | {m['tokens_per_s']:.0f} tok/s | {m['time/step']:.2f}s"
     )
-
-
-if __name__ == "__main__":
-    main()

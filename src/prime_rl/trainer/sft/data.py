@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 from prime_rl.configs.sft import SFTDataConfig
+from prime_rl.envs import EnvError, load_environment
+from prime_rl.protocol.packing import pack_rows, pad_rows
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.packing import first_fit_decreasing
+from prime_rl.trainer.parallel import Dist, all_reduce
 
 
 @dataclass
@@ -67,8 +69,6 @@ def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
 def _environment_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
     """`env_examples` prompts of an environment with its reference answers as the assistant's completion."""
     import itertools
-
-    from prime_rl.envs import EnvError, load_environment
 
     try:
         env = load_environment(cfg.env_id, **cfg.env_args)
@@ -247,28 +247,18 @@ def next_batch(num: int, batch_size: int, epoch: int, position: int, seed: int, 
     return indices, epoch, position
 
 
-def pack_batch(samples: list[Sample], seq_len: int) -> list[MicroBatch]:
-    """One rank's samples, packed first-fit-decreasing into rows (advantages and μ unused by SFT: zeros)."""
-    batches = []
-    for row in first_fit_decreasing([len(s.input_ids) for s in samples], seq_len):
-        packed = [
-            {
-                "input_ids": samples[i].input_ids,
-                "loss_mask": samples[i].loss_mask,
-                "advantages": [0.0] * len(samples[i].input_ids),
-                "inference_logprobs": [0.0] * len(samples[i].input_ids),
-            }
-            for i in row
-        ]
-        batches.append(MicroBatch.pack(packed, temperature=1.0))
-    return batches
-
-
-def pack_rank_rows(mine: list[Sample], seq_len: int, d) -> list[MicroBatch]:
-    """This rank's samples packed into rows, padded to the most rows any rank has (collective): FSDP's
-    collectives need every rank to run as many forwards."""
-    from prime_rl.trainer.parallel import all_reduce
-
-    rows = pack_batch(mine, seq_len) if mine else []
-    (most,) = all_reduce([len(rows)], d.device, op="max")
-    return rows + [MicroBatch.padding(8, 1.0) for _ in range(int(most) - len(rows))]
+def pack_rank_rows(mine: list[Sample], seq_len: int, dist: Dist) -> list[MicroBatch]:
+    """This rank's samples packed first-fit-decreasing into rows (advantages and μ unused by SFT: zeros), padded
+    to the most rows any rank has (collective): FSDP's collectives need every rank to run as many forwards."""
+    samples = [
+        {
+            "input_ids": s.input_ids,
+            "loss_mask": s.loss_mask,
+            "advantages": [0.0] * len(s.input_ids),
+            "inference_logprobs": [0.0] * len(s.input_ids),
+        }
+        for s in mine
+    ]
+    rows = pack_rows(samples, seq_len, temperature=1.0)
+    (most,) = all_reduce([len(rows)], dist.device, op="max")
+    return pad_rows(rows, int(most), 1.0)

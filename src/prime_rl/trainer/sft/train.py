@@ -15,7 +15,7 @@ Writes `weights/step_n` (HF dirs, like RL) and `weights/final` (a link to the st
 `checkpoints/step_n/trainer` (DCP), `metrics/sft.jsonl` and `logs/sft.log` under `output_dir`.
 
     sft @ configs/sft/debug.toml
-    torchrun --nproc-per-node 2 src/prime_rl/trainer/sft/train.py @ configs/sft/debug.toml
+    torchrun --nproc-per-node 2 src/prime_rl/entrypoints/sft.py @ configs/sft/debug.toml
 """
 
 from __future__ import annotations
@@ -23,71 +23,68 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 from prime_rl.configs.sft import SFTConfig
+from prime_rl.protocol import checkpoint_due, final_weights_dir, link_final_weights
 from prime_rl.trainer import service
+from prime_rl.utils.metrics import MetricsWriter
+from prime_rl.utils.timer import timer
+
+# The training modules import torch: under TYPE_CHECKING here, inside the functions at run time, so that
+# `sft --help` and config errors never load it.
+if TYPE_CHECKING:
+    from prime_rl.protocol.records import MicroBatch
+    from prime_rl.trainer.ckpt import Progress
+    from prime_rl.trainer.parallel import Dist
+    from prime_rl.trainer.sft.data import Sample
 
 logger = logging.getLogger("prime_rl")
-
-
-def main() -> None:
-    service.main(SFTConfig, "sft", run)
 
 
 def run(config: SFTConfig) -> None:
     from transformers import AutoTokenizer
 
-    from prime_rl.protocol import final_weights_dir, link_final_weights
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.sft.data import build_samples
     from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
     from prime_rl.trainer.step import step_metrics, train_step
-    from prime_rl.utils.metrics import MetricsWriter
-    from prime_rl.utils.timer import timer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     samples, truncated = build_samples(config.data, tokenizer, config.seq_len)
     max_steps = config.max_steps or config.epochs * math.ceil(len(samples) / config.batch_size)
-    with service.training(config, max_steps) as t:
-        d = t.d
-        val_rows = build_val_rows(config, tokenizer, d) if config.val else None
-        progress = Progress()
-        resume_step = service.resume_step(config)
-        if resume_step is not None:
-            progress = service.load(config, t, resume_step)
-            logger.info(f"resumed from checkpoints/step_{resume_step} (epoch {progress.epoch})")
-        metrics = MetricsWriter(config.output_dir, "sft", progress.step) if d.is_main else None
+    with service.training(config, max_steps) as state:
+        dist = state.dist
+        val_rows = build_val_rows(config, tokenizer, dist) if config.val else None
+        progress = resume(config, state)
+        metrics = MetricsWriter(config.output_dir, "sft", progress.step) if dist.is_main else None
         logger.info(
             f"sft of {config.model.name} on {len(samples)} samples ({truncated} truncated to {config.seq_len} "
-            f"tokens), {max_steps} steps, {d.world_size} rank(s), device {d.device.type}"
+            f"tokens), {max_steps} steps, {dist.world_size} rank(s), device {dist.device.type}"
         )
         val: dict[str, float] = {}
         for step in range(progress.step, max_steps):
-            if service.stop_agreed(d):
-                service.stop_on_signal("sft", config, t, progress, max_steps)
+            if service.stop_agreed(dist):
+                service.stop_on_signal("sft", config, state, progress, max_steps)
             times: dict[str, float] = {}
             start = time.perf_counter()
             with timer(times, "data"):
-                batch, epoch, position = step_batch(samples, progress, config, d)
+                batch, epoch, position = step_batch(samples, progress, config, dist)
             with timer(times, "train"):
-                stats = train_step(t.model, t.optimizer, batch, d, nll_loss, config.optim.max_norm)
-                lr = t.scheduler.get_last_lr()[0]
-                t.scheduler.step()
+                stats = train_step(state.model, state.optimizer, batch, dist, nll_loss, config.optim.max_norm)
+                lr = state.scheduler.get_last_lr()[0]
+                state.scheduler.step()
             progress = Progress(
                 step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
             )
-            val = evaluate_if_due(config, t.model, val_rows, d, progress.step, max_steps, times)
+            val = evaluate_if_due(config, state.model, val_rows, dist, progress.step, max_steps, times)
             stop_early = target_reached(config, val)
-            publish(config, progress.step if stop_early else max_steps, t, progress, times)
+            publish(config, progress.step if stop_early else max_steps, state, progress, times)
             times["step"] = time.perf_counter() - start
-            if d.is_main:
+            if dist.is_main:
                 record = step_metrics(stats, times, lr, progress) | {"epoch": epoch} | val
                 metrics.log(step, record)
-                held_out = f" | val/loss {val['val/loss']:.4g}" if val else ""
-                logger.info(
-                    f"step {step} | loss {stats.loss:.4g}{held_out} | grad_norm {stats.grad_norm:.3g} | "
-                    f"epoch {epoch} | {record['tokens_per_s']:.0f} tok/s | {times['step']:.2f}s"
-                )
+                log_step(step, record)
             if stop_early:
                 logger.info(f"held-out loss {val['val/loss']:.4g} < val.stop-below {config.val.stop_below:g}: stopping")
                 break
@@ -99,20 +96,34 @@ def run(config: SFTConfig) -> None:
                 )
         if metrics is not None:
             metrics.close()
-        if d.is_main:
+        if dist.is_main:
             link_final_weights(config.output_dir, progress.step)
         logger.info(f"done: {progress.step} steps, weights in {final_weights_dir(config.output_dir)}")
 
 
-def step_batch(samples: list, progress, config: SFTConfig, d):
+def resume(config: SFTConfig, state: service.Training) -> Progress:
+    """The progress of `--ckpt.resume-step`, restored into `state`; a fresh start's when none is asked for."""
+    from prime_rl.trainer.ckpt import Progress
+
+    step = service.resume_step(config)
+    if step is None:
+        return Progress()
+    progress = service.load(config, state, step)
+    logger.info(f"resumed from checkpoints/step_{step} (epoch {progress.epoch})")
+    return progress
+
+
+def step_batch(
+    samples: list[Sample], progress: Progress, config: SFTConfig, dist: Dist
+) -> tuple[list[MicroBatch], int, int]:
     """This rank's packed rows of the next batch (every rank the same row count), and the data position after it."""
     from prime_rl.trainer.sft.data import next_batch, pack_rank_rows
 
     indices, epoch, position = next_batch(
         len(samples), config.batch_size, progress.epoch, progress.position, config.seed, config.data.shuffle
     )
-    mine = [samples[i] for i in indices[d.rank :: d.world_size]]
-    return pack_rank_rows(mine, config.seq_len, d), epoch, position
+    mine = [samples[i] for i in indices[dist.rank :: dist.world_size]]
+    return pack_rank_rows(mine, config.seq_len, dist), epoch, position
 
 
 def nll_loss(out, mb, mask, scale):
@@ -123,20 +134,22 @@ def nll_loss(out, mb, mask, scale):
     return nll * scale, {"loss": nll}
 
 
-def publish(config: SFTConfig, last_step: int, t, progress, times) -> None:
+def publish(config: SFTConfig, last_step: int, state: service.Training, progress: Progress, times: dict) -> None:
     """Weights every `weights_interval` steps and at the run's last step (`last_step`: max_steps, or this step
     when the run stops early); checkpoints per `ckpt`; pruning of both."""
-    from prime_rl.protocol import checkpoint_due
     from prime_rl.trainer.weights import prune_weights, save_weights
-    from prime_rl.utils.timer import timer
 
     if checkpoint_due(progress.step, last_step, config.weights_interval):
         with timer(times, "save_weights"):
-            save_weights(t.model, t.files, config.output_dir, progress.step)
-        if t.d.is_main and config.keep_weights:
+            save_weights(state.model, state.files, config.output_dir, progress.step)
+        if state.dist.is_main and config.keep_weights:
             prune_weights(config.output_dir, config.keep_weights)
-    service.checkpoint_if_due(config, t, progress, last_step, times)
+    service.checkpoint_if_due(config, state, progress, last_step, times)
 
 
-if __name__ == "__main__":
-    main()
+def log_step(step: int, m: dict) -> None:
+    held_out = f" | val/loss {m['val/loss']:.4g}" if "val/loss" in m else ""
+    logger.info(
+        f"step {step} | loss {m['loss']:.4g}{held_out} | grad_norm {m['grad_norm']:.3g} | "
+        f"epoch {m['epoch']} | {m['tokens_per_s']:.0f} tok/s | {m['time/step']:.2f}s"
+    )

@@ -9,45 +9,47 @@ from __future__ import annotations
 
 import torch
 
+from prime_rl.configs.sft import SFTConfig
 from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
-from prime_rl.trainer.parallel import all_reduce
+from prime_rl.trainer.parallel import Dist, all_reduce
+from prime_rl.trainer.sft.data import build_samples, pack_rank_rows
 from prime_rl.utils.timer import timer
 
 
-def build_val_rows(config, tokenizer, d) -> list[MicroBatch]:
+def build_val_rows(config: SFTConfig, tokenizer, dist: Dist) -> list[MicroBatch]:
     """This rank's packed held-out rows (collective: as many rows on every rank)."""
-    from prime_rl.trainer.errors import TrainerError
-    from prime_rl.trainer.sft.data import build_samples, pack_rank_rows
-
     try:
         samples, _ = build_samples(config.val.data, tokenizer, config.seq_len)
     except TrainerError as e:  # its messages name `data.…`: say which data
         raise TrainerError(f"held-out rows (val.data): {e}") from None
-    return pack_rank_rows(samples[d.rank :: d.world_size], config.seq_len, d)
+    return pack_rank_rows(samples[dist.rank :: dist.world_size], config.seq_len, dist)
 
 
 @torch.no_grad()
-def held_out_loss(model, rows: list[MicroBatch], d) -> float:
+def held_out_loss(model, rows: list[MicroBatch], dist: Dist) -> float:
     """Σ −log π(completion tokens) / N over all ranks' held-out rows (collective)."""
     nll, count = 0.0, 0
     for mb in rows:
-        mask = (mb.loss_mask & ~sample_starts(mb)).to(d.device)
-        out = forward_logprobs(model, mb, d.device, where=mask)
+        mask = (mb.loss_mask & ~sample_starts(mb)).to(dist.device)
+        out = forward_logprobs(model, mb, dist.device, where=mask)
         nll += float(torch.where(mask, -out.logprobs, 0.0).sum())
         count += int(mask.sum())
-    total, n = all_reduce([nll, count], d.device)
+    total, n = all_reduce([nll, count], dist.device)
     return total / max(n, 1)
 
 
-def evaluate_if_due(config, model, rows: list[MicroBatch] | None, d, step: int, max_steps: int, times: dict) -> dict:
+def evaluate_if_due(
+    config: SFTConfig, model, rows: list[MicroBatch] | None, dist: Dist, step: int, max_steps: int, times: dict
+) -> dict:
     """`{"val/loss": …}` after the steps `[val]` asks for (every `interval`-th and the last), else `{}`."""
     if rows is None or (step % config.val.interval and step != max_steps):
         return {}
     with timer(times, "val"):
-        return {"val/loss": held_out_loss(model, rows, d)}
+        return {"val/loss": held_out_loss(model, rows, dist)}
 
 
-def target_reached(config, val: dict) -> bool:
+def target_reached(config: SFTConfig, val: dict) -> bool:
     """The evaluation just made is below `val.stop_below`: the run ends here."""
     return bool(val) and config.val.stop_below is not None and val["val/loss"] < config.val.stop_below

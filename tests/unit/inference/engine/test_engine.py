@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.inference.engine import Engine, SamplingParams, WeightsError, build_engine
+from prime_rl.inference.engine import Engine, EngineBusy, SamplingParams, WeightsError, build_engine
 from prime_rl.inference.engine.batch import left_padded_positions
-from prime_rl.inference.engine.engine import EngineBusy, cpu_threads
+from prime_rl.inference.engine.engine import cpu_threads
 from prime_rl.inference.engine.weights import checkpoint_specs
 from prime_rl.inference.weights import check_specs
 from prime_rl.protocol import mark_stable, weights_dir

@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from prime_rl.configs.sft import SFTDataConfig
+from prime_rl.protocol.packing import first_fit_decreasing
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.packing import first_fit_decreasing
 from prime_rl.trainer.sft.data import build_samples, next_batch, tokenize_row
 
 

@@ -1,0 +1,36 @@
+"""The commands of `[project.scripts]` (docs/design.md §1), one thin module each.
+
+Every entry parses its config first (`--help` and a bad config answer before torch loads), then imports its
+service and runs it under `run_service`: one owner for how a command ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prime_rl.utils.process import PREEMPTED, StopRequested
+
+logger = logging.getLogger("prime_rl")
+
+
+def run_service(
+    run: Callable[[], None],
+    errors: tuple[type[BaseException], ...],
+    stopped: int = PREEMPTED,
+    interrupted: str | None = None,
+) -> None:
+    """Call `run()`. A known failure (`errors`) is one ERROR line and exit status 1, a stop on a stop signal a
+    WARNING and `stopped`, Ctrl-C exit 130 (after `interrupted`, if given): never a traceback for these."""
+    try:
+        run()
+    except errors as e:
+        logger.error(str(e))
+        raise SystemExit(1) from None
+    except StopRequested as e:
+        logger.warning(str(e))
+        raise SystemExit(stopped) from None
+    except KeyboardInterrupt:
+        if interrupted:
+            logger.error(interrupted)
+        raise SystemExit(130) from None

@@ -1,0 +1,27 @@
+"""`inference`: pick a backend, load the engine, serve the OpenAI API (prime_rl.inference.server).
+
+uv run inference --model.name outputs/tiny-qwen3 --server.port 8000
+"""
+
+from __future__ import annotations
+
+from prime_rl.configs import parse_config
+from prime_rl.configs.inference import InferenceConfig, StartupError
+from prime_rl.entrypoints import run_service
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.process import ignore_usr1
+from prime_rl.utils.run_record import write_run_config
+
+
+def main() -> None:
+    config = parse_config(InferenceConfig, prog="inference")
+    setup_logging("inference", config.output_dir, config.log.level, config.log.file)
+    write_run_config(config, "inference", config.output_dir)
+    ignore_usr1()  # a job's stop signal is for the trainer and orchestrator; the engine's processes inherit this
+    from prime_rl.inference.server import run
+
+    run_service(lambda: run(config), (StartupError,))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""`orchestrator`: environments -> rollouts -> advantages -> rank files, one step at a time
+(prime_rl.orchestrator.orchestrator)."""
+
+from __future__ import annotations
+
+from prime_rl.configs import parse_config
+from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.entrypoints import run_service
+from prime_rl.protocol import RunLock
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.process import ignore_usr1
+from prime_rl.utils.run_record import write_run_config
+
+
+def main() -> None:
+    config = parse_config(OrchestratorConfig, prog="orchestrator")
+    setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
+    ignore_usr1()  # until orchestrate() catches the stop signals (with checkpoints on)
+    from prime_rl.orchestrator.orchestrator import ERRORS, run
+
+    def locked() -> None:
+        with RunLock(config.output_dir, "orchestrator"):
+            write_run_config(config, "orchestrator", config.output_dir)
+            run(config)
+
+    run_service(locked, ERRORS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""`rl`: run inference, orchestrator and trainer on one node (or submit them to Slurm with `--slurm`).
+
+The entry only: parse the config, then `prime_rl.launch` resolves the three sub-configs, writes them to
+OUTPUT_DIR/run/, spawns the services with their output captured in OUTPUT_DIR/logs/, follows their logs,
+and stops everything when one fails or on Ctrl-C (exit non-zero, naming the failed service).
+
+With `--restart N`, a service that dies is restarted alone, up to N times in all, while the others keep
+running: the trainer and the orchestrator from their newest checkpoint (`--ckpt.resume-step latest`), the
+inference server as it was started (the orchestrator waits for it and gives it the current weights).
+
+With checkpoints on, USR1 or SIGTERM (Slurm's time-limit and preemption signals) stop the run cleanly: the
+trainer checkpoints after its current step, the orchestrator stops with its progress saved, and `rl` exits
+with status 3 (PREEMPTED); `--ckpt.resume-step latest` goes on from there with no step lost or repeated.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from prime_rl.configs import parse_config
+from prime_rl.configs.rl import RLConfig
+from prime_rl.entrypoints import run_service
+from prime_rl.launch.run import run
+from prime_rl.launch.supervise import ServiceFailed
+from prime_rl.protocol import DiskFull, RunLocked
+from prime_rl.slurm.launch import submit
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.process import catch_stop_signals, ignore_usr1
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    config = parse_config(RLConfig, prog="rl")
+    if config.slurm is not None:
+        raise SystemExit(submit(config, "rl"))
+    setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
+    # Explicitly: a shell that starts us in the background leaves SIGINT ignored, and Ctrl-C must still stop us.
+    signal.signal(signal.SIGINT, _terminate)
+    if config.trainer.ckpt is not None:
+        catch_stop_signals()  # USR1 / SIGTERM: a clean, resumable stop (`stop_run`)
+    else:
+        ignore_usr1()
+        signal.signal(signal.SIGTERM, _terminate)
+    errors = (ServiceFailed, TimeoutError, ValueError, RunLocked, DiskFull)
+    run_service(lambda: run(config), errors, interrupted="interrupted; stopped all services")
+
+
+if __name__ == "__main__":
+    main()

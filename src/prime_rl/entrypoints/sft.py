@@ -1,0 +1,26 @@
+"""`sft`: supervised fine-tuning on the trainer's model/FSDP/checkpoint code (prime_rl.trainer.sft.train),
+or, with `--slurm`, the same run submitted as a Slurm job."""
+
+from __future__ import annotations
+
+from prime_rl.configs import parse_config
+from prime_rl.configs.sft import SFTConfig
+from prime_rl.entrypoints import run_service
+from prime_rl.entrypoints.trainer import torchrun_worker
+
+
+def main() -> None:
+    torchrun_worker()
+    config = parse_config(SFTConfig, prog="sft")
+    if config.slurm is not None:
+        from prime_rl.slurm.launch import submit
+
+        raise SystemExit(submit(config, "sft"))
+    from prime_rl.trainer import service
+    from prime_rl.trainer.sft.train import run
+
+    run_service(lambda: service.start(config, "sft", run), service.ERRORS, service.stopped_status())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""`trainer`: the RL trainer, one process per rank under torchrun (prime_rl.trainer.rl.train).
+
+torchrun --nproc-per-node 2 src/prime_rl/entrypoints/trainer.py @ configs/debug/train.toml
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from prime_rl.configs import parse_config
+from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.entrypoints import run_service
+from prime_rl.utils.process import die_with_parent
+
+
+def torchrun_worker() -> None:
+    """A torchrun worker never outlives its agent (which may be SIGKILLed)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(signal.SIGKILL)
+
+
+def main() -> None:
+    torchrun_worker()
+    config = parse_config(TrainerConfig, prog="trainer")
+    from prime_rl.trainer import service
+    from prime_rl.trainer.rl.train import run
+
+    run_service(lambda: service.start(config, "trainer", run), service.ERRORS, service.stopped_status())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The inference side of `weight_transfer = "broadcast"` (protocol.broadcast), for every backend: a worker's
+seat in the trainer's broadcast group, receiving each step's tensors and checking them against the served
+checkpoint's layout before anything is swapped (the trainer's side is trainer/broadcast.py).
+"""
+
+from __future__ import annotations
+
+from prime_rl.inference.weights import WeightsError, check_specs
+from prime_rl.utils.hf_layout import TensorSpecs
+
+
+class BroadcastReceiver:
+    """One inference worker's seat in the trainer's weight broadcast group (protocol.broadcast).
+
+    Kept across steps (forming a group costs a round of connections, and seconds with nccl); a request for
+    another group (a restarted trainer) or a failed transfer leaves the old one, so the next request joins
+    afresh. Only one transfer runs at a time (the control plane serializes weight swaps).
+    """
+
+    def __init__(self) -> None:
+        self.rdv = None
+        self.store = None
+        self.pg = None
+
+    def receive(self, rdv, rank: int, step: int, device, served: TensorSpecs, tied: bool) -> dict:
+        """Step `step`'s tensors in the sender's dtypes on `device`, checked against `served`; the served
+        weights are untouched. Raises WeightsError naming the trainer when the transfer fails."""
+        from prime_rl.protocol.broadcast import BroadcastError, ask_for, connect_store, join_group, receive_step
+
+        def check(got_step: int, specs: dict) -> None:
+            if got_step != step:
+                raise WeightsError(f"the trainer sent weight step {got_step}, the request named {step}")
+            check_specs({n: (shape, dtype.is_floating_point) for n, (shape, dtype) in specs.items()}, served, tied)
+
+        try:
+            if self.rdv != rdv:
+                self.leave()
+                self.store = connect_store(rdv, master=False)
+                self.rdv = rdv
+            ask_for(self.store, rdv, step)
+            if self.pg is None:
+                self.pg = join_group(self.store, rdv, rank)
+            stream = receive_step(self.pg, device, check)
+            next(stream)  # the checked header
+            return dict(stream)
+        except WeightsError:  # the header does not fit the served model: the transfer is abandoned
+            self.leave()
+            raise
+        except BroadcastError as e:
+            self.leave()
+            raise WeightsError(
+                f"weight broadcast of step {step} from the trainer at {rdv.where} failed ({e}); "
+                "is the trainer alive? The previous weights keep serving"
+            ) from None
+        except (RuntimeError, OSError) as e:  # the store client: the trainer went away
+            self.leave()
+            message = f"weight broadcast of step {step}: lost the trainer's rendezvous at {rdv.where}: {e}"
+            raise WeightsError(message) from None
+
+    def leave(self) -> None:
+        self.rdv = self.store = self.pg = None  # dropping the handles closes the connections

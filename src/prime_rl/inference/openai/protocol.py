@@ -1,0 +1,155 @@
+"""The OpenAI request models of the built-in engine, and the error a request is answered with.
+
+Unknown fields are ignored, as vLLM does; known ones the engine does not implement are refused (400) unless
+they hold the value that means "off", since anything else would change what the caller samples.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOP_LOGPROBS = 20
+
+# Parameters the built-in engine does not implement, with the value that means "off".
+UNSUPPORTED = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "best_of": 1,
+    "echo": False,
+    "tools": None,
+    "response_format": None,
+    "include_stop_str_in_output": False,
+}
+
+
+class APIError(Exception):
+    """A request answered with an OpenAI-style error body: `status`, `message` and the error `type`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat requests share: the model name, sampling and the vLLM extras."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    temperature: Annotated[float | None, Field(ge=0)] = None
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    top_k: Annotated[int | None, Field(ge=-1)] = None
+    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
+    repetition_penalty: Annotated[float | None, Field(gt=0)] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingRequest:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in (None, UNSUPPORTED[name]):
+                raise ValueError(f"{name}={value!r} is not supported by the built-in engine")
+        return self
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, rendered by the chat template as given
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any] = ""
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_object(cls, value: str | dict[str, Any]) -> dict[str, Any]:
+        """OpenAI sends the arguments as a JSON string; templates expect the object (as vLLM passes them)."""
+        if isinstance(value, dict):
+            return value
+        if not value:
+            return {}
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("function.arguments must be a JSON object (as a string)") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("function.arguments must be a JSON object (as a string)")
+        return parsed
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, ...: passed to the chat template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the id of the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the tool call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool] | None, Field(min_length=1)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset = auto with tools
+    parallel_tool_calls: bool | None = None  # False keeps only the first call of a turn (as vLLM)
+
+
+def describe(error: RequestValidationError) -> str:
+    """One readable line per problem, e.g. `body.n: Input should be greater than or equal to 1`."""
+    problems = []
+    for e in error.errors():
+        where = ".".join(str(part) for part in e.get("loc", ()))
+        problems.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
+    return "invalid request: " + "; ".join(problems)[:2000]

@@ -1,0 +1,87 @@
+"""The one-node run of `rl`: under the output dir's locks, write each service's config to OUTPUT_DIR/run/,
+prepare the dir (fresh or resumed), start inference and trainer, then the orchestrator once the server is
+healthy, follow them on the console, and stop them all at the end (finished, failed, or stopped)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prime_rl.configs.rl import SERVICES, RLConfig
+from prime_rl.launch.console import StatusLine, follow_logs
+from prime_rl.launch.services import assign_devices, count_gpus, resume_step, service_commands, service_configs
+from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
+from prime_rl.protocol import log_file, prepare_output_dir, run_dir, run_locks
+from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
+from prime_rl.utils.logging import logger
+from prime_rl.utils.run_record import write_run_config
+
+
+def run(config: RLConfig) -> None:
+    """Holds the output dir's orchestrator and trainer locks for the whole run (before anything is written or
+    cleared); the services join them with the token in their environment."""
+    with run_locks(config.orchestrator.output_dir) as token:
+        _run(config, token)
+
+
+def _run(config: RLConfig, lock_token: str) -> None:
+    output_dir = config.orchestrator.output_dir
+    env, trainer_procs = service_env(config, lock_token)
+    config = config.model_copy(update=service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key)))
+    for name in SERVICES:
+        write_run_config(getattr(config, name), name, output_dir)
+    write_run_config(config, "rl", output_dir)
+    # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
+    if said := prepare_output_dir(output_dir, resume_step(config)):
+        logger.warning(said)
+    commands = service_commands(run_dir(output_dir), trainer_procs)
+    services: list[Service] = []
+    stop_following = threading.Event()
+    status = StatusLine(output_dir, config.trainer.max_steps)
+    follower = threading.Thread(target=follow_logs, args=(services, stop_following, status), daemon=True)
+    follower.start()
+    try:
+        start_services(config, services, commands, env, trainer_procs)
+        watch(services, Restarter(config, commands, env), config)
+        logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
+        from prime_rl.utils.plot import plot_runs
+
+        plots = plot_runs([output_dir], output_dir / "plots" / "run")
+        logger.info(f"plots of the run: {', '.join(map(str, plots))} (uv run plot DIR [DIR ...] to compare runs)")
+    finally:
+        stop_all(services)
+        time.sleep(0.6)  # let the follower print the last lines
+        stop_following.set()
+        follower.join(timeout=2)
+
+
+def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, str]], int]:
+    """Per-service env additions (devices, the lock token, the API key) and the trainer world size."""
+    env, trainer_procs = assign_devices(config, count_gpus())
+    for name in ("orchestrator", "trainer"):
+        env[name][LOCK_TOKEN_VAR] = lock_token
+    if config.inference.api_key:
+        # The services read their configs from run/*.toml, which never hold the key: it travels in the
+        # environment of the two processes that need it, under the orchestrator's api_key_var.
+        for name in ("inference", "orchestrator"):
+            env[name][config.orchestrator.client.api_key_var] = config.inference.api_key
+    return env, trainer_procs
+
+
+def start_services(
+    config: RLConfig,
+    services: list[Service],
+    commands: dict[str, list[str]],
+    env: dict[str, dict[str, str]],
+    trainer_procs: int,
+) -> None:
+    """Start the services into `services`: the trainer only needs rollouts, so it loads while the server does;
+    the orchestrator needs the server."""
+    output_dir = config.orchestrator.output_dir
+    for name in ("inference", "trainer"):
+        services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
+    port = config.inference.server.port
+    wait_for_inference(services, f"http://127.0.0.1:{port}/health", config.startup_timeout)
+    logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
+    services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
+                            env["orchestrator"]))  # fmt: skip

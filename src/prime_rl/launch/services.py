@@ -1,0 +1,88 @@
+"""What each service of an RL run starts with: its devices, its command line, and its config as the launcher
+adjusts it. One place for `rl` (one node) and the Slurm renderer (`prime_rl.slurm`, across nodes)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from prime_rl.configs.base import BaseConfig
+from prime_rl.configs.rl import SERVICES, RLConfig
+
+
+def count_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def assign_devices(config: RLConfig, num_gpus: int) -> tuple[dict[str, dict[str, str]], int]:
+    """Per-service env additions and the trainer world size."""
+    if num_gpus == 0:
+        if config.inference_gpu_ids or config.trainer_gpu_ids:
+            raise ValueError("GPU ids were given but no CUDA device is visible; drop --*-gpu-ids to run on CPU")
+        cpu = {"CUDA_VISIBLE_DEVICES": ""}
+        return {s: dict(cpu) for s in SERVICES}, config.trainer_cpu_ranks
+    inference_ids = config.inference_gpu_ids or [0]
+    trainer_ids = config.trainer_gpu_ids or [1 if num_gpus > 1 else 0]
+    for ids in (inference_ids, trainer_ids):
+        if bad := [i for i in ids if not 0 <= i < num_gpus]:
+            raise ValueError(f"GPU ids {bad} do not exist (this node has {num_gpus})")
+    env = {
+        "inference": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, inference_ids))},
+        "orchestrator": {"CUDA_VISIBLE_DEVICES": ""},
+        "trainer": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, trainer_ids))},
+    }
+    return env, len(trainer_ids)
+
+
+def service_commands(run_dir: Path, trainer_procs: int) -> dict[str, list[str]]:
+    py = sys.executable
+    return {
+        "inference": [py, "-m", "prime_rl.entrypoints.inference", "@", str(run_dir / "inference.toml")],
+        "orchestrator": [py, "-m", "prime_rl.entrypoints.orchestrator", "@", str(run_dir / "orchestrator.toml")],
+        "trainer": [
+            py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainer_procs),
+            "-m", "prime_rl.entrypoints.trainer", "@", str(run_dir / "trainer.toml"),
+        ],
+    }  # fmt: skip
+
+
+def service_configs(
+    config: RLConfig, trainer_ranks: int, *, key_in_env: bool, layout: str = "", host: str | None = None
+) -> dict[str, BaseConfig]:
+    """The inference, orchestrator and trainer configs as the launcher runs them; `config` is left as it is.
+
+    - orchestrator.num_train_workers = `trainer_ranks` (ValueError if the user set another value; `layout`
+      says in the message how the ranks come about);
+    - log.file off: the launcher captures each service's output into its log file;
+    - `key_in_env`: the API key travels in the environment under the orchestrator's client.api_key_var (the
+      written configs never hold it), so the server reads it from there too (inference.api_key_var);
+    - `host`: where the server listens, when the layout needs another address than the config's.
+    Copies, not re-validated: the server's key is only in the environment where the services run.
+    """
+    orchestrator, inference = config.orchestrator, config.inference
+    if orchestrator.num_train_workers != trainer_ranks and "num_train_workers" in orchestrator.model_fields_set:
+        raise ValueError(
+            f"orchestrator.num_train_workers={orchestrator.num_train_workers} but the trainer "
+            f"runs {trainer_ranks} ranks{layout}"
+        )
+    updates: dict[str, dict] = {"inference": {}, "orchestrator": {"num_train_workers": trainer_ranks}, "trainer": {}}
+    if key_in_env:
+        updates["inference"]["api_key_var"] = orchestrator.client.api_key_var
+    if host is not None:
+        updates["inference"]["server"] = inference.server.model_copy(update={"host": host})
+    configs = {}
+    for name in SERVICES:
+        sub = getattr(config, name)
+        configs[name] = sub.model_copy(update={"log": sub.log.model_copy(update={"file": False}), **updates[name]})
+    return configs
+
+
+def resume_step(config: RLConfig) -> int | None:
+    """The orchestrator checkpoint step the run resumes at, or None for a fresh run; ValueError if missing."""
+    from prime_rl.protocol import resolve_resume_step
+
+    ckpt = config.orchestrator.ckpt
+    step = ckpt.resume_step if ckpt is not None else None
+    return resolve_resume_step(config.orchestrator.output_dir, step, "orchestrator")

@@ -1,0 +1,298 @@
+"""A step's batch (DESIGN §3, §6): which examples, sampled and scored into groups with their advantages,
+turned into trainer samples, and the step's metrics.
+
+The step's groups, batch_size / rollouts_per_example of them, come from the environments mixed by `ratio`
+(`EnvMix`: a group is one example of one env, never split):
+- barrier mode (default, `generate_batch`): the step's requests start after the weight update and the
+  step waits for all of them; with advantage.skip_zero_advantage, groups whose rewards are all equal are
+  replaced by fresh examples (up to advantage.max_rounds rounds);
+- continuous mode (`max_inflight` set, `RolloutStream`): up to max_inflight rollouts are generating or
+  waiting to be taken at all times, across weight updates (a server swaps weights between requests,
+  never inside one); the step takes the first complete groups, dropping those sampled by a policy older
+  than policy.oldest_policy (counted in `stale_groups`), so one long rollout no longer holds the whole step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
+from prime_rl.envs import EnvError, Environment, Example
+from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
+from prime_rl.orchestrator.ckpt import Progress
+from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.policy import oldest_policy
+from prime_rl.orchestrator.pool import SmoothRoundRobin
+from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source, derive_seed
+from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.utils.timer import timer
+
+logger = logging.getLogger("prime_rl")
+
+
+class DataStream:
+    """The environment's example stream with a position, so a resumed run continues with unseen examples."""
+
+    def __init__(self, env: Environment, seed: int, skip: int = 0):
+        self._examples: Iterator[Example] = env.examples(seed)
+        self.drawn = 0
+        for _ in range(skip):
+            self.next()
+
+    def next(self) -> Example:
+        try:
+            example = next(self._examples)
+        except StopIteration:
+            raise EnvError(f"the environment's examples ran out after {self.drawn}; examples() must not end") from None
+        self.drawn += 1
+        return example
+
+
+@dataclass
+class EnvSlot:
+    """One training environment: its config, sampler and example stream."""
+
+    config: EnvConfig
+    source: RolloutSource
+    data: DataStream
+
+    @property
+    def name(self) -> str:
+        return self.config.label
+
+    @property
+    def token_budget(self) -> int:
+        """Most model tokens of one rollout (max_tokens × model turns): the length penalty's scale."""
+        game = self.source.game
+        return self.source.sampling.max_tokens * (game.turns if game is not None else 1)
+
+
+class EnvMix:
+    """Which environment the next group comes from: smooth weighted round-robin over the `ratio`s, so any
+    run of groups holds each env's share to within one group (3:1 over 200 groups is exactly 150/50)."""
+
+    def __init__(self, slots: list[EnvSlot], picks: int = 0):
+        self.slots = slots
+        self._rotation = SmoothRoundRobin([s.config.ratio for s in slots])
+        self.picks = 0
+        for _ in range(picks):
+            self.next()
+
+    def next(self) -> EnvSlot:
+        self.picks += 1
+        return self.slots[self._rotation.pick()]
+
+
+def build_mix(config: OrchestratorConfig, state: Progress) -> EnvMix:
+    slots = []
+    for i, cfg in enumerate(config.env):
+        env, source = build_source(cfg, config)
+        drawn = state.env_drawn.get(cfg.label, state.examples_drawn if i == 0 and not state.env_drawn else 0)
+        slots.append(EnvSlot(cfg, source, DataStream(env, config.seed, skip=drawn)))
+    return EnvMix(slots, state.env_picks)
+
+
+@dataclass
+class Batch:
+    groups: list[Group]
+    advantages: list[list[float]]
+    skipped: int = 0  # zero-advantage groups replaced by fresh examples
+    rounds: int = 1
+    stale: int = 0  # continuous mode: groups dropped for a policy older than policy.oldest_policy(step)
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rollouts(self):
+        return [r for g in self.groups for r in g.rollouts]
+
+
+def advantages_of(group: Group, config: OrchestratorConfig, token_budget: int) -> list[float]:
+    adv = config.advantage
+    rollouts = group.rollouts
+    rewards = apply_truncation([r.reward for r in rollouts], [r.truncated for r in rollouts], adv.truncated)
+    lengths = [sum(r.completion_mask) for r in rollouts]
+    rewards = apply_length_penalty(rewards, lengths, token_budget, adv.length_penalty)
+    return group_advantages(rewards, adv.std_norm, adv.baseline)
+
+
+def group_seed(config: OrchestratorConfig, rng) -> int | None:
+    """A request seed mixing sampling.seed with a draw of the orchestrator's RNG (checkpointed, so a resumed
+    run draws the same); None when sampling.seed is unset."""
+    return None if config.sampling.seed is None else derive_seed(config.sampling.seed, rng.randrange(2**31))
+
+
+async def sample_group(client: InferenceClient, config: OrchestratorConfig, slot: EnvSlot, example: Example,
+                       seed: int | None) -> tuple[Group, list[float]]:  # fmt: skip
+    """One scored group with its advantages (scored as soon as it arrives, while other groups generate)."""
+    group = await slot.source.group(client, example, config.rollouts_per_example, seed)
+    await slot.source.score(group)
+    return group, advantages_of(group, config, slot.token_budget)
+
+
+async def generate_batch(
+    client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng, progress: ProgressLine
+) -> Batch:
+    """Barrier mode: exactly batch_size / rollouts_per_example scored groups with their advantages."""
+    need = config.batch_size // config.rollouts_per_example
+    adv = config.advantage
+    kept: list[tuple[Group, list[float]]] = []
+    zero: list[tuple[Group, list[float]]] = []
+    batch = Batch([], [], rounds=0)
+    while len(kept) < need and batch.rounds < adv.max_rounds:
+        batch.rounds += 1
+        picks = [mix.next() for _ in range(need - len(kept))]
+        draws = [(slot, slot.data.next(), group_seed(config, rng)) for slot in picks]
+        with timer(batch.times, "generate"):
+            scored = await progress.track([sample_group(client, config, *draw) for draw in draws])
+        for group, advantages in scored:
+            (zero if adv.skip_zero_advantage and is_zero(advantages) else kept).append((group, advantages))
+        if not adv.skip_zero_advantage:
+            break
+    fill = zero[: max(0, need - len(kept))]
+    if fill:
+        logger.warning(
+            f"only {len(kept)} of {need} groups had a learning signal after {batch.rounds} round(s); "
+            f"filling the batch with {len(fill)} zero-advantage group(s)"
+        )
+    kept += fill
+    batch.skipped = len(zero) - len(fill)
+    batch.groups = [g for g, _ in kept]
+    batch.advantages = [a for _, a in kept]
+    return batch
+
+
+class RolloutStream:
+    """Continuous mode: groups keep generating across steps and weight updates.
+
+    At most `max_inflight` rollouts are started and not yet taken into a batch (generating, or finished
+    and waiting), so the stream runs ahead of the trainer by a bounded amount. `take` hands a step the
+    first complete groups in completion order; groups from a policy older than policy.oldest_policy (step -
+    max_off_policy_steps) are dropped. Examples in flight when the run stops are not replayed on resume
+    (their draws are kept).
+    """
+
+    def __init__(self, client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng):
+        self.client, self.mix, self.config, self.rng = client, mix, config, rng
+        self.size = config.rollouts_per_example
+        self.held = 0  # rollouts started and not yet taken
+        self.done: asyncio.Queue = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()
+
+    def fill(self) -> None:
+        while self.held + self.size <= self.config.max_inflight:
+            slot = self.mix.next()
+            draw = (slot, slot.data.next(), group_seed(self.config, self.rng))
+            task = asyncio.create_task(sample_group(self.client, self.config, *draw))
+            task.add_done_callback(self._finished)
+            self.tasks.add(task)
+            self.held += self.size
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled():
+            self.done.put_nowait(task)
+
+    async def take(self, step: int, progress: ProgressLine) -> Batch:
+        need = self.config.batch_size // self.config.rollouts_per_example
+        adv, oldest = self.config.advantage, oldest_policy(step, self.config)
+        batch = Batch([], [])
+        zero: list[tuple[Group, list[float]]] = []
+        with timer(batch.times, "generate"):
+            while len(batch.groups) < need:
+                self.fill()
+                task = await self.done.get()
+                self.held -= self.size
+                group, advantages = task.result()  # a failed group (server gone, env error) stops the run here
+                if group.weight_step < oldest:
+                    batch.stale += 1
+                elif adv.skip_zero_advantage and is_zero(advantages) and batch.skipped < need * (adv.max_rounds - 1):
+                    batch.skipped += 1
+                    zero.append((group, advantages))
+                else:
+                    batch.groups.append(group)
+                    batch.advantages.append(advantages)
+                progress.note(len(batch.groups), need)
+        self.fill()  # the next step's groups start generating now
+        return batch
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def build_samples(batch: Batch, truncated: str) -> list[dict]:
+    samples = []
+    for group, advantages in zip(batch.groups, batch.advantages, strict=True):
+        for r, a in zip(group.rollouts, advantages, strict=True):
+            mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
+            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask))
+    return samples
+
+
+def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, Any]:
+    """The step's line in metrics/orchestrator.jsonl: rewards, lengths, policy gaps, counts and timings."""
+    rollouts = batch.rollouts
+    rewards = [r.reward for r in rollouts]
+    group_rewards = [[r.reward for r in g.rollouts] for g in batch.groups]
+    best = max(rewards)
+    seq_lens = [r.num_tokens for r in rollouts]
+    model_tokens = [sum(r.completion_mask) for r in rollouts]
+    weight_steps = [r.weight_step for r in rollouts]
+    gaps = [step - w for w in weight_steps]
+    tokens = sum(seq_lens)
+    generation = sum(times.get(k, 0.0) for k in ("generate", "wait_weights", "update_weights"))
+    metrics: dict[str, Any] = {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        # Share of groups that solved the task in every rollout / in none (reward at the max 1.0, or 0).
+        "solve_all": statistics.fmean(all(x >= max(1.0, best) for x in g) for g in group_rewards),
+        "solve_none": statistics.fmean(all(x <= 0.0 for x in g) for g in group_rewards),
+        "seq_len_mean": statistics.fmean(seq_lens),
+        "seq_len_max": max(seq_lens),
+        "completion_len_mean": statistics.fmean(model_tokens),
+        "completion_len_max": max(model_tokens),
+        "turns_mean": statistics.fmean(r.turns for r in rollouts),
+        "truncated_fraction": statistics.fmean(r.truncated for r in rollouts),
+        "weight_step": min(weight_steps),
+        "weight_step_max": max(weight_steps),
+        "off_policy_gap": max(gaps),
+        "off_policy_gap_mean": statistics.fmean(gaps),
+        "skipped_groups": batch.skipped,
+        "stale_groups": batch.stale,
+        "mixed_policy_fraction": statistics.fmean(r.weight_step_max != r.weight_step for r in rollouts),
+        "sample_rounds": batch.rounds,
+        "samples": len(rollouts),
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(times["step"], 1e-9),
+        "overhead_fraction": max(0.0, times["step"] - generation) / max(times["step"], 1e-9),
+        **{f"time/{key}": value for key, value in times.items() if key != "served_at"},
+    }
+    if "served_at" in times:  # wall clock when the servers answered with new weights (a timestamp, no duration)
+        metrics["weights_served_at"] = times["served_at"]
+    return metrics | breakdowns(batch, gaps)
+
+
+def breakdowns(batch: Batch, gaps: list[int]) -> dict[str, Any]:
+    """Rollouts per off-policy gap, the mean of each score metric, and the same per environment."""
+    rollouts = batch.rollouts
+    metrics: dict[str, Any] = {}
+    for gap in sorted(set(gaps)):
+        metrics[f"off_policy_gap/{gap}"] = gaps.count(gap)  # rollouts per gap: the distribution
+    for name in sorted({k for r in rollouts for k in r.metrics}):
+        values = [r.metrics[name] for r in rollouts if name in r.metrics]
+        metrics[f"reward/{name}"] = statistics.fmean(values)
+    for env in sorted({g.env for g in batch.groups}):  # per environment: reward/<env>, groups/<env>, ...
+        mine = [r for g in batch.groups if g.env == env for r in g.rollouts]
+        metrics[f"reward/{env}"] = statistics.fmean(r.reward for r in mine)
+        metrics[f"groups/{env}"] = sum(g.env == env for g in batch.groups)
+        metrics[f"seq_len/{env}"] = statistics.fmean(r.num_tokens for r in mine)
+        for name in sorted({k for r in mine for k in r.metrics}):
+            metrics[f"reward/{env}/{name}"] = statistics.fmean(r.metrics[name] for r in mine if name in r.metrics)
+    return metrics

@@ -1,0 +1,107 @@
+"""Which policy step n samples from (DESIGN §3; weight transfer: §5): the oldest usable policy, waiting for
+the trainer's weights and having the servers load them, or relaying its weight broadcasts.
+
+Every live server must sample from weights no older than n - async_level before step n's requests start
+(`wait_for_policy`: it waits for the trainer's `weights/step_k/STABLE` and relays it with POST
+/update_weights, or relays the trainer's broadcasts). So the orchestrator runs up to async_level steps
+ahead of the trainer; async_level 0 is on-policy.
+
+`oldest_policy` is the one rule for which rollouts step n may use: with async_level = 1 and
+max_off_policy_steps = 3, step 5 takes rollouts of weight step >= 4 in barrier mode and >= 2 in
+continuous mode (a request running when an update landed is still usable there).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.pool import InferenceError
+from prime_rl.protocol import is_stable, stable_steps, wait_for_weights, wait_until_async, weights_dir, weights_root
+from prime_rl.protocol.broadcast import marker_file, read_marker
+from prime_rl.utils.timer import timer
+
+logger = logging.getLogger("prime_rl")
+
+
+def oldest_policy(step: int, config: OrchestratorConfig) -> int:
+    """The oldest weight step a rollout used for step `step` may come from.
+
+    Barrier mode: step - async_level, the weights the servers must hold before the step's requests start.
+    Continuous mode (`max_inflight` set): step - max_off_policy_steps, since groups keep generating across
+    updates. Older completions are redone by the client (`set_floor`); older groups are dropped as stale."""
+    lag = config.async_level if config.max_inflight is None else config.max_off_policy_steps
+    return max(0, step - lag)
+
+
+async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict) -> int:
+    """Ensure every live server holds weights step >= step - async_level; return the oldest step held.
+
+    `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them)."""
+    need = max(0, step - config.async_level)
+    client.set_floor(oldest_policy(step, config))
+    current = await client.server_step()
+    if config.weight_transfer == "broadcast":
+        current = await relay_broadcasts(client, config, current, need, times)
+    if current >= need:
+        return current
+    logger.info(f"step {step}: servers hold weights step {current}, need >= {need}; waiting for the trainer")
+    with timer(times, "wait_weights"):
+        await wait_for_weights(config.output_dir, need, config.weights_timeout, config.heartbeat_timeout)
+    # The trainer may have moved on while we waited: take the newest complete weights, never older than need,
+    # and not newer than `step` where there is a choice (an orchestrator redoing a step after a restart
+    # samples from the policy an uninterrupted run would have had).
+    usable = [s for s in stable_steps(weights_root(config.output_dir)) if s >= need]
+    newest = max([s for s in usable if s <= step] or usable)
+    return await load_weights(client, config, newest, times)
+
+
+async def load_weights(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict) -> int:
+    weight_dir = weights_dir(config.output_dir, step)
+    with timer(times, "update_weights"):
+        loaded = await client.update_weights(str(weight_dir))
+    times["served_at"] = time.time()  # a timestamp, for the weight plane's latency (benchmarks/rl.py)
+    if loaded != step:
+        raise InferenceError(f"servers report weights step {loaded} after loading {weight_dir}")
+    logger.info(f"servers now serve weights step {loaded}")
+    return loaded
+
+
+async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, current: int, need: int,
+                           times: dict) -> int:  # fmt: skip
+    """weight_transfer = broadcast: relay every step the trainer announces (it waits for all servers to
+    ask), and wait for announcements until the servers hold `need` or its weights are on disk (a resumed
+    run: checkpoint steps are written there). Returns the step the servers hold.
+
+    An announcement is pending unless every server holds its step from its group: a restarted trainer
+    forms a new group and may announce a step older than the servers hold (it resumed from a checkpoint)."""
+    out = config.output_dir
+    b = config.weight_broadcast
+
+    def pending(marker: dict | None) -> bool:
+        live = client.pool.live()
+        return marker is not None and any(s.group != marker["group"] or s.step < marker["step"] for s in live)
+
+    while True:
+        announced = read_marker(out)
+        if pending(announced):
+            rendezvous = {"host": b.host, "port": b.port, "timeout": b.timeout}
+            rendezvous |= {"group": announced["group"], "backend": announced["backend"]}
+            with timer(times, "update_weights"):
+                current = await client.broadcast_weights(announced["step"], rendezvous)
+            times["served_at"] = time.time()
+            logger.info(f"servers now serve weights step {current} (broadcast)")
+            continue
+        if current >= need or is_stable(weights_dir(out, need)):
+            return current
+        with timer(times, "wait_weights"):
+            await wait_until_async(
+                lambda: pending(read_marker(out)) or is_stable(weights_dir(out, need)),
+                f"the trainer's weight step {need} ({marker_file(out, need)} or {weights_dir(out, need)})",
+                config.weights_timeout,
+                output_dir=out,
+                writer="trainer-rank0",
+                heartbeat_timeout=config.heartbeat_timeout,
+            )

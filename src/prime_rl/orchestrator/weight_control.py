@@ -1,0 +1,108 @@
+"""Which weights the inference servers serve (DESIGN §4; broadcast: §5): a weight dir loaded on every live server
+(POST /update_weights), the base weights again (POST /reload_weights), or a step received over the
+trainer's broadcast group.
+
+`weight_dir` is what the pool serves: a server that rejoins, or that answered from a policy older than
+the step allows, is given it again by `load` (nothing to do before the first update).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from prime_rl.orchestrator.pool import InferenceError, Request, Server, ServerDown, ServerPool, server_root
+
+
+class WeightControl:
+    def __init__(self, pool: ServerPool, request: Request, http: httpx.AsyncClient):
+        self.pool, self._request, self._http = pool, request, http
+        self.weight_dir: str | None = None  # what the pool serves (the last update); None: each server's base
+
+    async def load(self, server: Server) -> None:
+        """Give one server the weights the pool serves (nothing to do before the first update)."""
+        if self.weight_dir is not None:
+            data = await self._request(
+                "POST", f"{server_root(server.base)}/update_weights", {"weight_dir": self.weight_dir}
+            )
+            server.step = int(data["step"])
+
+    async def update(self, weight_dir: str) -> int:
+        """Load `weight_dir` on every live server; return the step they now serve.
+
+        A server that is down is taken out (the others carry on; it gets these weights when it rejoins);
+        any other failure is an error.
+        """
+        self.weight_dir = weight_dir
+
+        async def one(server: Server) -> None:
+            try:
+                await self.load(server)
+            except ServerDown as e:
+                self.pool.take_out(server, str(e))
+
+        await asyncio.gather(*(one(s) for s in self.pool.live()))
+        if not self.pool.live():
+            await self.pool.revive(f"all of {self.pool.base_urls} failed to load {weight_dir}", self.load)
+        steps = [s.step for s in self.pool.live()]
+        if len(set(steps)) != 1:
+            raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
+        return steps[0]
+
+    async def reload(self) -> int:
+        """Every live server goes back to the weights it started with (POST /reload_weights); returns
+        their step (0). Later rejoining servers get those weights too."""
+        self.weight_dir = None
+
+        async def one(server: Server) -> None:
+            data = await self._request("POST", f"{server_root(server.base)}/reload_weights", {})
+            server.step = int(data["step"])
+
+        await asyncio.gather(*(one(s) for s in self.pool.live()))
+        steps = {s.step for s in self.pool.live()}
+        if len(steps) != 1:
+            raise InferenceError(f"servers report different steps after reloading their weights: {sorted(steps)}")
+        return steps.pop()
+
+    async def broadcast(self, step: int, rendezvous: dict) -> int:
+        """Have every server receive weight step `step` over the trainer's broadcast group; return the step.
+
+        The trainer sends to all seats at once, so every server must take part: one that is down or
+        refuses is an error naming it (never retried: a second join would take a seat twice). `rendezvous`:
+        host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 + the
+        servers' seats (their /health `weight_receivers`)."""
+        # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
+        servers = self.pool.servers
+        down = [s.base for s in servers if not s.alive]
+        if down:
+            raise InferenceError(f"weight broadcast of step {step} needs every inference server; down: {down}")
+        unable = [s.base for s in servers if s.receivers == 0]
+        if unable:
+            message = "take no weights over a process group; start them with --weight-transfer broadcast"
+            raise InferenceError(f"{unable} {message}")
+        world_size = 1 + sum(s.receivers for s in servers)
+        ranks = [1 + sum(s.receivers for s in servers[:i]) for i in range(len(servers))]
+        sends = (self._join(s, step, rendezvous, world_size, r) for s, r in zip(servers, ranks, strict=True))
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        return min(s.step for s in servers)
+
+    async def _join(self, server: Server, step: int, rendezvous: dict, world_size: int, rank: int) -> None:
+        """One server's POST /update_weights for a broadcast: it answers once it holds the step."""
+        body = {"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}}
+        url = f"{server_root(server.base)}/update_weights"
+        try:
+            response = await self._http.post(url, json=body, timeout=rendezvous["timeout"] + 30)
+        except httpx.TransportError as e:
+            problem = f"{type(e).__name__}: {e}"
+            raise InferenceError(f"{server.base}: weight broadcast of step {step}: {problem}") from None
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = f"HTTP {response.status_code}: {response.text[:500]}"
+            raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
+        server.step, server.group = int(response.json()["step"]), rendezvous["group"]

@@ -1,0 +1,77 @@
+"""Packing samples into the rows of a rank file (DESIGN §2): the one packer of the orchestrator (rollouts),
+SFT (data rows) and the trainer's fake data.
+
+A sample is a dict of equal-length per-token lists (`input_ids`, `loss_mask`, `advantages`,
+`inference_logprobs`), laid end to end by `MicroBatch.pack`.
+
+1. `first_fit_decreasing`: samples go into rows of at most `seq_len` tokens. Longest first, each sample goes
+   into the first row with room, else opens a new row. Lengths [5, 2, 7, 3, 4], seq_len 10:
+
+       sorted 7 5 4 3 2  →  row0 [7, 3]   (7, then 5 no fit, 4 no fit, 3 fits → 10)
+                            row1 [5, 4]   (5, then 4 fits → 9; 2 no longer fits in row0 or row1)
+                            row2 [2]
+
+   As indices: [[2, 3], [0, 4], [1]]. A sample longer than `seq_len` is an error (`SampleTooLong`), never
+   truncated: a cut completion would train on a sequence the policy never produced.
+2. `pack_rows`: each of those rows becomes one `MicroBatch` (positions restarting at 0 per sample).
+3. `pad_rows`: a rank with fewer rows than the others gets all-masked padding rows up to `count`, so every
+   rank runs the same number of forward/backward passes and FSDP collectives stay in lockstep. Rows [r0, r1]
+   padded to 3 → [r0, r1, pad]; to 2 or fewer → unchanged.
+
+Importing this module needs no torch (the orchestrator's start-up stays light); building rows does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prime_rl.protocol.records import MicroBatch
+
+# Padding rows are all masked, so their content never matters. A few tokens keep their compute negligible
+# while sparing the trainer zero-size tensors after its next-token shift.
+PADDING_LENGTH = 8
+
+
+class SampleTooLong(ValueError):
+    """A sample does not fit in one micro batch row."""
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins of total length <= capacity (see the module docstring)."""
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise SampleTooLong(
+                f"sample {i} has {n} tokens but seq_len is {capacity}; one that does not fit seq_len {capacity} "
+                f"is never truncated: raise seq_len or lower sampling.max_tokens / the prompt length"
+            )
+    bins: list[list[int]] = []
+    room: list[int] = []
+    # Stable sort: equal lengths keep their original order, so packing is deterministic.
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def pack_rows(samples: list[dict], seq_len: int, temperature: float) -> list[MicroBatch]:
+    """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens, one MicroBatch each."""
+    from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
+
+    bins = first_fit_decreasing([len(s["input_ids"]) for s in samples], seq_len)
+    return [MicroBatch.pack([samples[i] for i in b], temperature) for b in bins]
+
+
+def pad_rows(
+    rows: list[MicroBatch], count: int, temperature: float, length: int = PADDING_LENGTH, pad_id: int = 0
+) -> list[MicroBatch]:
+    """`rows` followed by all-masked rows of `length` tokens up to `count` rows (none if it has that many)."""
+    from prime_rl.protocol.records import MicroBatch
+
+    return rows + [MicroBatch.padding(length, temperature, pad_id) for _ in range(count - len(rows))]

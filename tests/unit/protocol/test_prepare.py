@@ -1,0 +1,54 @@
+"""Fresh or resumed: what `prepare_output_dir` leaves of an earlier run, and the launcher's lock pair."""
+
+import pytest
+
+from prime_rl.protocol import (
+    RunLock,
+    RunLocked,
+    list_steps,
+    mark_stable,
+    prepare_output_dir,
+    rank_file,
+    rollouts_dir,
+    run_locks,
+    weights_dir,
+    weights_root,
+)
+
+
+def earlier_run(out) -> None:
+    """Rollouts of steps 0..4 (complete), weights of steps 3 and 4, a checkpoint at step 3."""
+    for step in range(5):
+        rank_file(out, step, 0).parent.mkdir(parents=True)
+        mark_stable(rank_file(out, step, 0).parent)
+    for step in (3, 4):
+        weights_dir(out, step).mkdir(parents=True)
+        mark_stable(weights_dir(out, step))
+    (out / "checkpoints" / "step_3").mkdir(parents=True)
+
+
+def test_a_fresh_run_clears_rollouts_and_weights_and_keeps_checkpoints(tmp_path):
+    earlier_run(tmp_path)
+    said = prepare_output_dir(tmp_path, None)
+    assert said == f"fresh start: removed rollouts/step_0..4, weights/step_3..4 left in {tmp_path} by an earlier run"
+    assert list_steps(rollouts_dir(tmp_path)) == [] and list_steps(weights_root(tmp_path)) == []
+    assert (tmp_path / "checkpoints" / "step_3").is_dir()
+
+
+def test_a_resumed_run_drops_rollouts_from_its_start_step_on_and_keeps_the_rest(tmp_path):
+    earlier_run(tmp_path)
+    said = prepare_output_dir(tmp_path, 3)
+    assert said == "resuming at step 3: removed rollouts/step_3..4 of the interrupted run"
+    assert list_steps(rollouts_dir(tmp_path)) == [0, 1, 2]  # a trainer resumed at an earlier step reads them
+    assert list_steps(weights_root(tmp_path)) == [3, 4]
+    assert prepare_output_dir(tmp_path, 3) == ""
+
+
+def test_run_locks_hold_both_roles_and_children_join_with_the_token(tmp_path):
+    with run_locks(tmp_path) as token:
+        for role in ("orchestrator", "trainer"):
+            with pytest.raises(RunLocked):
+                RunLock(tmp_path, role).acquire()
+            assert RunLock(tmp_path, role, token=token).acquire().joined
+    with RunLock(tmp_path, "trainer"):  # released
+        pass
