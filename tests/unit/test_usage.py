@@ -1,8 +1,8 @@
 """Every command in docs/usage.md (the user-facing contract) parses: flag names are part of the contract.
 
-Each `uv run <entrypoint> ...` / `uv run torchrun ... <train.py> ...` line is read from the doc, `...` and
-`@ file` placeholders are dropped, `$VARS` get example values, and the rest must load into the entrypoint's
-config without a single error. Running the GPU-only ones is not possible here; their parsing is.
+Each `uv run <entrypoint> ...` / `uv run torchrun ... src/prime_rl/entrypoints/<trainer or sft>.py ...` line is
+read from the doc, `...` and `@ file` placeholders are dropped, `$VARS` get example values, and the rest must
+load into the entrypoint's config without a single error. Running the GPU-only ones is not possible here; their parsing is.
 """
 
 import re
@@ -56,7 +56,7 @@ def usage_commands() -> list[str]:
 def entrypoint_args(command: str) -> tuple[type, list[str]]:
     words = shlex.split(re.sub(r"\$(\w+)", lambda m: ENV[m.group(1)], command))[2:]
     if words[0] == "torchrun":
-        script = next(w for w in words if w.endswith("train.py"))
+        script = next(w for w in words if w.startswith("src/prime_rl/entrypoints/"))
         cls, words = ENTRYPOINTS[script], words[words.index(script) + 1 :]
     else:
         cls, words = ENTRYPOINTS[words[0]], words[1:]

@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from prime_rl.configs.inference import InferenceConfig, ServerConfig, StartupError
+from prime_rl.entrypoints import inference as inference_entry
 from prime_rl.inference import server
 
 
@@ -35,7 +36,7 @@ def test_main_exits_1_with_a_message_when_the_backend_is_unavailable(monkeypatch
     argv = ["inference", "--backend", "vllm", "--output-dir", str(tmp_path), "--no-log.file"]
     monkeypatch.setattr("sys.argv", argv)
     with pytest.raises(SystemExit) as exit_info:
-        server.main()
+        inference_entry.main()
     assert exit_info.value.code == 1
     assert "ERROR backend vllm requested, but vLLM is not installed" in capsys.readouterr().err
 
@@ -63,6 +64,6 @@ def test_vllm_on_cpu_refuses_a_head_dim_its_attention_cannot_run(monkeypatch, ti
     argv = ["inference", "--backend", "vllm", "--model.name", str(tiny_model), "--output-dir", str(tmp_path)]
     monkeypatch.setattr("sys.argv", [*argv, "--no-log.file"])
     with pytest.raises(SystemExit) as exit_info:
-        server.main()
+        inference_entry.main()
     assert exit_info.value.code == 1
     assert "vLLM's CPU build needs head_dim >= 32, and" in capsys.readouterr().err

@@ -107,10 +107,10 @@ SLURM_PROCID=0 exec "$@"
 FAKE_PY = """#!/bin/bash
 echo $$ >> "$RECORD/pids"
 echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$RECORD/commands"
-[[ $* == *inference.server* ]] && exec sleep "${SERVE_SECONDS:-60}"
-[[ -n ${HANG:-} && $* == *prime_rl.[ot]* ]] && exec sleep 30
+[[ $* == *entrypoints.inference* ]] && exec sleep "${SERVE_SECONDS:-60}"
+[[ -n ${HANG:-} && $* == *prime_rl.entrypoints.[ot]* ]] && exec sleep 30
 [[ -n ${TOUCH:-} ]] && mkdir -p "$(dirname "$TOUCH")" && touch "$TOUCH"
-if [[ -n ${AWAIT_TERM:-} && $* == *prime_rl.[ot]* ]]; then  # as trainer and orchestrator on Slurm's SIGTERM
+if [[ -n ${AWAIT_TERM:-} && $* == *prime_rl.entrypoints.[ot]* ]]; then  # as trainer and orchestrator on Slurm's SIGTERM
   [[ $* == *trainer* ]] && trap 'touch "$OUTPUT_DIR/run/trainer.stopped"; kill $!; exit 1' TERM \\
     || trap 'kill $!; exit 3' TERM
   sleep 30 & wait
@@ -141,7 +141,7 @@ def run_script(tmp_path, script: str, fail: str = "never", touch: str = "", term
                             text=True, start_new_session=True)  # fmt: skip
     if term:
         commands, deadline = tmp_path / "commands", time.monotonic() + 20
-        modules = ("prime_rl.inference", "prime_rl.trainer", "prime_rl.orchestrator")
+        modules = ("entrypoints.inference", "entrypoints.trainer", "entrypoints.orchestrator")
         while not commands.exists() or not all(m in commands.read_text() for m in modules):
             assert time.monotonic() < deadline, "the steps never started"
             time.sleep(0.05)
@@ -209,8 +209,8 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", "configs/debug/rl.toml",
-                             "--output-dir", str(out), "--slurm.dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+                             "--output-dir", str(out), "--slurm.dry-run"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=rl\n")
     assert not (tmp_path / "submitted").exists() and not out.exists()
@@ -262,7 +262,7 @@ def test_multi_node_orchestrator_stopped_on_a_signal_ends_the_job_as_stopped_and
     script = render(config, "rl", []).script
     assert script.count('trap "" USR1; exec') == 3  # torchrun's agent and the server never die of USR1
     checkpoint(out, 4)
-    result = run_script(tmp_path, script, fail="prime_rl.orchestrator")
+    result = run_script(tmp_path, script, fail="prime_rl.entrypoints.orchestrator")
     assert result.returncode == 0, result.stderr
     assert "step orchestrator stopped on a signal" in result.stdout and "step trainer done" in result.stdout
     assert "step orchestrator done" not in result.stdout
@@ -270,7 +270,7 @@ def test_multi_node_orchestrator_stopped_on_a_signal_ends_the_job_as_stopped_and
     commands = (tmp_path / "commands").read_text().splitlines()
     for module in ("prime_rl.entrypoints.trainer", "prime_rl.entrypoints.orchestrator"):
         assert any(module in c and "--ckpt.resume-step=latest" in c for c in commands), commands
-    assert not any("inference.server" in c and "resume" in c for c in commands)
+    assert not any("entrypoints.inference" in c and "resume" in c for c in commands)
     assert not any("prepare_output_dir" in c for c in commands)  # the checkpoint's run goes on
 
 
