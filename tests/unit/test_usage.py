@@ -1,8 +1,9 @@
 """Every command in docs/usage.md (the user-facing contract) parses: flag names are part of the contract.
 
-Each `uv run <entrypoint> ...` / `uv run torchrun ... src/prime_rl/entrypoints/<trainer or sft>.py ...` line is
-read from the doc, `...` and `@ file` placeholders are dropped, `$VARS` get example values, and the rest must
-load into the entrypoint's config without a single error. Running the GPU-only ones is not possible here; their parsing is.
+Each `uv run <entrypoint> ...` / `uv run torchrun ... src/prime_rl/entrypoints/<trainer or sft>.py ...` line
+is read from the doc, `...` and `@ file` placeholders are dropped, `$VARS` get example values, and the rest
+must load into the entrypoint's config without a single error. Running the GPU-only ones is not possible
+here; their parsing is.
 """
 
 import re
