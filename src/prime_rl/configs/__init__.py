@@ -6,9 +6,16 @@ imports anything heavy. The service configs live in their own modules (`configs.
 this package exports the bases, the command line and the sections they share.
 """
 
-from prime_rl.configs.base import ENV_PREFIX, BaseConfig, OutputDir, Section, default_output_dir
-from prime_rl.configs.cli import (
+from prime_rl.configs.base import (
+    ENV_PREFIX,
     SECRET_FIELDS,
+    BaseConfig,
+    OutputDir,
+    Section,
+    default_output_dir,
+    to_toml_dict,
+)
+from prime_rl.configs.cli import (
     ConfigError,
     deep_merge,
     format_validation_error,
@@ -16,7 +23,6 @@ from prime_rl.configs.cli import (
     load_config,
     parse_args,
     parse_config,
-    to_toml_dict,
 )
 from prime_rl.configs.shared import (
     LORA_TARGETS,

@@ -47,3 +47,15 @@ def default_output_dir() -> Path:
 OutputDir = Annotated[
     Path, Field(default_factory=default_output_dir, description="shared output directory ($OUTPUT_DIR or outputs)")
 ]
+
+
+SECRET_FIELDS = frozenset({"api_key"})  # never written to disk: `api_key_var` (the env var's name) is
+
+
+def to_toml_dict(config: BaseModel) -> dict:
+    """The config as TOML-ready data (TOML has no null, so unset optionals are left out), without secrets."""
+
+    def public(tree: dict) -> dict:
+        return {k: public(v) if isinstance(v, dict) else v for k, v in tree.items() if k not in SECRET_FIELDS}
+
+    return public(config.model_dump(mode="json", exclude_none=True))

@@ -18,13 +18,10 @@ key, so errors cannot name the source; and an unknown flag aborts with one argpa
 
 from __future__ import annotations
 
-import difflib
 import functools
 import os
 import sys
 import tomllib
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +30,15 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from prime_rl.configs.base import ENV_PREFIX, C
+from prime_rl.configs.fields import (
+    dealias,
+    did_you_mean,
+    field_type,
+    is_list,
+    is_model,
+    negated,
+    unwrap,
+)
 
 
 class ConfigError(Exception):
@@ -41,62 +47,6 @@ class ConfigError(Exception):
     def __init__(self, lines: list[str]):
         super().__init__("\n".join(lines))
         self.lines = lines
-
-
-# ---------------------------------------------------------------------------------------------
-# Type introspection
-
-
-def _unwrap(annotation: Any) -> Any:
-    """Strip Annotated/Optional so we can see what a flag expects."""
-    while True:
-        origin = typing.get_origin(annotation)
-        if origin is typing.Annotated:
-            annotation = typing.get_args(annotation)[0]
-        elif origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if len(args) != 1:
-                return annotation
-            annotation = args[0]
-        else:
-            return annotation
-
-
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
-
-
-def _is_list(annotation: Any) -> bool:
-    return typing.get_origin(annotation) in (list, tuple, Sequence)
-
-
-def _dealias(cls: type[BaseModel], path: list[str]) -> list[str]:
-    """`path` with flag aliases replaced: a config class may map extra flag names to dotted field paths in a
-    `flag_aliases` class variable (e.g. vLLM's `tensor_parallel_size` -> `parallel.tp`), at any depth."""
-    out: list[str] = []
-    model: Any = cls
-    for part in path:
-        aliases = getattr(model, "flag_aliases", {}) if _is_model(model) else {}
-        out += aliases[part].split(".") if part in aliases else [part]
-        model = _field(cls, out)
-    return out
-
-
-def _field(cls: type[BaseModel], path: list[str]) -> Any | None:
-    """The unwrapped annotation of the field at `path`, or None if there is no such field."""
-    annotation: Any = cls
-    for part in path:
-        if _is_list(annotation) and _is_model(_item(annotation)):
-            annotation = _item(annotation)  # `--env.id x` addresses a list of tables written as one table
-        if not _is_model(annotation) or part not in annotation.model_fields:
-            return None
-        annotation = _unwrap(annotation.model_fields[part].annotation)
-    return annotation
-
-
-def _item(annotation: Any) -> Any:
-    args = typing.get_args(annotation)
-    return _unwrap(args[0]) if args else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,51 +104,6 @@ def _nest(path: list[str], tree: dict) -> dict:
     return tree
 
 
-def _negated(cls: type[BaseModel], path: list[str]) -> list[str] | None:
-    """The path of bool field `x` when `path` spells `--no-x`, `--sec.no-x` or `--no-sec.x`, else None."""
-    candidates = []
-    if path[-1].startswith("no_"):
-        candidates.append(path[:-1] + [path[-1][3:]])
-    if path[0].startswith("no_") and len(path) > 1:
-        candidates.append([path[0][3:]] + path[1:])
-    return next((alt for alt in candidates if _field(cls, alt) is bool), None)
-
-
-def _is_key(cls: type[BaseModel], path: list[str]) -> bool:
-    path = _dealias(cls, path)
-    return _field(cls, path) is not None or _negated(cls, path) is not None
-
-
-def _suggest(cls: type[BaseModel], path: list[str]) -> list[str] | None:
-    """The valid key nearest an unknown `path`: its first unknown part replaced by the closest key at that level
-    (difflib; flag aliases and `no_` forms of booleans count), or None when nothing there is close."""
-    n = next((n for n in range(len(path)) if _field(cls, path[: n + 1]) is None), None)
-    if n is None:
-        return None
-    level = _field(cls, path[:n])
-    if _is_list(level):
-        level = _item(level)  # a list of tables takes its item's keys, as in `_field`
-    if not _is_model(level):
-        return None
-    names = [*level.model_fields, *getattr(level, "flag_aliases", {})]
-    if n == len(path) - 1:
-        names += [f"no_{k}" for k, f in level.model_fields.items() if _unwrap(f.annotation) is bool]
-    match = difflib.get_close_matches(path[n], names, n=1)
-    if not match:
-        return None
-    fixed = path[:n] + match + path[n + 1 :]
-    return fixed if _is_key(cls, fixed) else path[:n] + match
-
-
-def _did_you_mean(cls: type[BaseModel], path: list[str], as_flag: bool) -> str:
-    """` (did you mean --optim.max-norm?)` for a mistyped key (`optim.max_norm` outside flags), or ''."""
-    fixed = _suggest(cls, path)
-    if fixed is None:
-        return ""
-    key = ".".join(fixed)
-    return f" (did you mean --{key.replace('_', '-')}?)" if as_flag else f" (did you mean {key}?)"
-
-
 @dataclass
 class _Flag:
     """One `--key` / `--key=value` token, resolved against the config class."""
@@ -216,10 +121,10 @@ class _Flag:
 
 def _resolve_flag(cls: type[BaseModel], tok: str) -> _Flag:
     key, eq, inline = tok[2:].partition("=")
-    path = _dealias(cls, key.replace("-", "_").split("."))
-    annotation = _field(cls, path)
-    if annotation is None and (negated := _negated(cls, path)) is not None:
-        return _Flag(key, inline if eq else None, negated, bool, negated=True)
+    path = dealias(cls, key.replace("-", "_").split("."))
+    annotation = field_type(cls, path)
+    if annotation is None and (bool_path := negated(cls, path)) is not None:
+        return _Flag(key, inline if eq else None, bool_path, bool, negated=True)
     return _Flag(key, inline if eq else None, path, annotation)
 
 
@@ -263,17 +168,17 @@ class _ArgvParser:
         bare = flag.inline is None
         if flag.annotation is None:
             self.unknown(flag)
-        elif _is_model(flag.annotation) and bare and self.peek(1) == "@":
+        elif is_model(flag.annotation) and bare and self.peek(1) == "@":
             self.section_file(flag)
         elif flag.annotation is bool:
             self.boolean(flag)
-        elif _is_model(flag.annotation) and bare and not self.next_is_value():
+        elif is_model(flag.annotation) and bare and not self.next_is_value():
             self.switch_on(flag)
         else:
             self.value(flag)
 
     def unknown(self, flag: _Flag) -> None:
-        hint = _did_you_mean(self.cls, flag.path, as_flag=True)
+        hint = did_you_mean(self.cls, flag.path, as_flag=True)
         self.errors.append(f"unknown option --{flag.key} (flag); see --help{hint}")
         self.i += 1 + (flag.inline is None and self.next_is_value())
 
@@ -321,7 +226,7 @@ class _ArgvParser:
             self.errors.append(f"option --{flag.key} expects a value")
             self.i += 1
             return
-        if _is_list(flag.annotation):
+        if is_list(flag.annotation):
             items = [x for x in raw.split(",") if x != ""]
             key = tuple(flag.path)
             _set(self.cli, flag.path, items, self.sources, flag.source, append=key in self.seen_lists)
@@ -377,7 +282,7 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
         key, source, hint = ".".join(loc), _source_of(loc, sources, cls), ""
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-            hint = _did_you_mean(cls, list(loc), as_flag=source.startswith("flag "))
+            hint = did_you_mean(cls, list(loc), as_flag=source.startswith("flag "))
         elif e["type"] == "missing":
             msg = "required but not set"
         elif "input" in e and not isinstance(e["input"], dict):
@@ -416,10 +321,10 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
         for alias, target in getattr(model, "flag_aliases", {}).items():
             lines.append(f"  --{prefix}{alias.replace('_', '-')} VALUE  same as --{prefix}{target.replace('_', '-')}")
         fields = model.model_fields.items()
-        sections = [(n, f) for n, f in fields if _is_model(_unwrap(f.annotation))]
+        sections = [(n, f) for n, f in fields if is_model(unwrap(f.annotation))]
         for name, field in fields:  # a section's own flags first, so none reads as part of a sub-section
-            annotation = _unwrap(field.annotation)
-            if _is_model(annotation):
+            annotation = unwrap(field.annotation)
+            if is_model(annotation):
                 continue
             flag = prefix + name.replace("_", "-")
             default = field.default_factory() if field.default_factory is not None else field.default
@@ -430,7 +335,7 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
             flag = prefix + name.replace("_", "-")
             extra = f" (off unless --{flag} is given)" if field.default is None else ""
             lines.append(f"[{flag}] {field.description or ''}{extra}")
-            walk(_unwrap(field.annotation), flag + ".")
+            walk(unwrap(field.annotation), flag + ".")
 
     walk(cls, "")
     return "\n".join(lines)
@@ -452,18 +357,3 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | No
         for line in err.lines:
             print(f"{prog}: config error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-SECRET_FIELDS = frozenset({"api_key"})  # never written to disk: `api_key_var` (the env var's name) is
-
-
-def to_toml_dict(config: BaseModel) -> dict:
-    """The config as TOML-ready data (TOML has no null, so unset optionals are left out), without secrets."""
-
-    def public(tree: dict) -> dict:
-        return {k: public(v) if isinstance(v, dict) else v for k, v in tree.items() if k not in SECRET_FIELDS}
-
-    return public(config.model_dump(mode="json", exclude_none=True))
-
-
-# ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Environments: where prompts come from and how completions are scored (DESIGN §6).
+"""Environments: where prompts come from and how completions are scored (docs/design.md §6).
 
 An environment is any object with two methods:
 

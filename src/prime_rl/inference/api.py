@@ -1,4 +1,4 @@
-"""HTTP routes of the built-in engine (DESIGN §4): OpenAI completions and chat (plain or streamed; chat
+"""HTTP routes of the built-in engine (docs/design.md §4): OpenAI completions and chat (plain or streamed; chat
 with tools, whose `<tool_call>` blocks come back as `tool_calls`, parsed by utils/tool_calls.py) and
 Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body
 limit, weight updates); `BuiltinModel` is the engine as that control plane sees it.

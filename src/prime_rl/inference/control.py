@@ -1,4 +1,4 @@
-"""The control plane every inference backend mounts (DESIGN §4), so the two cannot drift.
+"""The control plane every inference backend mounts (docs/design.md §4), so the two cannot drift.
 
 `ControlPlane` is an ASGI middleware in front of a backend's OpenAI app (our FastAPI app, or vLLM's):
 - the API key on every route but `/health` (constant-time compare), a bounded request body (413);

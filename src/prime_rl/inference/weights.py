@@ -1,4 +1,4 @@
-"""Checking a trainer's `weights/step_n` directory against the served model, for every backend (DESIGN §4).
+"""Checking a trainer's `weights/step_n` directory against the served model, for every backend (docs/design.md §4).
 
 A dir is servable when it is complete (`STABLE`), its `config.json` (when present) describes the served
 architecture, and its safetensors hold every served tensor under the checkpoint's name, with the served

@@ -1,4 +1,4 @@
-"""A step's batch (DESIGN §3, §6): which examples, sampled and scored into groups with their advantages,
+"""A step's batch (docs/design.md §3, §6): which examples, sampled and scored into groups with their advantages,
 turned into trainer samples, and the step's metrics.
 
 The step's groups, batch_size / rollouts_per_example of them, come from the environments mixed by `ratio`

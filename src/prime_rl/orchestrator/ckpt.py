@@ -1,4 +1,4 @@
-"""Orchestrator checkpoints: `checkpoints/step_n/orchestrator.pt`, in step with the trainer's (DESIGN §2).
+"""Orchestrator checkpoints: `checkpoints/step_n/orchestrator.pt`, in step with the trainer's (docs/design.md §2).
 
 The file holds the progress when the orchestrator is about to produce rollouts for step n: the step,
 running totals, the data position (how many examples it has drawn from each environment's stream, and

@@ -1,4 +1,4 @@
-"""The orchestrator's side of the inference HTTP API (DESIGN §4): requests, retries, sampling and parsing.
+"""The orchestrator's side of the inference HTTP API (docs/design.md §4): requests, retries, sampling and parsing.
 
 `InferenceClient` is the orchestrator's one handle on the servers. Which server gets a request, and what
 happens when one goes down, is `pool.ServerPool`'s business; which weights they serve is

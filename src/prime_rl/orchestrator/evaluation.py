@@ -1,4 +1,4 @@
-"""Evaluation (DESIGN §6): sampling and scoring examples of an environment, and their summary with
+"""Evaluation (docs/design.md §6): sampling and scoring examples of an environment, and their summary with
 pass@k; the `[[eval]]` environments evaluated during training (`Evals`). The `eval` CLI
 (the `eval` command, prime_rl.eval.eval) runs the same core over weight steps.
 

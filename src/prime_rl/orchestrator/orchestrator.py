@@ -1,4 +1,4 @@
-"""The `orchestrator` entrypoint: environments → rollouts → advantages → packed rank files (DESIGN §3, §6).
+"""The `orchestrator` entrypoint: environments → rollouts → advantages → packed rank files (docs/design.md §3, §6).
 
 For each step n (`run_step`):
 1. `checkpoint`: the progress when about to produce step n (every step; see protocol.checkpoints).

@@ -1,4 +1,4 @@
-"""From scored rollouts to the micro batches each trainer rank receives (DESIGN §2, rank file).
+"""From scored rollouts to the micro batches each trainer rank receives (docs/design.md §2, rank file).
 
 The packing rules shared with the trainer (first-fit-decreasing rows, all-masked padding rows) are in
 `protocol/packing.py`; this module owns what is the orchestrator's own:

@@ -1,4 +1,4 @@
-"""Which policy step n samples from (DESIGN §3; weight transfer: §5): the oldest usable policy, waiting for
+"""Which policy step n samples from (docs/design.md §3; weight transfer: §5): the oldest usable policy, waiting for
 the trainer's weights and having the servers load them, or relaying its weight broadcasts.
 
 Every live server must sample from weights no older than n - async_level before step n's requests start

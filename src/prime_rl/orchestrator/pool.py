@@ -1,4 +1,4 @@
-"""The inference server pool: who gets the next request, who is down, who may rejoin (DESIGN §4).
+"""The inference server pool: who gets the next request, who is down, who may rejoin (docs/design.md §4).
 
 `client.base_url` lists one or more servers, optionally with `client.traffic_share`: shares 2,1,1 send
 50/25/25% of the requests. Servers are picked by smooth weighted round-robin (nginx's), which hits the
@@ -144,14 +144,8 @@ class ServerPool:
         url = f"{server_root(server.base)}/health"
         delay, next_note = 0.2, time.monotonic()
         while True:
-            try:
-                response = await self._http.get(url, timeout=min(10.0, self.config.timeout))
-                if response.status_code == 200:
-                    server.step = int(response.json().get("step", 0))
-                    return
-                problem = f"HTTP {response.status_code}"
-            except (httpx.TransportError, ValueError) as e:
-                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if (problem := await self.probe_health(server, min(10.0, self.config.timeout))) is None:
+                return
             if time.monotonic() + delay > deadline:
                 raise InferenceError(
                     f"inference server at {url} not ready after {timeout:.0f}s ({problem}); "
@@ -166,15 +160,25 @@ class ServerPool:
 
     async def _probe(self, server: Server, load: Load) -> None:
         """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
+        if await self.probe_health(server, PROBE_TIMEOUT) is not None:
+            return
         try:
-            response = await self._http.get(f"{server_root(server.base)}/health", timeout=PROBE_TIMEOUT)
-            if response.status_code != 200:
-                return
-            server.step = int(response.json().get("step", 0))
             await load(server)
         except (httpx.TransportError, ValueError, ServerDown):
             return
         self.rejoin(server)
+
+    async def probe_health(self, server: Server, timeout: float) -> str | None:
+        """One GET /health: None when the server answers 200 (the weight step it holds is recorded), else what
+        went wrong, for the log line or the error that names it."""
+        try:
+            response = await self._http.get(f"{server_root(server.base)}/health", timeout=timeout)
+            if response.status_code != 200:
+                return f"HTTP {response.status_code}"
+            server.step = int(response.json().get("step", 0))
+        except (httpx.TransportError, ValueError) as e:
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return None
 
     async def revive(self, problem: str, load: Load) -> None:
         """With no live server left, wait up to client.health_timeout for one to answer again (a server that

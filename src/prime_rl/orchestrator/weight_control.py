@@ -1,6 +1,6 @@
-"""Which weights the inference servers serve (DESIGN §4; broadcast: §5): a weight dir loaded on every live server
-(POST /update_weights), the base weights again (POST /reload_weights), or a step received over the
-trainer's broadcast group.
+"""Which weights the inference servers serve (docs/design.md §4; broadcast: §5): a weight dir loaded on every
+live server (POST /update_weights), the base weights again (POST /reload_weights), or a step received over
+the trainer's broadcast group.
 
 `weight_dir` is what the pool serves: a server that rejoins, or that answered from a policy older than
 the step allows, is given it again by `load` (nothing to do before the first update).

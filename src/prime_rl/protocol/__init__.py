@@ -1,4 +1,4 @@
-"""The OUTPUT_DIR contract (DESIGN §2): paths, atomic writes, STABLE markers, waits and heartbeats, locks and
+"""The OUTPUT_DIR contract (docs/design.md §2): paths, atomic writes, STABLE markers, waits and heartbeats, locks and
 what a fresh or resumed run clears.
 
 Both sides of every exchange import from here; nothing else formats these paths or polls these files.

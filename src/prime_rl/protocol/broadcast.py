@@ -1,4 +1,4 @@
-"""Weights over a process group (`weight_transfer = "broadcast"`, DESIGN §4): trainer → every inference worker.
+"""Weights over a process group (`weight_transfer = "broadcast"`, docs/design.md §4): trainer → every inference worker.
 
 The group is its own torch.distributed world, apart from the trainer's: rank 0 is trainer rank 0, the
 other ranks are the inference workers' seats (one per built-in server, one per vLLM worker), counted by the

@@ -1,4 +1,4 @@
-"""Checkpoint cadence, pruning and resume resolution, for the trainer and the orchestrator alike (DESIGN §2).
+"""Checkpoint cadence, pruning and resume resolution, for the trainer and the orchestrator alike (docs/design.md §2).
 
 `checkpoints/step_n/` holds two parts, each complete on its own:
 

@@ -1,4 +1,4 @@
-"""Packing samples into the rows of a rank file (DESIGN §2): the one packer of the orchestrator (rollouts),
+"""Packing samples into the rows of a rank file (docs/design.md §2): the one packer of the orchestrator (rollouts),
 SFT (data rows) and the trainer's fake data.
 
 A sample is a dict of equal-length per-token lists (`input_ids`, `loss_mask`, `advantages`,

@@ -1,4 +1,4 @@
-"""Every path of the OUTPUT_DIR layout (DESIGN §2). No other module formats these names."""
+"""Every path of the OUTPUT_DIR layout (docs/design.md §2). No other module formats these names."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Starting a run on an output dir: fresh or resumed, what an earlier run left there may stay (DESIGN §2).
+"""Starting a run on an output dir: fresh or resumed, what an earlier run left there may stay (docs/design.md §2).
 
 One owner for `rl`, the Slurm submission and the orchestrator. A launcher holds the orchestrator's and the
 trainer's locks (`run_locks`) while it prepares the dir, so a live run's files are never touched.

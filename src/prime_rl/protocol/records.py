@@ -1,4 +1,4 @@
-"""The rank-file record: what the orchestrator hands trainer rank r for step n (DESIGN §2).
+"""The rank-file record: what the orchestrator hands trainer rank r for step n (docs/design.md §2).
 
 `rollouts/step_{n}/rank_{r}.pt` is a `torch.save`d dict
 `{"version": 1, "step": n, "rank": r, "micro_batches": [MicroBatch.to_dict(), ...]}`.

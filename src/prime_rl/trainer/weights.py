@@ -45,7 +45,7 @@ from prime_rl.protocol import (
     writing,
 )
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, header_specs
+from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, converted_at_load, header_specs
 from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
 from prime_rl.utils.memory import PeakMemory
 
@@ -165,7 +165,7 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
             if files.lora is not None:
                 write_adapter(model, files, partial, rank)
                 written = []
-            elif reverts_conversion(model):
+            elif converted_at_load(model):
                 state_dict = gather_full_state_dict(model)
                 if rank == 0:
                     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -236,12 +236,6 @@ def write_adapter(model: torch.nn.Module, files: ModelFiles, path: Path, rank: i
     if rank == 0:
         adapter_config(files).save_pretrained(path)
         write_safetensors(tensors, path, torch.float32, tied=False, filename=ADAPTER_WEIGHTS)
-
-
-def reverts_conversion(model: torch.nn.Module) -> bool:
-    """Whether the model's parameter names are not its checkpoint's (transformers converted them at load)."""
-    meta = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
-    return set(checkpoint_state_dict(model, meta)) != set(meta)
 
 
 def shard_plan(sizes: list[tuple[str, int]], world: int, max_bytes: int) -> list[list[str]]:

@@ -7,7 +7,7 @@ same tokens whatever else shares its batch (a Python generator costs ~50 ns a dr
 
 The logprob we report is that of the sampled token under `log_softmax(logits / temperature)` of the
 model's raw logits, taken *before* repetition penalty and filtering: it is exactly what the trainer
-recomputes from its own logits (DESIGN §2, `inference_logprobs`). Penalties and filters only decide
+recomputes from its own logits (docs/design.md §2, `inference_logprobs`). Penalties and filters only decide
 which tokens may be drawn. Temperature 0 means greedy decoding; its logprobs come from the plain
 `log_softmax(logits)`.
 

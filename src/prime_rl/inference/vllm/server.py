@@ -1,4 +1,4 @@
-"""Run vLLM's OpenAI server in this process behind our control plane (DESIGN §4).
+"""Run vLLM's OpenAI server in this process behind our control plane (docs/design.md §4).
 
 Imported only when the vLLM backend is chosen. `vllm serve` builds its app itself; its `--middleware` flag
 puts `VllmControlPlane` (the same `ControlPlane` the built-in engine mounts) in front of every route, so

@@ -1,6 +1,6 @@
 """RL trainer entrypoint: read packed rollouts, take one FSDP2 optimizer step, publish HF weights.
 
-Step n (DESIGN §3): every rank waits for `rollouts/step_n/rank_{r}.pt`, runs forward/backward over its
+Step n (docs/design.md §3): every rank waits for `rollouts/step_n/rank_{r}.pt`, runs forward/backward over its
 micro batches (gradient accumulation), the ranks clip and step AdamW together, and rank 0 writes
 `weights/step_{n+1}` for inference. The loss is in `loss.py`, the packed forward in `model.py`.
 

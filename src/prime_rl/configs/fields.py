@@ -1,0 +1,109 @@
+"""What a dotted key names in a config class: the field's type behind Annotated/Optional, flag aliases,
+`no_` forms of booleans, and the nearest valid key for a mistyped one ("did you mean")."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def unwrap(annotation: Any) -> Any:
+    """Strip Annotated/Optional so we can see what a flag expects."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != 1:
+                return annotation
+            annotation = args[0]
+        else:
+            return annotation
+
+
+def is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (list, tuple, Sequence)
+
+
+def dealias(cls: type[BaseModel], path: list[str]) -> list[str]:
+    """`path` with flag aliases replaced: a config class may map extra flag names to dotted field paths in a
+    `flag_aliases` class variable (e.g. vLLM's `tensor_parallel_size` -> `parallel.tp`), at any depth."""
+    out: list[str] = []
+    model: Any = cls
+    for part in path:
+        aliases = getattr(model, "flag_aliases", {}) if is_model(model) else {}
+        out += aliases[part].split(".") if part in aliases else [part]
+        model = field_type(cls, out)
+    return out
+
+
+def field_type(cls: type[BaseModel], path: list[str]) -> Any | None:
+    """The unwrapped annotation of the field at `path`, or None if there is no such field."""
+    annotation: Any = cls
+    for part in path:
+        if is_list(annotation) and is_model(item_type(annotation)):
+            annotation = item_type(annotation)  # `--env.id x` addresses a list of tables written as one table
+        if not is_model(annotation) or part not in annotation.model_fields:
+            return None
+        annotation = unwrap(annotation.model_fields[part].annotation)
+    return annotation
+
+
+def item_type(annotation: Any) -> Any:
+    args = typing.get_args(annotation)
+    return unwrap(args[0]) if args else None
+
+
+def negated(cls: type[BaseModel], path: list[str]) -> list[str] | None:
+    """The path of bool field `x` when `path` spells `--no-x`, `--sec.no-x` or `--no-sec.x`, else None."""
+    candidates = []
+    if path[-1].startswith("no_"):
+        candidates.append(path[:-1] + [path[-1][3:]])
+    if path[0].startswith("no_") and len(path) > 1:
+        candidates.append([path[0][3:]] + path[1:])
+    return next((alt for alt in candidates if field_type(cls, alt) is bool), None)
+
+
+def is_key(cls: type[BaseModel], path: list[str]) -> bool:
+    path = dealias(cls, path)
+    return field_type(cls, path) is not None or negated(cls, path) is not None
+
+
+def suggest(cls: type[BaseModel], path: list[str]) -> list[str] | None:
+    """The valid key nearest an unknown `path`: its first unknown part replaced by the closest key at that level
+    (difflib; flag aliases and `no_` forms of booleans count), or None when nothing there is close."""
+    n = next((n for n in range(len(path)) if field_type(cls, path[: n + 1]) is None), None)
+    if n is None:
+        return None
+    level = field_type(cls, path[:n])
+    if is_list(level):
+        level = item_type(level)  # a list of tables takes its item's keys, as in `field_type`
+    if not is_model(level):
+        return None
+    names = [*level.model_fields, *getattr(level, "flag_aliases", {})]
+    if n == len(path) - 1:
+        names += [f"no_{k}" for k, f in level.model_fields.items() if unwrap(f.annotation) is bool]
+    match = difflib.get_close_matches(path[n], names, n=1)
+    if not match:
+        return None
+    fixed = path[:n] + match + path[n + 1 :]
+    return fixed if is_key(cls, fixed) else path[:n] + match
+
+
+def did_you_mean(cls: type[BaseModel], path: list[str], as_flag: bool) -> str:
+    """` (did you mean --optim.max-norm?)` for a mistyped key (`optim.max_norm` outside flags), or ''."""
+    fixed = suggest(cls, path)
+    if fixed is None:
+        return ""
+    key = ".".join(fixed)
+    return f" (did you mean --{key.replace('_', '-')}?)" if as_flag else f" (did you mean {key}?)"
