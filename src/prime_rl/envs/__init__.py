@@ -26,34 +26,32 @@ optional `verifiers` package is installed.
 from __future__ import annotations
 
 import importlib
-import math
-import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any
 
-DEFAULT_MAX_TURNS = 4
+from prime_rl.envs.base import (
+    DEFAULT_MAX_TURNS,
+    EnvError,
+    Environment,
+    Example,
+    is_multi_turn,
+    max_turns,
+    shuffled_forever,
+    split_score,
+)
 
-
-@dataclass
-class Example:
-    """One prompt (plain text, or chat messages), the reference answer, and anything else the scorer needs."""
-
-    prompt: str | list[dict[str, str]]
-    answer: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Environment(Protocol):
-    def examples(self, seed: int) -> Iterator[Example]: ...
-
-    def score(self, completion: Any, example: Example) -> float | dict[str, float]: ...  # or async
-
-
-class EnvError(ValueError):
-    """The environment id, its arguments or what it yields are wrong; the message says which."""
-
+__all__ = [
+    "DEFAULT_MAX_TURNS",
+    "EnvError",
+    "Environment",
+    "Example",
+    "is_multi_turn",
+    "max_turns",
+    "shuffled_forever",
+    "split_score",
+    "BUILTIN",
+    "load_environment",
+]
 
 # Built-ins as import paths so that loading one environment never imports the others.
 BUILTIN: dict[str, str] = {
@@ -62,45 +60,6 @@ BUILTIN: dict[str, str] = {
     "guess-number": "prime_rl.envs.guess_number:load_environment",
     "dataset": "prime_rl.envs.dataset:load_environment",
 }
-
-
-def shuffled_forever(rows: list, seed: int) -> Iterator[Any]:
-    """The rows in a fresh seeded order each epoch, without end (datasets become example streams)."""
-    rng = random.Random(seed)
-    order = list(range(len(rows)))
-    while True:
-        rng.shuffle(order)
-        for i in order:
-            yield rows[i]
-
-
-def is_multi_turn(env: Environment) -> bool:
-    return callable(getattr(env, "respond", None))
-
-
-def max_turns(env: Environment) -> int:
-    return int(getattr(env, "max_turns", DEFAULT_MAX_TURNS))
-
-
-def split_score(value: Any, env_id: str = "environment") -> tuple[float, dict[str, float]]:
-    """(reward, other metrics) from what `score` returned: a number, or a dict with a "reward" key.
-
-    >>> split_score({"reward": 1, "format": 0.5})
-    (1.0, {'format': 0.5})
-    """
-    if isinstance(value, dict):
-        if "reward" not in value:
-            raise EnvError(f"{env_id}: score() returned a dict without a 'reward' key: {sorted(value)}")
-        metrics = {str(k): float(v) for k, v in value.items() if k != "reward"}
-        reward = float(value["reward"])
-    else:
-        try:
-            reward, metrics = float(value), {}
-        except (TypeError, ValueError):
-            raise EnvError(f"{env_id}: score() returned {value!r}, expected a number or a dict") from None
-    if not math.isfinite(reward):
-        raise EnvError(f"{env_id}: score() returned a non-finite reward {reward}")
-    return reward, metrics
 
 
 def _resolve(path: str) -> Callable[..., Any]:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prime_rl.envs import Example
+from prime_rl.envs.base import Example
 
 SYSTEM_PROMPT = "Solve the arithmetic problem. End with the final answer as an integer."
 _BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from prime_rl.envs import EnvError, Example, shuffled_forever
 from prime_rl.envs.arithmetic import parse_final_answer
+from prime_rl.envs.base import EnvError, Example, shuffled_forever
 
 
 def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prime_rl.envs import Example
+from prime_rl.envs.base import Example
 
 _INTEGER = re.compile(r"-?\d+")
 

@@ -16,7 +16,7 @@ import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prime_rl.envs import Example
+from prime_rl.envs.base import Example
 
 SYSTEM_PROMPT = "Reverse the text character by character."
 

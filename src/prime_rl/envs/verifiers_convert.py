@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prime_rl.envs import Example
+from prime_rl.envs.base import Example
 
 
 def task_example(task: Any) -> Example:
