@@ -148,7 +148,7 @@ def on_policy_broadcast_run(model, out, port: int, *extra: str) -> list[str]:
         "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "256",
         "--orchestrator.sampling.max-tokens", "16", "--orchestrator.sampling.temperature", "0.7",
         "--trainer.optim.lr", "1e-3", "--weight-transfer", "broadcast",
-        "--weight-broadcast.port", str(another_free_port()), *extra,
+        "--weight-transfer.port", str(another_free_port()), *extra,
     ]  # fmt: skip
 
 

@@ -119,7 +119,7 @@ def runs(tiny_model, tmp_path_factory):
     def broadcasting(name: str, *extra: str) -> list[str]:
         return ["--model.name", str(tiny_model), "--output-dir", str(dirs[name]), "--optim.lr", "1e-3",
                 "--max-steps", "2", "--weight-transfer", "broadcast",
-                "--weight-broadcast.port", str(ports[name]), "--weight-broadcast.timeout", "20", *extra]  # fmt: skip
+                "--weight-transfer.port", str(ports[name]), "--weight-transfer.timeout", "20", *extra]  # fmt: skip
 
     procs["bcast"] = _torchrun(2, broadcasting("bcast", "--data.timeout", "120"))
     for name, timeout in (("stall", "120"), ("lonely", "3")):

@@ -127,3 +127,62 @@ def test_restart_needs_checkpoints_to_restart_from():
         load_config(RLConfig, ["--restart", "2"])
     config = load_config(RLConfig, ["--restart", "2", "--ckpt.interval", "5"])
     assert config.restart == 2 and config.trainer.ckpt.interval == config.orchestrator.ckpt.interval == 5
+
+
+def test_weight_transfer_is_one_section_with_a_type_and_a_string_shorthand(tmp_path, capsys, monkeypatch):
+    from prime_rl.configs import parse_config
+    from prime_rl.configs.trainer import TrainerConfig
+
+    def transfer(*argv: str) -> tuple:
+        wt = load_config(TrainerConfig, list(argv)).weight_transfer
+        return wt.type, wt.host, wt.port, wt.timeout
+
+    # The shorthand: a bare string is the type, with the default broadcast settings, and it merges with the
+    # section's other keys in either order.
+    short = tmp_path / "short.toml"
+    short.write_text('weight_transfer = "broadcast"\n')
+    assert (
+        transfer("@", str(short))
+        == transfer("--weight-transfer", "broadcast")
+        == transfer("--weight-transfer=broadcast")
+        == ("broadcast", "127.0.0.1", 29600, 600.0)
+    )
+    with_port = ("broadcast", "127.0.0.1", 29601, 600.0)
+    assert transfer("@", str(short), "--weight-transfer.port", "29601") == with_port
+    assert transfer("--weight-transfer.port", "29601", "--weight-transfer", "broadcast") == with_port
+    monkeypatch.setenv("PRIME_WEIGHT_TRANSFER", "broadcast")  # the env var takes it too
+    assert transfer()[0] == "broadcast"
+    monkeypatch.delenv("PRIME_WEIGHT_TRANSFER")
+    assert transfer()[0] == "filesystem"
+    # The table form, and its flags.
+    table = tmp_path / "table.toml"
+    table.write_text('[weight_transfer]\ntype = "broadcast"\nhost = "10.0.0.3"\nport = 29601\n')
+    flags = "--weight-transfer.type broadcast --weight-transfer.host 10.0.0.3 --weight-transfer.port 29601".split()
+    assert transfer("@", str(table)) == transfer(*flags) == ("broadcast", "10.0.0.3", 29601, 600.0)
+
+    # `rl` shares the whole section, set once (shorthand or table, at the top or in one service), into every service.
+    for argv in (["--weight-transfer", "broadcast", "--weight-transfer.port", "29601"],
+                 ["@", str(short), "--trainer.weight-transfer.port", "29601"]):  # fmt: skip
+        config = load_config(RLConfig, argv)
+        for sub in (config.trainer, config.orchestrator, config.inference):
+            assert (sub.weight_transfer.type, sub.weight_transfer.port) == ("broadcast", 29601)
+    with pytest.raises(ConfigError, match="inconsistent weight_transfer.type"):
+        load_config(
+            RLConfig, ["--trainer.weight-transfer", "broadcast", "--orchestrator.weight-transfer", "filesystem"]
+        )
+
+    # The former [weight_broadcast] section is a config error (exit 2) saying where its settings went.
+    old = tmp_path / "old.toml"
+    old.write_text("[weight_broadcast]\nport = 29601\n")
+    for argv, line in [
+        (["@", str(old)],
+         f"weight_broadcast: unknown key [{old}]; the weight_broadcast settings are now "
+         "weight_transfer.host/port/timeout"),
+        (["--weight-broadcast.port", "29601"],
+         "unknown option --weight-broadcast.port (flag); see --help; the --weight-broadcast settings are now "
+         "--weight-transfer.host/port/timeout"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            parse_config(RLConfig, argv, prog="rl")
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [f"rl: config error: {line}"]

@@ -30,8 +30,7 @@ from prime_rl.configs.shared import (
     LogConfig,
     LoraConfig,
     ModelConfig,
-    WeightBroadcastConfig,
-    WeightTransfer,
+    WeightTransferConfig,
 )
 
 __all__ = [
@@ -46,8 +45,7 @@ __all__ = [
     "ModelConfig",
     "OutputDir",
     "Section",
-    "WeightBroadcastConfig",
-    "WeightTransfer",
+    "WeightTransferConfig",
     "deep_merge",
     "default_output_dir",
     "format_validation_error",

@@ -3,7 +3,8 @@
 Sources, highest precedence first: CLI flags > TOML files (`@ a.toml @ b.toml`, later wins) >
 `PRIME_A__B_C` env vars > field defaults. Flags are nested and kebab-cased (`--optim.max-norm 1.0`);
 booleans take `--flag` / `--no-flag`; lists take `--ids 1,2,3` or a repeated flag; a sub-config can
-be filled from its own file (`--trainer @ t.toml`) or switched on with its defaults (`--ckpt`).
+be filled from its own file (`--trainer @ t.toml`) or switched on with its defaults (`--ckpt`), and one whose
+model declares a `shorthand` field takes a bare value for it (`--weight-transfer broadcast`, in TOML too).
 
 A bad config never raises a traceback: `parse_config` prints one line per problem, naming the key and
 where its value came from (a mistyped key gets `(did you mean --optim.max-norm?)`), and exits with status 2.
@@ -33,10 +34,12 @@ from prime_rl.configs.base import ENV_PREFIX, C
 from prime_rl.configs.fields import (
     dealias,
     did_you_mean,
+    expand_shorthands,
     field_type,
     is_list,
     is_model,
     negated,
+    shorthand,
     unwrap,
 )
 
@@ -157,7 +160,7 @@ class _ArgvParser:
         if not path:
             self.errors.append("'@' must be followed by a TOML file path")
             return
-        self.layers.append((path, _load_toml(path)))
+        self.layers.append((path, expand_shorthands(self.cls, _load_toml(path))))
 
     def stray(self, tok: str) -> None:
         self.errors.append(f"unexpected argument {tok!r} (options look like --key value, files like @ config.toml)")
@@ -189,7 +192,7 @@ class _ArgvParser:
             self.errors.append(f"--{flag.key} @ must be followed by a TOML file path")
             self.i = len(self.argv)
             return
-        self.layers.append((file, _nest(flag.path, _load_toml(file))))
+        self.layers.append((file, expand_shorthands(self.cls, _nest(flag.path, _load_toml(file)))))
         self.i += 3
 
     def boolean(self, flag: _Flag) -> None:
@@ -216,7 +219,8 @@ class _ArgvParser:
         self.i += 1
 
     def value(self, flag: _Flag) -> None:
-        """`--key value` / `--key=value`; a list takes `a,b,c` and appends on a repeated flag."""
+        """`--key value` / `--key=value`; a list takes `a,b,c` and appends on a repeated flag; a section with a
+        shorthand field sets that field (`--weight-transfer broadcast` = `--weight-transfer.type broadcast`)."""
         if flag.inline is not None:
             raw = flag.inline
         elif self.next_is_value():
@@ -231,6 +235,8 @@ class _ArgvParser:
             key = tuple(flag.path)
             _set(self.cli, flag.path, items, self.sources, flag.source, append=key in self.seen_lists)
             self.seen_lists.add(key)
+        elif (field := shorthand(flag.annotation)) is not None:
+            _set(self.cli, [*flag.path, field], raw, self.sources, flag.source)
         else:
             _set(self.cli, flag.path, raw, self.sources, flag.source)
         self.i += 1
@@ -335,6 +341,8 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
             flag = prefix + name.replace("_", "-")
             extra = f" (off unless --{flag} is given)" if field.default is None else ""
             lines.append(f"[{flag}] {field.description or ''}{extra}")
+            if (short := shorthand(unwrap(field.annotation))) is not None:
+                lines.append(f"  --{flag} VALUE  same as --{flag}.{short.replace('_', '-')}")
             walk(unwrap(field.annotation), flag + ".")
 
     walk(cls, "")

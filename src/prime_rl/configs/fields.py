@@ -1,5 +1,6 @@
 """What a dotted key names in a config class: the field's type behind Annotated/Optional, flag aliases,
-`no_` forms of booleans, and the nearest valid key for a mistyped one ("did you mean")."""
+`no_` forms of booleans, sections a bare value fills (`shorthand`), and the nearest valid key for a mistyped
+one ("did you mean", or where a moved key went)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,25 @@ def field_type(cls: type[BaseModel], path: list[str]) -> Any | None:
     return annotation
 
 
+def shorthand(annotation: Any) -> str | None:
+    """The field a bare value of this section sets, when its model declares one in a `shorthand` class variable
+    (`weight_transfer = "broadcast"` is `weight_transfer.type = "broadcast"`); else None."""
+    return getattr(annotation, "shorthand", None) if is_model(annotation) else None
+
+
+def expand_shorthands(cls: type[BaseModel], tree: dict) -> dict:
+    """`tree` (a TOML layer, a config's input) with every bare value of a shorthand section written as its table,
+    at any depth, so layers and flags merge key by key; `tree` itself is not modified."""
+    out = dict(tree)
+    for key, value in tree.items():
+        annotation = field_type(cls, [key])
+        if isinstance(value, str) and (field := shorthand(annotation)) is not None:
+            out[key] = {field: value}
+        elif isinstance(value, dict) and is_model(annotation):
+            out[key] = expand_shorthands(annotation, value)
+    return out
+
+
 def item_type(annotation: Any) -> Any:
     args = typing.get_args(annotation)
     return unwrap(args[0]) if args else None
@@ -79,17 +99,35 @@ def is_key(cls: type[BaseModel], path: list[str]) -> bool:
     return field_type(cls, path) is not None or negated(cls, path) is not None
 
 
-def suggest(cls: type[BaseModel], path: list[str]) -> list[str] | None:
-    """The valid key nearest an unknown `path`: its first unknown part replaced by the closest key at that level
-    (difflib; flag aliases and `no_` forms of booleans count), or None when nothing there is close."""
+def _unknown_part(cls: type[BaseModel], path: list[str]) -> tuple[int, Any] | None:
+    """The index of the first part of `path` that names no field, and the model it was looked up in."""
     n = next((n for n in range(len(path)) if field_type(cls, path[: n + 1]) is None), None)
     if n is None:
         return None
     level = field_type(cls, path[:n])
     if is_list(level):
         level = item_type(level)  # a list of tables takes its item's keys, as in `field_type`
-    if not is_model(level):
+    return (n, level) if is_model(level) else None
+
+
+def moved(cls: type[BaseModel], path: list[str]) -> tuple[str, str] | None:
+    """(old key, where its settings are now) when `path` names a key its model lists in a `moved_keys` class
+    variable (old name -> new dotted location, e.g. `weight_broadcast` -> `weight_transfer.host/port/timeout`)."""
+    found = _unknown_part(cls, path)
+    if found is None:
         return None
+    n, level = found
+    new = getattr(level, "moved_keys", {}).get(path[n])
+    return None if new is None else (".".join(path[: n + 1]), ".".join([*path[:n], new]))
+
+
+def suggest(cls: type[BaseModel], path: list[str]) -> list[str] | None:
+    """The valid key nearest an unknown `path`: its first unknown part replaced by the closest key at that level
+    (difflib; flag aliases and `no_` forms of booleans count), or None when nothing there is close."""
+    found = _unknown_part(cls, path)
+    if found is None:
+        return None
+    n, level = found
     names = [*level.model_fields, *getattr(level, "flag_aliases", {})]
     if n == len(path) - 1:
         names += [f"no_{k}" for k, f in level.model_fields.items() if unwrap(f.annotation) is bool]
@@ -101,7 +139,11 @@ def suggest(cls: type[BaseModel], path: list[str]) -> list[str] | None:
 
 
 def did_you_mean(cls: type[BaseModel], path: list[str], as_flag: bool) -> str:
-    """` (did you mean --optim.max-norm?)` for a mistyped key (`optim.max_norm` outside flags), or ''."""
+    """` (did you mean --optim.max-norm?)` for a mistyped key (`optim.max_norm` outside flags), `; the
+    weight_broadcast settings are now weight_transfer.host/port/timeout` for a moved one, or ''."""
+    if (found := moved(cls, path)) is not None:
+        old, new = (f"--{key.replace('_', '-')}" if as_flag else key for key in found)
+        return f"; the {old} settings are now {new}"
     fixed = suggest(cls, path)
     if fixed is None:
         return ""

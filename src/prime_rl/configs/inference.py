@@ -6,8 +6,9 @@ import os
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
-from prime_rl.configs import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransfer
+from prime_rl.configs import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransferConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -122,7 +123,14 @@ class InferenceConfig(BaseConfig):
     headless: Annotated[
         bool, Field(description="vLLM multi-node DP: run engines only, no API server (secondary nodes)")
     ] = False
-    weight_transfer: WeightTransfer = "filesystem"
+    weight_transfer: Annotated[
+        WeightTransferConfig,
+        NoDecode,
+        Field(
+            description="how new weights reach this server; it reads type only (a broadcast's rendezvous "
+            "comes with each request), so one weight_transfer table fits every service"
+        ),
+    ] = WeightTransferConfig()
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
 
     @field_validator("tool_call_parser", mode="before")

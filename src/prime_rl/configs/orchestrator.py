@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
+from pydantic_settings import NoDecode
 
 from prime_rl.configs import (
     BaseConfig,
@@ -13,9 +14,9 @@ from prime_rl.configs import (
     ModelConfig,
     OutputDir,
     Section,
-    WeightBroadcastConfig,
-    WeightTransfer,
+    WeightTransferConfig,
 )
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED
 
 
 class ClientConfig(Section):
@@ -140,6 +141,8 @@ def _unique_labels(entries: list[EnvConfig], key: str) -> None:
 class OrchestratorConfig(BaseConfig):
     """Samples rollouts from the inference server, scores them and writes packed batches for the trainer."""
 
+    moved_keys: ClassVar[dict[str, str]] = WEIGHT_BROADCAST_MOVED
+
     model: Annotated[ModelConfig, Field(description="the policy model (must match the server's)")] = ModelConfig()
     output_dir: OutputDir
     max_steps: Annotated[int, Field(ge=1, description="number of training steps to produce batches for")] = 20
@@ -186,10 +189,11 @@ class OrchestratorConfig(BaseConfig):
         float, Field(gt=0, description="a trainer heartbeat older than this means the trainer is dead")
     ] = 120.0
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
-    weight_transfer: WeightTransfer = "filesystem"
-    weight_broadcast: Annotated[
-        WeightBroadcastConfig, Field(description="weight_transfer = broadcast: the rendezvous servers are sent to")
-    ] = WeightBroadcastConfig()
+    weight_transfer: Annotated[
+        WeightTransferConfig,
+        NoDecode,
+        Field(description="how new weights reach inference; broadcast: the rendezvous servers are sent to"),
+    ] = WeightTransferConfig()
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
     wandb: Annotated[
         WandbConfig | None, Field(description="also log metrics to W&B (needs `uv sync --extra wandb`)")

@@ -7,14 +7,22 @@ sub-configs, the values must agree. The launcher (`prime_rl.launch`) and the Slu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, model_validator
+from pydantic_settings import NoDecode
 
 from prime_rl.configs.base import BaseConfig, Section
+from prime_rl.configs.fields import expand_shorthands
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.configs.shared import CkptConfig, LogConfig, LoraConfig, WeightBroadcastConfig
+from prime_rl.configs.shared import (
+    WEIGHT_BROADCAST_MOVED,
+    CkptConfig,
+    LogConfig,
+    LoraConfig,
+    WeightTransferConfig,
+)
 from prime_rl.configs.slurm import SlurmConfig
 from prime_rl.configs.trainer import TrainerConfig
 
@@ -28,8 +36,7 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("max_steps",): ("orchestrator", "trainer"),
     ("async_level",): ("orchestrator", "trainer"),
     ("ckpt",): ("orchestrator", "trainer"),
-    ("weight_transfer",): SERVICES,
-    ("weight_broadcast",): ("orchestrator", "trainer"),
+    ("weight_transfer",): SERVICES,  # a server reads its `type` only
 }
 
 
@@ -40,6 +47,8 @@ class SharedModelConfig(Section):
 
 class RLConfig(BaseConfig):
     """Runs inference, orchestrator and trainer together on one node."""
+
+    moved_keys: ClassVar[dict[str, str]] = WEIGHT_BROADCAST_MOVED
 
     # Factories, not instances: a service config reads PRIME_* env vars when built, which must happen inside
     # load_config (a bad value is then a config error) and not at import (it was a traceback).
@@ -54,11 +63,10 @@ class RLConfig(BaseConfig):
     async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing of trainer and orchestrator")] = None
     weight_transfer: Annotated[
-        Literal["filesystem", "broadcast"] | None, Field(description="how weights reach inference (all services)")
-    ] = None
-    weight_broadcast: Annotated[
-        WeightBroadcastConfig | None, Field(description="trainer rendezvous for weight_transfer = broadcast")
-    ] = None
+        WeightTransferConfig,
+        NoDecode,
+        Field(description="how weights reach inference, for all services (broadcast: the trainer's rendezvous)"),
+    ] = WeightTransferConfig()
     inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
@@ -79,20 +87,23 @@ class RLConfig(BaseConfig):
 
     @classmethod
     def prepare_args(cls, values: dict, sources: dict) -> dict:
-        """A shared key given as a top-level flag overrides what the sub-config files say."""
+        """A shared key given as a top-level flag (in a shared section: each key of it the flags set) overrides
+        what the sub-config files say."""
+        flagged = [path for path, source in sources.items() if str(source).startswith("flag")]
         for key, services in SHARED_KEYS.items():
-            if str(sources.get(key, "")).startswith("flag"):
+            for path in (p for p in flagged if p[: len(key)] == key):
                 for service in services:
-                    node = _get(values, (service, *key[:-1]))
+                    node = _get(values, (service, *path[:-1]))
                     # A sub-config flag is kept, so two flags that disagree are refused as inconsistent.
-                    if isinstance(node, dict) and not str(sources.get((service, *key), "")).startswith("flag"):
-                        node.pop(key[-1], None)
+                    if isinstance(node, dict) and not str(sources.get((service, *path), "")).startswith("flag"):
+                        node.pop(path[-1], None)
         return values
 
     @model_validator(mode="before")
     @classmethod
     def _share_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            data = expand_shorthands(cls, data)  # `weight_transfer = "broadcast"` (an env var, a Python caller)
             propagate_shared(data)
         return data
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prime_rl.configs.base import Section
 
@@ -44,27 +44,46 @@ class LogConfig(Section):
     ] = True
 
 
-WeightTransfer = Annotated[
-    Literal["filesystem", "broadcast"],
-    Field(
-        description="how new weights reach inference: filesystem = the trainer writes weights/step_n every step "
-        "and servers read it; broadcast = the trainer sends them over a process group the servers join "
-        "(nccl on CUDA, gloo on CPU; weights/step_n only at checkpoint steps and the last)"
-    ),
-]
+class WeightTransferConfig(Section):
+    """How new weights reach inference, and the trainer's broadcast rendezvous (trainer rank 0 hosts it; the
+    orchestrator sends it to the servers with each broadcast request, so a server reads `type` only). The group's
+    size is not configured: the orchestrator counts its servers' seats (their /health) and the receivers tell the
+    trainer through the rendezvous.
 
+    A bare string is the type: `weight_transfer = "broadcast"` / `--weight-transfer broadcast` mean
+    `type = "broadcast"` with default settings. A service config's field is `NoDecode`, so that
+    `PRIME_WEIGHT_TRANSFER=broadcast` reaches the validator as that string (pydantic-settings would parse an env
+    value for a section as JSON); `PRIME_WEIGHT_TRANSFER__PORT` sets one setting."""
 
-class WeightBroadcastConfig(Section):
-    """The trainer's broadcast rendezvous, shared by trainer and orchestrator (which tells the servers).
+    shorthand: ClassVar[str] = "type"  # the field a bare value sets (read by configs/fields.py and cli.py)
 
-    The group's size is not configured: the orchestrator counts the seats of its servers (their /health)
-    and the receivers tell the trainer through the rendezvous."""
-
-    host: Annotated[str, Field(description="address of trainer rank 0 that inference workers can reach")] = "127.0.0.1"
-    port: Annotated[int, Field(ge=1, le=65535, description="TCP port trainer rank 0 hosts the rendezvous on")] = 29600
+    type: Annotated[
+        Literal["filesystem", "broadcast"],
+        Field(
+            description="filesystem = the trainer writes weights/step_n every step and servers read it; "
+            "broadcast = the trainer sends them over a process group the servers join "
+            "(nccl on CUDA, gloo on CPU; weights/step_n only at checkpoint steps and the last)"
+        ),
+    ] = "filesystem"
+    host: Annotated[
+        str, Field(description='type = "broadcast": address of trainer rank 0 that inference workers can reach')
+    ] = "127.0.0.1"
+    port: Annotated[
+        int, Field(ge=1, le=65535, description='type = "broadcast": TCP port trainer rank 0 hosts the rendezvous on')
+    ] = 29600
     timeout: Annotated[
-        float, Field(gt=0, description="seconds a broadcast may take (forming the group, one transfer)")
+        float,
+        Field(gt=0, description='type = "broadcast": seconds a broadcast may take (forming the group, one transfer)'),
     ] = 600.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_string_is_the_type(cls, data: Any) -> Any:
+        return {cls.shorthand: data} if isinstance(data, str) else data
+
+
+# The `[weight_broadcast]` section of earlier versions: an unknown-key error for it says where its settings went.
+WEIGHT_BROADCAST_MOVED = {"weight_broadcast": "weight_transfer.host/port/timeout"}
 
 
 class CkptConfig(Section):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
+from pydantic_settings import NoDecode
 
-from prime_rl.configs import OutputDir, Section, WeightBroadcastConfig, WeightTransfer
+from prime_rl.configs import OutputDir, Section, WeightTransferConfig
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED
 from prime_rl.configs.training import TrainingConfig
 
 
@@ -53,6 +55,8 @@ class DataConfig(Section):
 class TrainerConfig(TrainingConfig):
     """FSDP2 RL trainer: reads packed rollouts, updates the policy, writes HF weights every step."""
 
+    moved_keys: ClassVar[dict[str, str]] = WEIGHT_BROADCAST_MOVED
+
     output_dir: OutputDir
     max_steps: Annotated[int, Field(ge=1, description="optimizer steps to run")] = 20
     async_level: Annotated[
@@ -63,10 +67,9 @@ class TrainerConfig(TrainingConfig):
     keep_weights: Annotated[
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None
-    weight_transfer: WeightTransfer = "filesystem"
-    weight_broadcast: Annotated[WeightBroadcastConfig, Field(description="weight_transfer = broadcast")] = (
-        WeightBroadcastConfig()
-    )
+    weight_transfer: Annotated[
+        WeightTransferConfig, NoDecode, Field(description="how new weights reach inference; broadcast: the rendezvous")
+    ] = WeightTransferConfig()
     bench: Annotated[
         bool, Field(description="benchmark: no weights or checkpoints written; print step time, tokens/s, MFU")
     ] = False
@@ -82,7 +85,7 @@ class TrainerConfig(TrainingConfig):
                 f"model.lora.dropout = {lora.dropout}: with adapter dropout the trainer's logprobs are not the "
                 "served policy's, which RL's importance ratios need; set it to 0 (SFT accepts it)"
             )
-        if lora is not None and self.weight_transfer == "broadcast":
+        if lora is not None and self.weight_transfer.type == "broadcast":
             raise ValueError(
                 "model.lora with weight_transfer = broadcast: adapters reach the servers as files (a few MB); "
                 "use weight_transfer = filesystem"

@@ -65,7 +65,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    served, broadcast = BuiltinModel(engine), config.weight_transfer == "broadcast"
+    served, broadcast = BuiltinModel(engine), config.weight_transfer.type == "broadcast"
     return ControlPlane(app, served, config.api_key, config.max_body_bytes, app.state.http_counts, broadcast=broadcast)
 
 

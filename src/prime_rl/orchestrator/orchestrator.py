@@ -204,7 +204,7 @@ def log_step(loop: Loop, step: int, m: dict, times: dict[str, float]) -> None:
 
 async def finish(client: InferenceClient, config: OrchestratorConfig, evals: Evals) -> None:
     """After the last step: the trainer's remaining weight broadcasts, then the evaluation of its final weights."""
-    if config.weight_transfer == "broadcast":  # the trainer sends up to max_steps - 1: take them all
+    if config.weight_transfer.type == "broadcast":  # the trainer sends up to max_steps - 1: take them all
         await relay_broadcasts(client, config, await client.server_step(), config.max_steps - 1, {})
     if config.eval:
         await evals.final(client, config)

@@ -43,7 +43,7 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     need = max(0, step - config.async_level)
     client.set_floor(oldest_policy(step, config))
     current = await client.server_step()
-    if config.weight_transfer == "broadcast":
+    if config.weight_transfer.type == "broadcast":
         current = await relay_broadcasts(client, config, current, need, times)
     if current >= need:
         return current
@@ -78,7 +78,7 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
     An announcement is pending unless every server holds its step from its group: a restarted trainer
     forms a new group and may announce a step older than the servers hold (it resumed from a checkpoint)."""
     out = config.output_dir
-    b = config.weight_broadcast
+    b = config.weight_transfer
 
     def pending(marker: dict | None) -> bool:
         live = client.pool.live()

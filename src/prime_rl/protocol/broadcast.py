@@ -3,7 +3,7 @@
 The group is its own torch.distributed world, apart from the trainer's: rank 0 is trainer rank 0, the
 other ranks are the inference workers' seats (one per built-in server, one per vLLM worker), counted by the
 orchestrator from its servers' /health and passed on by the receivers through the rendezvous. Its rendezvous is a
-TCPStore that trainer rank 0 hosts at `weight_broadcast.host:port`; `group` (a fresh nonce per trainer
+TCPStore that trainer rank 0 hosts at `weight_transfer.host:port`; `group` (a fresh nonce per trainer
 start) prefixes every key, so a restarted trainer forms a new group and servers of the old one rejoin.
 
 One step n:

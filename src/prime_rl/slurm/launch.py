@@ -310,9 +310,9 @@ def _node_commands(config, slurm: SlurmConfig, procs: int, n_train: int, resumab
     commands["orchestrator"] += ["--client.base-url", "$BASE_URLS"]
     if slurm.traffic_share:
         commands["orchestrator"] += ["--client.traffic-share", ",".join(str(s) for s in slurm.traffic_share)]
-    if config.trainer.weight_transfer == "broadcast":  # trainer rank 0 (on $TRAINER_HEAD) hosts the group
-        commands["orchestrator"] += ["--weight-broadcast.host", "$TRAINER_HEAD"]
-        commands["trainer"] += ["--weight-broadcast.host", "$TRAINER_HEAD"]
+    if config.trainer.weight_transfer.type == "broadcast":  # trainer rank 0 (on $TRAINER_HEAD) hosts the group
+        commands["orchestrator"] += ["--weight-transfer.host", "$TRAINER_HEAD"]
+        commands["trainer"] += ["--weight-transfer.host", "$TRAINER_HEAD"]
     return commands
 
 

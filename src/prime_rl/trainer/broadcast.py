@@ -36,14 +36,14 @@ logger = logging.getLogger("prime_rl")
 class WeightSender:
     def __init__(self, config, model: torch.nn.Module, files: ModelFiles, d):
         self.config, self.d = config, d
-        b = config.weight_broadcast
+        b = config.weight_transfer
         backend = "nccl" if d.device.type == "cuda" else "gloo"
         # A fresh group per trainer start: servers still in an earlier one (a restarted trainer) rejoin.
         self.rdv = Rendezvous(b.host, b.port, "", 0, backend, b.timeout)  # the receivers tell the world size
         try:
             self.store = connect_store(self.rdv, master=d.is_main)
         except BroadcastError as e:
-            raise TrainerError(f"{e} (is weight_broadcast.port taken, by another run?)") from None
+            raise TrainerError(f"{e} (is weight_transfer.port taken, by another run?)") from None
         if d.is_main:
             clear_markers(config.output_dir)
             self.store.set("group", uuid.uuid4().hex[:16])

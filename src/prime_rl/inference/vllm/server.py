@@ -53,7 +53,7 @@ class VllmControlPlane(ControlPlane):
     def __init__(self, app):
         assert _config is not None, "VllmControlPlane runs only under serve_vllm"
         c = _config
-        broadcast = c.weight_transfer == "broadcast"
+        broadcast = c.weight_transfer.type == "broadcast"
         super().__init__(app, VllmModel(c), c.api_key, c.max_body_bytes, broadcast=broadcast)
 
     async def __call__(self, scope, receive, send):

@@ -55,7 +55,9 @@ def run(config: TrainerConfig) -> None:
     ):
         dist = state.dist
         progress = resume(config, state) or Progress()
-        sender = WeightSender(config, state.model, state.files, dist) if config.weight_transfer == "broadcast" else None
+        sender = (
+            WeightSender(config, state.model, state.files, dist) if config.weight_transfer.type == "broadcast" else None
+        )
         metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if dist.is_main else None
         logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
