@@ -109,6 +109,10 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
         ("/v1/completions", {"prompt": "hi", "n": 65}, "n=65 is more than this server's engine.max_batch_size 64"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids must be in [0, 1024)"),
         ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "body.repetition_penalty"),
+        # top_k >= 2**63 with top_p < 1 overflowed inside the engine's batch: a 500 for every request in it.
+        ("/v1/completions", {"prompt": "hi", "top_k": 2**63, "top_p": 0.9}, "body.top_k"),
+        ("/v1/completions", {"prompt": "hi", "top_k": 2**63, "min_p": 0.1}, "body.top_k"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 2**63}, "body.min_tokens"),
         ("/v1/chat/completions", {"messages": []}, "body.messages"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "body.messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),

@@ -27,6 +27,11 @@ UNSUPPORTED = {
 }
 
 
+# Counts the engine turns into tensor sizes and indices: a larger one overflowed inside a batch and failed every
+# request batched with it, so it is refused here, with a 400 for its own request only.
+INT32_MAX = 2**31 - 1
+
+
 class APIError(Exception):
     """A request answered with an OpenAI-style error body: `status`, `message` and the error `type`."""
 
@@ -43,10 +48,10 @@ class SamplingRequest(BaseModel):
     model: str | None = None
     n: Annotated[int, Field(ge=1)] = 1
     max_tokens: Annotated[int | None, Field(ge=1)] = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     temperature: Annotated[float | None, Field(ge=0)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
-    top_k: Annotated[int | None, Field(ge=-1)] = None
+    top_k: Annotated[int | None, Field(ge=-1, le=INT32_MAX)] = None  # beyond any vocabulary: no filter
     min_p: Annotated[float | None, Field(ge=0, le=1)] = None
     repetition_penalty: Annotated[float | None, Field(gt=0)] = None
     seed: int | None = None
