@@ -39,7 +39,10 @@ class SlurmConfig(Section):
     ] = []
     srun_args: Annotated[
         list[str],
-        Field(description="extra options of every srun step, e.g. --container-image=... (pyxis), --mpi=none"),
+        Field(
+            description="extra options of every srun step, e.g. --container-image=... (pyxis), --mpi=none; passed "
+            "literally ($VAR and $(...) are not expanded: write the value itself)"
+        ),
     ] = []
     python: Annotated[
         str | None, Field(description="Python of the compute nodes; unset = the interpreter submitting the job")
@@ -87,6 +90,17 @@ class SlurmConfig(Section):
     def multi_node(self) -> bool:
         """RL: the services as srun steps on their own nodes, instead of `rl` on one node."""
         return self.inference_nodes is not None or self.trainer_nodes is not None
+
+    @model_validator(mode="after")
+    def _no_control_characters(self) -> SlurmConfig:
+        """Each of these becomes one token of a `#SBATCH` or srun line: a newline in one would start a line of
+        shell (or end the `#SBATCH` block) in the rendered job script."""
+        for name in ("job_name", "partition", "account", "time", "python", "extra_sbatch", "srun_args"):
+            values = getattr(self, name)
+            for value in values if isinstance(values, list) else [values]:
+                if value is not None and any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+                    raise ValueError(f"slurm.{name} contains a control character (a newline?): {value!r}")
+        return self
 
     @model_validator(mode="after")
     def _layout(self) -> SlurmConfig:

@@ -28,6 +28,7 @@ checkpoint and passes `--ckpt.resume-step=latest`, so it goes on at the next ste
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -109,7 +110,7 @@ def sbatch_header(
     options += [f"--signal=USR1@{slurm.signal_seconds}"] if resumable and slurm.signal_seconds else []
     options += slurm.extra_sbatch
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options)]
-    lines += [f"# Rendered by `{name} --slurm`: {shlex.join([name, *argv])}", "set -euo pipefail", *slurm.setup]
+    lines += [f"# Rendered by `{name} --slurm`: {argv_comment(name, argv)}", "set -euo pipefail", *slurm.setup]
     python = slurm.python or sys.executable
     lines += [f"export OUTPUT_DIR={shlex.quote(str(output_dir))}", f"export PY={shlex.quote(python)}"]
     return lines + [RESUME_IF_CHECKPOINTED] if resumable else lines
@@ -143,7 +144,28 @@ def finish(slurm: SlurmConfig) -> str:
 
 
 def srun(slurm: SlurmConfig, *options: str) -> str:
-    return sh("srun", *options, *slurm.srun_args)
+    """An srun line: our options may name the job's $VARS; the user's `srun_args` are data, quoted as such."""
+    return " ".join([sh("srun", *options), *map(shlex.quote, slurm.srun_args)])
+
+
+SECRET_FLAG = re.compile(r"--(?:[\w-]+\.)*api[-_]key(?:=|$)")
+
+
+def argv_comment(name: str, argv: list[str]) -> str:
+    """The command that rendered the job, for its first lines: secrets (`--...api-key`) replaced by `***`, and
+    control characters escaped, so that no value can end the comment and start a line of shell."""
+    shown, hide = [], False
+    for arg in argv:
+        if hide:
+            arg, hide = "***", False
+        elif SECRET_FLAG.match(arg):
+            if "=" in arg:
+                arg = arg.split("=", 1)[0] + "=***"
+            else:
+                hide = True
+        shown.append(arg)
+    text = shlex.join([name, *shown])
+    return "".join(f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch for ch in text)
 
 
 NODE_LISTS = """mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")

@@ -297,3 +297,28 @@ def test_a_sigterm_to_the_services_of_a_multi_node_job_ends_it_as_stopped_not_fa
     assert "step trainer stopped on a signal" in result.stdout, result.stdout
     assert "step orchestrator stopped on a signal" in result.stdout
     assert (tmp_path / "requeued").read_text() == "requeue 42\n"
+
+
+@pytest.mark.parametrize("flag", ["--slurm.job-name", "--slurm.partition", "--slurm.account", "--slurm.time",
+                                  "--slurm.extra-sbatch", "--slurm.srun-args"])  # fmt: skip
+def test_a_newline_in_a_value_that_reaches_a_job_line_is_a_config_error(tmp_path, flag):
+    with pytest.raises(ConfigError, match=r"slurm\.\w+ contains a control character"):
+        rl(tmp_path, flag, "x\ntouch /tmp/injected")
+
+
+def test_no_cli_value_becomes_a_shell_line_or_leaks_a_secret_through_the_rendered_by_comment(tmp_path):
+    """Any CLI value lands in the `# Rendered by` comment: a newline there would end it and run the rest."""
+    marker = tmp_path / "injected"
+    argv = ["--model.name", f"x\ntouch {marker}", "--inference.api-key", "s3cret", "--orchestrator.client.api-key=k2"]
+    script = render(rl(tmp_path, "--slurm"), "rl", argv).script
+    comment = next(line for line in script.splitlines() if line.startswith("# Rendered by"))
+    assert f"touch {marker}" in comment and "\\x0a" in comment  # still readable, on its one line
+    assert not any(line.startswith("touch") for line in script.splitlines())
+    assert "s3cret" not in script and "k2" not in script and "--inference.api-key '***'" in comment
+
+
+def test_srun_args_are_passed_as_data_not_run_by_the_shell(tmp_path):
+    config = rl(tmp_path, "--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1",
+                "--slurm.srun-args=--comment=$(touch injected)")  # fmt: skip
+    script = render(config, "rl", []).script
+    assert "'--comment=$(touch injected)'" in script and '"--comment=$(touch injected)"' not in script
