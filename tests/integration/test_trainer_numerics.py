@@ -3,15 +3,17 @@ models, so a change that alters training (a loss normalisation, a masking rule, 
 order) fails here, by name, instead of surfacing as an example that learns less on some machine.
 
 Both runs are the real entrypoints in subprocesses. SFT: `assets/reverse-qwen3` on reverse-text's reference
-answers with warmup and held-out rows (SFT_CONFIG). RL: the trainer on `assets/tiny-qwen3` with
-generated rollouts (`--data.fake`: seeded token ids, advantages and sampler logprobs) and the default loss.
+answers with warmup and held-out rows (SFT_CONFIG), with AdamW and with Muon (the reverse-text example's
+optimizer). RL: the trainer on `assets/tiny-qwen3` with generated rollouts (`--data.fake`: seeded token
+ids, advantages and sampler logprobs) and the default loss.
 
 Measured on an AMD EPYC (AVX-512): under OMP_NUM_THREADS=1 and 2 and under ATEN_CPU_CAPABILITY=avx2 and
 avx512, step 0 is the same to every printed digit and the RL steps too; SFT's step 1 and held-out loss
-move by at most 8e-8 relative between thread counts (sums over many tokens in another order). RTOL is
+move by at most 8e-8 relative between thread counts (sums over many tokens in another order), Muon's step
+1 by at most 1.4e-7 (its grad norm and held-out loss, 2 threads or AVX2 vs 1 thread AVX-512). RTOL is
 1e-5: a hundred times that, and far below what a change of the objective does (dividing the step's loss
-by its samples instead of its tokens makes the first SFT loss 71.9, not 5.56, and fails both cases). Step
-1's loss follows the optimizer's first update, so it pins AdamW too.
+by its samples instead of its tokens makes the first SFT loss 71.9, not 5.56, and fails every case). Step
+1's loss follows the optimizer's first update, so it pins AdamW and Muon too.
 
 If a change is meant to alter training, run this test, check the new figures are what the change should
 give, and paste them into PINNED.
@@ -27,11 +29,14 @@ import pytest
 ROOT = Path(__file__).parents[2]
 RTOL = 1e-5
 
-PINNED = {  # (service, step): {metric: value}
+PINNED = {  # (case, step): {metric: value}
     ("sft", 0): {"loss": 5.5587024135866026, "grad_norm": 6.830073833465576},
     ("sft", 1): {"loss": 5.449097251342422, "grad_norm": 5.876521587371826, "val/loss": 5.297915367983947},
-    ("trainer", 0): {"loss": 0.10513855458550914, "grad_norm": 0.922434389591217},
-    ("trainer", 1): {"loss": -1.3858263623583449, "grad_norm": 0.5421964526176453},
+    # Muon (the reverse-text example's SFT optimizer): step 0 is AdamW's; step 1 follows Muon's first update.
+    ("sft-muon", 0): {"loss": 5.5587024135866026, "grad_norm": 6.830073833465576},
+    ("sft-muon", 1): {"loss": 5.5345016171678, "grad_norm": 6.960588455200195, "val/loss": 5.488803764585116},
+    ("rl", 0): {"loss": 0.10513855458550914, "grad_norm": 0.922434389591217},
+    ("rl", 1): {"loss": -1.3858263623583449, "grad_norm": 0.5421964526176453},
 }
 
 # Every setting that shapes the numbers is here, not borrowed from an example config that may be retuned.
@@ -70,13 +75,22 @@ def first_steps(args: list[str], service: str, out: Path) -> dict[int, dict]:
     return {m["step"]: m for m in map(json.loads, (out / "metrics" / f"{service}.jsonl").open())}
 
 
-@pytest.mark.parametrize("service", ["sft", "trainer"], ids=["sft", "rl"])
-def test_first_steps_match_the_pinned_loss_and_grad_norm(service, tmp_path):
-    config = tmp_path / "sft.toml"
-    config.write_text(SFT_CONFIG)
-    args = ["prime_rl.entrypoints.sft", "@", str(config)] if service == "sft" else RL
+CASES = {  # case: (entrypoint args, the metrics file it writes)
+    "sft": (["prime_rl.entrypoints.sft"], "sft"),
+    "sft-muon": (["prime_rl.entrypoints.sft", "--optim.type", "muon"], "sft"),
+    "rl": (RL, "trainer"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_steps_match_the_pinned_loss_and_grad_norm(case, tmp_path):
+    args, service = CASES[case]
+    if service == "sft":
+        config = tmp_path / "sft.toml"
+        config.write_text(SFT_CONFIG)
+        args = [args[0], "@", str(config), *args[1:]]
     steps = first_steps(args, service, tmp_path / "run")
-    got = {(service, s): {k: steps[s][k] for k in PINNED[(service, s)]} for s in (0, 1)}
+    got = {(case, s): {k: steps[s][k] for k in PINNED[(case, s)]} for s in (0, 1)}
     print(json.dumps({f"{k[0]} step {k[1]}": v for k, v in got.items()}, indent=1))
     for key, metrics in got.items():
         for name, value in metrics.items():

@@ -6,6 +6,10 @@ reversed text (difflib ratio, 1.0 for an exact answer), which gives a dense sign
 
     text "ab cd"  →  answer "dc ba"
     score("dc ba") = 1.0,   score("dc b") = 2·4/9 ≈ 0.89,   score("xyz") = 0.0
+
+`typo_rate` makes the reference answers those of an imperfect demonstrator: each character of the answer is
+replaced by a random letter with that probability (the text and the score stay exact). SFT on them learns
+the task and the demonstrator's slips; RL, scored on the true reversal, can then do better than its teacher.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ class ReverseText:
     max_chars: int = 32
     min_word: int = 2
     max_word: int = 7
+    typo_rate: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.typo_rate < 1.0:
+            raise ValueError(f"need 0 <= typo_rate < 1, got {self.typo_rate}")
         if not 1 <= self.min_chars <= self.max_chars:
             raise ValueError(f"need 1 <= min_chars <= max_chars, got {self.min_chars}, {self.max_chars}")
         if not 1 <= self.min_word <= self.max_word:
@@ -44,15 +51,23 @@ class ReverseText:
 
     def examples(self, seed: int) -> Iterator[Example]:
         rng = random.Random(seed)
+        slips = random.Random(f"typos-{seed}")  # its own stream: the texts of a seed never depend on the rate
         index = 0
         while True:
             text = self.make_text(rng)
             prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
-            yield Example(prompt=prompt, answer=text[::-1], info={"text": text, "index": index})
+            yield Example(prompt=prompt, answer=self.demonstrate(text, slips), info={"text": text, "index": index})
             index += 1
 
+    def demonstrate(self, text: str, rng: random.Random) -> str:
+        """The reference answer: the reversal, each character slipped to a random letter at `typo_rate`."""
+        if not self.typo_rate:
+            return text[::-1]
+        return "".join(rng.choice(string.ascii_lowercase) if rng.random() < self.typo_rate else c for c in text[::-1])
+
     def score(self, text: str, example: Example) -> float:
-        return difflib.SequenceMatcher(None, text.strip(), example.answer, autojunk=False).ratio()
+        target = example.info["text"][::-1] if "text" in example.info else example.answer
+        return difflib.SequenceMatcher(None, text.strip(), target, autojunk=False).ratio()
 
 
 def load_environment(**args) -> ReverseText:

@@ -43,3 +43,17 @@ def test_reverse_text_is_a_builtin_and_takes_args():
     env = load_environment("reverse-text", min_chars=3, max_chars=3)
     example = next(env.examples(0))
     assert len(example.prompt[1]["content"]) <= 3
+
+
+def test_typo_rate_slips_the_reference_answers_but_not_the_texts_or_the_score():
+    exact = list(itertools.islice(ReverseText(typo_rate=0.0).examples(5), 400))
+    slipped = list(itertools.islice(ReverseText(typo_rate=0.2).examples(5), 400))
+    assert [e.info["text"] for e in slipped] == [e.info["text"] for e in exact]
+    pairs = [(a, b) for e, s in zip(exact, slipped, strict=True) for a, b in zip(e.answer, s.answer, strict=True)]
+    changed = sum(a != b for a, b in pairs) / len(pairs)
+    assert 0.17 < changed < 0.22, changed  # 0.2 · 25/26: a slip may draw the same letter
+    env = ReverseText(typo_rate=0.2)
+    for example in slipped[:50]:
+        assert env.score(example.info["text"][::-1], example) == 1.0  # scored on the true reversal
+    with pytest.raises(ValueError, match="typo_rate"):
+        ReverseText(typo_rate=1.0)
