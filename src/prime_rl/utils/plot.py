@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -115,7 +116,9 @@ def plot_runs(output_dirs: list[Path], out: Path, formats: tuple[str, ...] = ("p
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(", ".join(Path(d).name for d in output_dirs), fontsize=11)
+    # Wrapped to the figure's width: several runs' names would run off a one-panel figure.
+    names = ", ".join(Path(d).name for d in output_dirs)
+    fig.suptitle(textwrap.fill(names, width=48 * cols), fontsize=11)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     written = []
