@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 CONFIGS = Path(__file__).parents[2] / "configs" / "examples" / "reverse_text"
 RL_STEPS = 60  # as configured
 SEED = "7"  # the doc's table uses seeds 0-2
-# The doc's table (9 runs: 3 seeds x 1-2 threads x AVX2/AVX-512) gains +0.167 … +0.209 on 512 held-out prompts (standard error of a gain ~0.01)
-# and its training reward rises by 0.128 … 0.204 (16 prompts a step, 6 steps a tenth): margins of about half the
-# smallest leave room for machines the table does not cover.
+# The doc's table (9 runs: 3 seeds x 1-2 threads x AVX2/AVX-512) gains +0.167 … +0.209 on 512 held-out
+# prompts (standard error of a gain ~0.01), and its training reward rises by 0.128 … 0.204 (16 prompts a
+# step, 6 steps a tenth): margins of about half the smallest leave room for machines it does not cover.
 EVAL_GAIN = 0.10
 TRAIN_RISE = 0.08
 
