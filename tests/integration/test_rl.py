@@ -1,7 +1,9 @@
 """The whole loop: `rl` runs inference, orchestrator and trainer as real processes on loopback."""
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -92,9 +94,12 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
         assert (out / "plots" / f"run.{suffix}").stat().st_size > 10_000
     assert f"plots of the run: {out}/plots/run.png" in result.stderr
 
-    # The same command again starts fresh: the first run's rollouts and weights are removed up front (kept,
-    # they were served as this run's policy, and their newer step numbers got this run's weights pruned).
+    # The same command again, as if typed minutes later, starts fresh: the first run's rollouts and weights
+    # are removed up front (kept, they were served as this run's policy, and their newer step numbers got
+    # this run's weights pruned), and its heartbeats, older than any heartbeat timeout, fail no wait.
     first = {step: (weights_dir(out, step) / "model.safetensors").stat().st_mtime_ns for step in kept}
+    for beat in (out / "heartbeat").glob("*.json"):
+        beat.write_text(json.dumps(json.loads(beat.read_text()) | {"time": time.time() - 1000}))
     again = run_rl(args)
     assert again.returncode == 0, again.stderr + show_logs(out)
     assert "removed rollouts/step_2..3, weights/step_3..4 left in" in (out / "logs" / "rl.log").read_text()

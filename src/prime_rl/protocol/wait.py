@@ -154,7 +154,9 @@ def _checks(
         if writer is not None and output_dir is not None and waited >= next_heartbeat:
             next_heartbeat = waited + 1.0
             age = heartbeat_age(output_dir, writer)
-            if age is not None and age > heartbeat_timeout:
+            # A beat from before this wait may be an earlier run's (a new run on a used output dir): only
+            # the silence this wait has seen itself counts against the writer.
+            if age is not None and min(age, waited) > heartbeat_timeout:
                 raise WriterDead(
                     f"gave up waiting for {what}: {writer} heartbeat is {age:.0f}s old "
                     f"(> heartbeat_timeout {heartbeat_timeout:.0f}s); is the {writer} process alive?"

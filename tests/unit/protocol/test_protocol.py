@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from prime_rl.protocol import (
-    Heartbeat,
     WaitTimeout,
     WriterDead,
     atomic_write_text,
@@ -78,14 +77,32 @@ def test_wait_times_out_naming_what_it_waited_for(tmp_path):
     assert time.monotonic() - start < 3
 
 
-def test_stale_writer_heartbeat_is_reported_dead(tmp_path):
-    with Heartbeat(tmp_path, "trainer-rank0", interval=60):
-        pass
-    old = time.time() - 100
-    os.utime(heartbeat_file(tmp_path, "trainer-rank0"))
-    atomic_write_text(heartbeat_file(tmp_path, "trainer-rank0"), f'{{"pid": 1, "host": "h", "step": 0, "time": {old}}}')
-    with pytest.raises(WriterDead, match="trainer-rank0 heartbeat is 100s old"):
-        asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=5))
+def write_heartbeat(output_dir, name: str, at: float) -> None:
+    atomic_write_text(heartbeat_file(output_dir, name), f'{{"pid": 1, "host": "h", "step": 0, "time": {at}}}')
+
+
+def test_a_writer_silent_for_the_heartbeat_timeout_of_the_wait_is_reported_dead(tmp_path):
+    write_heartbeat(tmp_path, "trainer-rank0", time.time() - 100)
+    start = time.monotonic()
+    with pytest.raises(WriterDead, match=r"trainer-rank0 heartbeat is 10\ds old"):
+        asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=1))
+    assert 1 <= time.monotonic() - start < 5  # judged on this wait's silence, not the file's age alone
+
+
+def test_an_earlier_runs_heartbeat_does_not_fail_a_new_runs_wait(tmp_path):
+    import threading
+
+    write_heartbeat(tmp_path, "trainer-rank0", time.time() - 1000)  # left by a run that ended long ago
+
+    def new_trainer():  # starts, beats, and writes its weights within the heartbeat timeout
+        time.sleep(0.5)
+        write_heartbeat(tmp_path, "trainer-rank0", time.time())
+        time.sleep(0.5)
+        weights_dir(tmp_path, 1).mkdir(parents=True)
+        mark_stable(weights_dir(tmp_path, 1))
+
+    threading.Thread(target=new_trainer).start()
+    assert asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=2)) == weights_dir(tmp_path, 1)
 
 
 def test_wait_returns_once_stable_appears(tmp_path):
