@@ -38,7 +38,7 @@ def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedPr
 
 def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
     sft, rl, ev = tmp_path / "sft", tmp_path / "rl", tmp_path / "eval"
-    # SFT stops on its held-out loss after ~250-350 steps (1-2 min); its budget is 2,000.
+    # SFT stops on its held-out loss after 210-340 steps in the doc's runs (1-2 min); its budget is 2,000.
     run("prime_rl.entrypoints.sft", "@", str(CONFIGS / "sft.toml"), "--output-dir", str(sft), "--seed", SEED,
         timeout=1800)  # fmt: skip
     sft_weights = sft / "weights" / "final"
