@@ -72,8 +72,16 @@ class RLConfig(BaseConfig):
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
     startup_timeout: Annotated[float, Field(gt=0, description="seconds to wait for the inference server")] = 600.0
     restart: Annotated[
-        int, Field(ge=0, description="restart a service that dies, alone, up to this many times in all (needs ckpt)")
+        int, Field(ge=0, description="restart a service that dies or hangs, alone, up to this many times each (needs ckpt)")
     ] = 0
+    hang_timeout: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="a service that makes no progress this long (3x in long work: loading a model, writing a "
+            "checkpoint) is hung: it is killed, named, and restarted like a death (--restart)",
+        ),
+    ] = 600.0
     stop_timeout: Annotated[
         float,
         Field(

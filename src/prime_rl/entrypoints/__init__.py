@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prime_rl.utils.process import PREEMPTED, StopRequested
+from prime_rl.protocol import DiskFull, WriterDead
+from prime_rl.utils.process import FATAL, PEER_LOST, PREEMPTED, StopRequested
 
 logger = logging.getLogger("prime_rl")
 
@@ -19,11 +20,19 @@ def run_service(
     errors: tuple[type[BaseException], ...],
     stopped: int = PREEMPTED,
     interrupted: str | None = None,
+    fatal: tuple[type[BaseException], ...] = (),
 ) -> None:
-    """Call `run()`. A known failure (`errors`) is one ERROR line and exit status 1, a stop on a stop signal a
-    WARNING and `stopped`, Ctrl-C exit 130 (after `interrupted`, if given): never a traceback for these."""
+    """Call `run()`. A known failure (`errors`) is one ERROR line and exit status 1 (FATAL for a full disk and
+    `fatal`: a restart cannot help; PEER_LOST when the peer it waited on went silent), a stop on a stop signal
+    a WARNING and `stopped`, Ctrl-C exit 130 (after `interrupted`, if given): never a traceback for these."""
     try:
         run()
+    except WriterDead as e:
+        logger.error(str(e))
+        raise SystemExit(PEER_LOST) from None
+    except (DiskFull, *fatal) as e:
+        logger.error(str(e))
+        raise SystemExit(FATAL) from None
     except errors as e:
         logger.error(str(e))
         raise SystemExit(1) from None

@@ -16,6 +16,7 @@ def main() -> None:
     config = parse_config(OrchestratorConfig, prog="orchestrator")
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
     ignore_usr1()  # until orchestrate() catches the stop signals (with checkpoints on)
+    from prime_rl.envs import EnvError
     from prime_rl.orchestrator.orchestrator import ERRORS, run
 
     def locked() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
             write_run_config(config, "orchestrator", config.output_dir)
             run(config)
 
-    run_service(locked, ERRORS)
+    run_service(locked, ERRORS, fatal=(EnvError,))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.launch.console import StatusLine, follow_logs
 from prime_rl.launch.services import assign_devices, count_gpus, resume_step, service_commands, service_configs
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
-from prime_rl.protocol import log_file, prepare_output_dir, run_dir, run_locks
+from prime_rl.launch.watchdog import Watchdog
+from prime_rl.protocol import RUN_VAR, log_file, prepare_output_dir, run_dir, run_locks
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.utils.logging import logger
 from prime_rl.utils.run_record import write_run_config
@@ -40,9 +41,11 @@ def _run(config: RLConfig, lock_token: str) -> None:
     status = StatusLine(output_dir, config.trainer.max_steps)
     follower = threading.Thread(target=follow_logs, args=(services, stop_following, status), daemon=True)
     follower.start()
+    health = f"http://127.0.0.1:{config.inference.server.port}/health"
     try:
         start_services(config, services, commands, env, trainer_procs)
-        watch(services, Restarter(config, commands, env), config)
+        with Watchdog(output_dir, lock_token, config.hang_timeout, health, trainer_procs) as watchdog:
+            watch(services, Restarter(config, commands, env), watchdog, config)
         logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
         from prime_rl.utils.plot import plot_runs
 
@@ -60,6 +63,7 @@ def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, 
     env, trainer_procs = assign_devices(config, count_gpus())
     for name in ("orchestrator", "trainer"):
         env[name][LOCK_TOKEN_VAR] = lock_token
+        env[name][RUN_VAR] = lock_token  # their heartbeats name this run (protocol.liveness)
     if config.inference.api_key:
         # The services read their configs from run/*.toml, which never hold the key: it travels in the
         # environment of the two processes that need it, under the orchestrator's api_key_var.

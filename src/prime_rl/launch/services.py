@@ -42,7 +42,7 @@ def service_commands(run_dir: Path, trainer_procs: int) -> dict[str, list[str]]:
         "inference": [py, "-m", "prime_rl.entrypoints.inference", "@", str(run_dir / "inference.toml")],
         "orchestrator": [py, "-m", "prime_rl.entrypoints.orchestrator", "@", str(run_dir / "orchestrator.toml")],
         "trainer": [
-            py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainer_procs),
+            py, "-m", "prime_rl.launch.torchrun", "--standalone", "--nproc-per-node", str(trainer_procs),
             "-m", "prime_rl.entrypoints.trainer", "@", str(run_dir / "trainer.toml"),
         ],
     }  # fmt: skip

@@ -11,9 +11,19 @@ import time
 from pathlib import Path
 
 from prime_rl.configs.rl import RLConfig
+from prime_rl.launch.watchdog import Watchdog
 from prime_rl.protocol import checkpoint_steps, stopped_file
 from prime_rl.utils.logging import logger
-from prime_rl.utils.process import PREEMPTED, StopRequested, children, die_with_parent, ignore_usr1, stop_requested
+from prime_rl.utils.process import (
+    FATAL,
+    PEER_LOST,
+    PREEMPTED,
+    StopRequested,
+    children,
+    die_with_parent,
+    ignore_usr1,
+    stop_requested,
+)
 
 
 class Service:
@@ -21,6 +31,7 @@ class Service:
 
     def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str]):
         self.name, self.log_path = name, log_path
+        self.started, self.worked = time.time(), False  # worked: finished a unit of work (watchdog.py)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
         self.log_start = self._log.tell()  # a resumed run appends: what came before is an earlier run's
@@ -37,6 +48,11 @@ class Service:
     def terminate(self) -> None:
         if self.proc.poll() is None:
             _signal_group(self.proc, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group (a hung process; a stopped one too) and wait for the exit."""
+        _signal_group(self.proc, signal.SIGKILL)
+        self.proc.wait(10)
 
     def reap(self) -> None:
         """After the process died: kill whatever of its group is left (e.g. a child that outlived it)."""
@@ -108,19 +124,27 @@ def wait_for_inference(services: list[Service], url: str, timeout: float) -> Non
 class ServiceFailed(RuntimeError):
     """A service died while the run needed it; the message carries this run's last lines of its log."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: Service, why: str = ""):
         self.service = service
-        super().__init__(
-            f"{service.name} failed (exit {service.returncode}); last lines of {service.log_path}:\n{service.tail()}"
-        )
+        why = why or f"failed (exit {service.returncode})"
+        super().__init__(f"{service.name} {why}; last lines of {service.log_path}:\n{service.tail()}")
+
+
+PEER = {"orchestrator": "trainer", "trainer": "orchestrator"}  # whose heartbeat each one waits on
 
 
 class Restarter:
-    """Restarts a dead service in place, up to `--restart` times in all (0: never, a death ends the run)."""
+    """Replaces a dead or hung service in place, up to `--restart` times per service (0: a death ends the run),
+    the 2nd and later restarts of a service after a backoff (1, 2, 4 ... 30 s). Ends the run at once on a
+    permanent error (exit FATAL), or when a service dies again before finishing one unit of work (a crash
+    loop: a restart cannot help). A service that lost its peer (exit PEER_LOST) had the peer restarted too."""
 
     def __init__(self, config: RLConfig, commands: dict[str, list[str]], env: dict[str, dict[str, str]]):
-        self.left, self.total = config.restart, config.restart
+        self.total = config.restart
         self.output_dir, self.commands, self.env = config.orchestrator.output_dir, commands, env
+        self.restarts: dict[str, int] = {}
+        self.early_deaths: dict[str, int] = {}  # deaths in a row before finishing a unit of work
+        self.due: dict[str, tuple[float, Service]] = {}  # restarts waiting out their backoff
 
     def command(self, name: str) -> tuple[list[str], str]:
         if name == "inference":
@@ -130,32 +154,63 @@ class Restarter:
             return self.commands[name], "from the start (no checkpoint yet)"
         return [*self.commands[name], "--ckpt.resume-step", "latest"], f"from checkpoints/step_{steps[-1]}"
 
-    def __call__(self, services: list[Service], dead: Service) -> None:
-        """Replace `dead` in `services` with a fresh process; raise ServiceFailed when no restart is left."""
-        if self.left == 0:
-            raise ServiceFailed(dead)
-        self.left -= 1
-        dead.reap()
-        cmd, origin = self.command(dead.name)
-        logger.warning(
-            f"{dead.name} died (exit {dead.returncode}); restarting it {origin}, restart "
-            f"{self.total - self.left} of {self.total}; its last lines:\n{dead.tail(8)}"
-        )
-        services[services.index(dead)] = Service(dead.name, cmd, dead.log_path, self.env[dead.name])
+    def __call__(self, services: list[Service], dead: Service, why: str = "", charged: bool = True) -> None:
+        """Schedule `dead`'s replacement; raise ServiceFailed when it must not be restarted."""
+        name, rc = dead.name, dead.returncode
+        if name in self.due:
+            return
+        why = why or f"died (exit {rc})"
+        if rc == FATAL:
+            raise ServiceFailed(dead, f"failed with a permanent error (exit {FATAL}): not restarted")
+        early = self.early_deaths.get(name, 0) + 1 if charged and not dead.worked else 0
+        self.early_deaths[name] = early
+        if self.total and early >= 2:
+            raise ServiceFailed(dead, f"{why} again before finishing a unit of work: a crash loop, not restarted")
+        count = self.restarts.get(name, 0) + charged
+        if count > self.total:
+            raise ServiceFailed(dead, why if self.total == 0 else f"{why}; no restart left (--restart {self.total})")
+        self.restarts[name] = count
+        if rc == PEER_LOST and (peer := next((s for s in services if s.name == PEER.get(name)), None)):
+            if peer.returncode is None and peer.name not in self.due:
+                peer.kill()
+                self(services, peer, f"went silent (the {name} gave up waiting on it)")
+        delay = 0.0 if count <= 1 else min(30.0, 2.0 ** (count - 2))
+        _, origin = self.command(name)
+        when = f" in {delay:.0f}s" if delay else ""
+        what = f"restart {count} of {self.total}" if charged else "not counted: its peer failed"
+        logger.warning(f"{name} {why}; restarting it{when} {origin}, {what}; its last lines:\n{dead.tail(8)}")
+        self.due[name] = (time.monotonic() + delay, dead)
+
+    def start_due(self, services: list[Service]) -> None:
+        for name, (at, dead) in list(self.due.items()):
+            if time.monotonic() >= at:
+                del self.due[name]
+                dead.reap()
+                cmd, _ = self.command(name)
+                services[services.index(dead)] = Service(name, cmd, dead.log_path, self.env[name])
 
 
-def watch(services: list[Service], restart: Restarter, config: RLConfig) -> None:
-    """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service fails;
-    on a stop signal (ours, or the orchestrator's: it exits PREEMPTED) stop the run (`stop_run`)."""
+def watch(services: list[Service], restart: Restarter, watchdog: Watchdog, config: RLConfig) -> None:
+    """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service dies
+    or hangs; on a stop signal (ours, or the orchestrator's: it exits PREEMPTED) stop the run (`stop_run`)."""
     while True:
-        if all(s.returncode == 0 for s in services if s.name != "inference"):
+        if not restart.due and all(s.returncode == 0 for s in services if s.name != "inference"):
             return
         if stop_requested() or any(s.returncode == PREEMPTED for s in services if s.name == "orchestrator"):
             stop_run(services, config.orchestrator.output_dir, config.stop_timeout)
         for service in list(services):
+            if service.name in restart.due:
+                continue
             rc = service.returncode
-            if rc is not None and (rc != 0 or service.name == "inference"):
-                restart(services, service)
+            if rc is None:
+                if reason := watchdog.hung(service):
+                    logger.error(f"{service.name} is hung: {reason}; killing it")
+                    service.kill()
+                    restart(services, service, f"hung ({reason})")
+            elif rc != 0 or service.name == "inference":
+                charged = rc != PEER_LOST  # its peer went silent: that one is charged
+                restart(services, service, charged=charged)
+        restart.start_due(services)
         time.sleep(0.2)
 
 

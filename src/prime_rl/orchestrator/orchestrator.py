@@ -45,8 +45,10 @@ from prime_rl.protocol import (
     RunLocked,
     WaitTimeout,
     WriterDead,
+    doing,
     orchestrator_checkpoint_file,
     prepare_output_dir,
+    ticking,
 )
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.process import StopRequested, catch_stop_signals, stop_requested
@@ -123,39 +125,42 @@ async def orchestrate(config: OrchestratorConfig) -> None:
 async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Progress | None) -> None:
     if said := prepare_output_dir(config.output_dir, resumed.step if resumed is not None else None):
         logger.warning(said)
-    mix = build_mix(config, state)
-    evals = Evals(config, state.step)
-    rng = new_rng(config.seed, resumed)
-    wandb = build_wandb(config)
-    progress = ProgressLine(config.progress, config.max_steps)
-    async with AsyncExitStack() as stack:
-        client = await stack.enter_async_context(
-            InferenceClient(config.client, config.model.name, adapter=config.model.adapter)
-        )
-        stream = RolloutStream(client, mix, config, rng) if config.max_inflight is not None else None
-        # Closed in reverse: the heartbeat first, the metrics file and then the client last.
-        metrics = stack.enter_context(closing(MetricsWriter(config.output_dir, "orchestrator", state.step)))
-        for sink in (wandb, progress, evals):
-            stack.enter_context(closing(sink))
-        heartbeat = stack.enter_context(Heartbeat(config.output_dir, "orchestrator"))
-        await client.wait_for_servers(config.client.health_timeout)
-        if resumed is None:
-            checkpoint(config, state, 0, mix, rng)
-        loop = Loop(config, state, client, mix, rng, stream, evals, progress, heartbeat, metrics, wandb)
-        try:
-            for step in range(state.step, config.max_steps):
-                await run_step(loop, step)
-        finally:
-            if stream is not None:
-                await stream.close()
-        await finish(client, config, evals)
+    # Beating from the start (an environment may take minutes to load); the event loop is the thread that
+    # does the work, so a tick of it stamps progress: a blocked loop goes silent.
+    with Heartbeat(config.output_dir, "orchestrator") as heartbeat, ticking():
+        with doing("loading environments", long=True):
+            mix = build_mix(config, state)
+            evals = Evals(config, state.step)
+            rng = new_rng(config.seed, resumed)
+            wandb = build_wandb(config)
+        progress = ProgressLine(config.progress, config.max_steps)
+        async with AsyncExitStack() as stack:
+            client = await stack.enter_async_context(
+                InferenceClient(config.client, config.model.name, adapter=config.model.adapter)
+            )
+            stream = RolloutStream(client, mix, config, rng) if config.max_inflight is not None else None
+            # Closed in reverse: the sinks first, the metrics file and then the client last.
+            metrics = stack.enter_context(closing(MetricsWriter(config.output_dir, "orchestrator", state.step)))
+            for sink in (wandb, progress, evals):
+                stack.enter_context(closing(sink))
+            await client.wait_for_servers(config.client.health_timeout)
+            if resumed is None:
+                checkpoint(config, state, 0, mix, rng)
+            loop = Loop(config, state, client, mix, rng, stream, evals, progress, heartbeat, metrics, wandb)
+            try:
+                for step in range(state.step, config.max_steps):
+                    await run_step(loop, step)
+            finally:
+                if stream is not None:
+                    await stream.close()
+            await finish(client, config, evals)
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
 
 
 async def run_step(loop: Loop, step: int) -> None:
     """Step n: the policy, the batch, its rank files, the checkpoint for step n + 1, the metrics."""
     config, state = loop.config, loop.state
-    loop.heartbeat.step = loop.progress.step = step
+    loop.progress.step = step
     times: dict[str, float] = {}
     start = time.perf_counter()
     await wait_for_policy(loop.client, config, step, times)
@@ -174,6 +179,7 @@ async def run_step(loop: Loop, step: int) -> None:
     checkpoint(config, state, step + 1, loop.mix, loop.rng)
     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}
     log_step(loop, step, m, times)
+    loop.heartbeat.finished(step)
 
 
 def write_batch(config: OrchestratorConfig, step: int, batch: Batch, times: dict[str, float]) -> None:

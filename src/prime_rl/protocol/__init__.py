@@ -27,6 +27,7 @@ from prime_rl.protocol.files import (
     stable_steps,
     writing,
 )
+from prime_rl.protocol.liveness import RUN_VAR, Beat, Heartbeat, doing, heartbeat_age, read_beat, stamp, ticking
 from prime_rl.protocol.lock import RunLock, RunLocked
 from prime_rl.protocol.paths import (
     checkpoint_dir,
@@ -52,10 +53,8 @@ from prime_rl.protocol.paths import (
 )
 from prime_rl.protocol.prepare import prepare_output_dir, run_locks
 from prime_rl.protocol.wait import (
-    Heartbeat,
     WaitTimeout,
     WriterDead,
-    heartbeat_age,
     wait_for_rank_file,
     wait_for_weights,
     wait_until,
@@ -63,6 +62,12 @@ from prime_rl.protocol.wait import (
 )
 
 __all__ = [
+    "RUN_VAR",
+    "Beat",
+    "doing",
+    "read_beat",
+    "stamp",
+    "ticking",
     "DiskFull",
     "Heartbeat",
     "RunLock",

@@ -65,9 +65,13 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return checkpoints_root(output_dir) / f"step_{step}"
 
 
+def heartbeat_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "heartbeat"
+
+
 def heartbeat_file(output_dir: Path, name: str) -> Path:
     """`name` is `orchestrator` or `trainer-rank{r}`."""
-    return Path(output_dir) / "heartbeat" / f"{name}.json"
+    return heartbeat_dir(output_dir) / f"{name}.json"
 
 
 def step_of(path: Path) -> int | None:

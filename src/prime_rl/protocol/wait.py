@@ -1,4 +1,5 @@
-"""Waiting on the other side of the protocol: prompt wake-ups, timeouts, heartbeats to tell slow from dead.
+"""Waiting on the other side of the protocol: prompt wake-ups, timeouts, the writer's heartbeat (liveness.py)
+to tell slow from dead.
 
 A waiter learns that what it waits for exists within milliseconds: on Linux it sleeps on inotify events in
 the directories where the file will appear (from the deepest that exists: the step dir itself may not
@@ -12,18 +13,17 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from prime_rl.protocol.files import atomic_write_json, is_stable
-from prime_rl.protocol.paths import heartbeat_file, rank_file, weights_dir
+from prime_rl.protocol.files import is_stable
+from prime_rl.protocol.liveness import read_beat, stamp
+from prime_rl.protocol.paths import rank_file, weights_dir
 from prime_rl.protocol.stop import StopRequested, stop_requested
 
 logger = logging.getLogger("prime_rl")
@@ -34,48 +34,11 @@ class WaitTimeout(TimeoutError):
 
 
 class WriterDead(RuntimeError):
-    """The process that should produce what we wait for stopped refreshing its heartbeat."""
+    """The process that should produce what we wait for stopped refreshing its heartbeat; `writer` names it."""
 
-
-class Heartbeat:
-    """Refreshes `heartbeat/{name}.json` with {"pid","host","step","time"} every `interval` seconds."""
-
-    def __init__(self, output_dir: Path, name: str, interval: float = 2.0):
-        self.path = heartbeat_file(output_dir, name)
-        self.interval = interval
-        self.step = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{name}", daemon=True)
-
-    def beat(self) -> None:
-        atomic_write_json(
-            self.path, {"pid": os.getpid(), "host": socket.gethostname(), "step": self.step, "time": time.time()}
-        )
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-            except OSError:
-                pass  # a transient filesystem hiccup must not kill the service; the next beat retries
-
-    def __enter__(self) -> Heartbeat:
-        self.beat()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval + 1)
-
-
-def heartbeat_age(output_dir: Path, name: str) -> float | None:
-    """Seconds since `name` last beat, or None if it never did."""
-    try:
-        data = json.loads(heartbeat_file(output_dir, name).read_text())
-        return time.time() - float(data["time"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    def __init__(self, writer: str, message: str):
+        self.writer = writer
+        super().__init__(message)
 
 
 class DirWatch:
@@ -153,14 +116,17 @@ def _checks(
             raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
         if writer is not None and output_dir is not None and waited >= next_heartbeat:
             next_heartbeat = waited + 1.0
-            age = heartbeat_age(output_dir, writer)
-            # A beat from before this wait may be an earlier run's (a new run on a used output dir): only
-            # the silence this wait has seen itself counts against the writer.
-            if age is not None and min(age, waited) > heartbeat_timeout:
+            beat = read_beat(output_dir, writer)
+            # Only a beat of this run counts: one an earlier run left (a used output dir) means the writer
+            # has not started yet, and the wait's own timeout bounds that. And only the silence this wait
+            # has seen itself: a writer restarted meanwhile beats again within seconds of its start.
+            if beat is not None and beat.of_this_run() and min(beat.age, waited) > heartbeat_timeout:
                 raise WriterDead(
-                    f"gave up waiting for {what}: {writer} heartbeat is {age:.0f}s old "
-                    f"(> heartbeat_timeout {heartbeat_timeout:.0f}s); is the {writer} process alive?"
+                    writer,
+                    f"gave up waiting for {what}: {writer} heartbeat is {beat.age:.0f}s old "
+                    f"(> heartbeat_timeout {heartbeat_timeout:.0f}s); is the {writer} process alive?",
                 )
+        stamp()  # waiting is this thread's work: it is not hung
         yield
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, sample_starts
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
@@ -76,6 +77,7 @@ def train_step(
         out = forward_logprobs(model, mb, dist.device, entropy_grad, where=mask)
         term, reported = loss_fn(out, mb, mask, scale)
         term.backward()
+        stamp()  # a step of a big model takes minutes: each micro batch shows the launcher it advances
         for key, value in reported.items():
             sums[key] = sums.get(key, 0.0) + value.detach().double()
 

@@ -26,7 +26,11 @@ from pathlib import Path
 from prime_rl.protocol.stop import StopRequested, request_stop, stop_requested
 
 PR_SET_PDEATHSIG = 1
+# Exit statuses a launcher acts on (`rl --restart`): FATAL (a bad config, a full disk, an environment that
+# cannot work) is not retried; PEER_LOST means the peer this service waited on went silent: restart the peer.
+FATAL = 2
 PREEMPTED = 3  # exit status of `rl` and the orchestrator when they stopped on a stop signal, progress saved
+PEER_LOST = 4
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 __all__ = ["StopRequested", "request_stop", "stop_requested"]  # the flag lives in protocol.stop

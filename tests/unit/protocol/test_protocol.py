@@ -1,6 +1,7 @@
 """The OUTPUT_DIR protocol: atomic files, STABLE markers, pruning, rank files, waits (DESIGN §2)."""
 
 import asyncio
+import json
 import os
 import time
 
@@ -24,6 +25,7 @@ from prime_rl.protocol import (
     weights_dir,
     weights_root,
 )
+from prime_rl.protocol.liveness import RUN_VAR, STARTED
 from prime_rl.protocol.records import MicroBatch, read_rank_file, write_rank_file
 
 
@@ -77,32 +79,48 @@ def test_wait_times_out_naming_what_it_waited_for(tmp_path):
     assert time.monotonic() - start < 3
 
 
-def write_heartbeat(output_dir, name: str, at: float) -> None:
-    atomic_write_text(heartbeat_file(output_dir, name), f'{{"pid": 1, "host": "h", "step": 0, "time": {at}}}')
+def write_heartbeat(output_dir, name: str, at: float, run: str | None = None) -> None:
+    beat = {"pid": 1, "host": "h", "run": run, "started": at, "time": at, "progress": at, "units": 0}
+    atomic_write_text(heartbeat_file(output_dir, name), json.dumps(beat))
 
 
-def test_a_writer_silent_for_the_heartbeat_timeout_of_the_wait_is_reported_dead(tmp_path):
-    write_heartbeat(tmp_path, "trainer-rank0", time.time() - 100)
+def test_a_writer_of_this_run_silent_for_the_heartbeat_timeout_of_the_wait_is_reported_dead(tmp_path, monkeypatch):
+    monkeypatch.setenv(RUN_VAR, "run-a")
+    write_heartbeat(tmp_path, "trainer-rank0", time.time() - 100, run="run-a")
     start = time.monotonic()
-    with pytest.raises(WriterDead, match=r"trainer-rank0 heartbeat is 10\ds old"):
+    with pytest.raises(WriterDead, match=r"trainer-rank0 heartbeat is 10\ds old") as e:
         asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=1))
+    assert e.value.writer == "trainer-rank0"
     assert 1 <= time.monotonic() - start < 5  # judged on this wait's silence, not the file's age alone
 
 
-def test_an_earlier_runs_heartbeat_does_not_fail_a_new_runs_wait(tmp_path):
+def test_a_writer_started_by_hand_is_judged_once_it_beat_during_this_process(tmp_path, monkeypatch):
+    """Panes: no run id. A beat from before this process started is an earlier run's: the writer has not
+    started, and only the wait's own timeout bounds that; one written since then counts."""
+    monkeypatch.delenv(RUN_VAR, raising=False)
+    write_heartbeat(tmp_path, "trainer-rank0", STARTED - 1000)
+    with pytest.raises(WaitTimeout, match="weights of step 1"):
+        asyncio.run(wait_for_weights(tmp_path, 1, timeout=2.5, heartbeat_timeout=1))
+    write_heartbeat(tmp_path, "trainer-rank0", time.time())  # it started, then went silent
+    with pytest.raises(WriterDead, match="trainer-rank0 heartbeat"):
+        asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=1))
+
+
+def test_an_earlier_runs_heartbeat_does_not_fail_a_new_runs_wait(tmp_path, monkeypatch):
     import threading
 
-    write_heartbeat(tmp_path, "trainer-rank0", time.time() - 1000)  # left by a run that ended long ago
+    monkeypatch.setenv(RUN_VAR, "run-b")
+    write_heartbeat(tmp_path, "trainer-rank0", time.time() - 1000, run="run-a")  # a run that ended long ago
 
-    def new_trainer():  # starts, beats, and writes its weights within the heartbeat timeout
-        time.sleep(0.5)
-        write_heartbeat(tmp_path, "trainer-rank0", time.time())
+    def new_trainer():  # starts, beats, and writes its weights after more than the heartbeat timeout
+        time.sleep(2.5)
+        write_heartbeat(tmp_path, "trainer-rank0", time.time(), run="run-b")
         time.sleep(0.5)
         weights_dir(tmp_path, 1).mkdir(parents=True)
         mark_stable(weights_dir(tmp_path, 1))
 
     threading.Thread(target=new_trainer).start()
-    assert asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=2)) == weights_dir(tmp_path, 1)
+    assert asyncio.run(wait_for_weights(tmp_path, 1, timeout=10, heartbeat_timeout=1)) == weights_dir(tmp_path, 1)
 
 
 def test_wait_returns_once_stable_appears(tmp_path):

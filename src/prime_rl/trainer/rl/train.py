@@ -11,14 +11,17 @@ micro batches (gradient accumulation), the ranks clip and step AdamW together, a
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from prime_rl.configs.trainer import LossConfig, TrainerConfig
 from prime_rl.protocol import (
     Heartbeat,
     checkpoint_due,
+    doing,
     is_stable,
     prune_rollouts,
     rank_file,
@@ -49,21 +52,23 @@ def run(config: TrainerConfig) -> None:
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.step import step_metrics
 
-    with (
-        service.training(config, config.max_steps) as state,
-        Heartbeat(config.output_dir, f"trainer-rank{state.dist.rank}") as hb,
-    ):
-        dist = state.dist
-        progress = resume(config, state) or Progress()
-        sender = (
-            WeightSender(config, state.model, state.files, dist) if config.weight_transfer.type == "broadcast" else None
-        )
+    # Beating from the start: peers and the launcher tell a trainer loading a 70B model from a dead one.
+    rank = int(os.environ.get("RANK", 0))
+    with Heartbeat(config.output_dir, f"trainer-rank{rank}") as hb, ExitStack() as stack:
+        with doing("loading the model", long=True):
+            state = stack.enter_context(service.training(config, config.max_steps))
+            dist = state.dist
+            progress = resume(config, state) or Progress()
+            sender = (
+                WeightSender(config, state.model, state.files, dist)
+                if config.weight_transfer.type == "broadcast"
+                else None
+            )
         metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if dist.is_main else None
         logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
         history = []
         for step in range(progress.step, config.max_steps):
-            hb.step = step
             times: dict[str, float] = {}
             start = time.perf_counter()
             micro_batches = load_micro_batches(config, step, dist, times)
@@ -76,10 +81,12 @@ def run(config: TrainerConfig) -> None:
             optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
             progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
             if not config.bench:
-                publish(config, state, progress, times, sender)
+                with doing("publishing weights and checkpoints", long=True):
+                    publish(config, state, progress, times, sender)
             times["step"] = time.perf_counter() - start
             record = step_metrics(stats, times, lr, progress) | {"optimized_at": optimized_at}
             history.append(record)
+            hb.finished(step)
             if dist.is_main:
                 metrics.log(step, record)
                 log_step(step, record)
