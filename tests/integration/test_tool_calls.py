@@ -112,11 +112,15 @@ def test_malformed_tool_requests_get_400_on_both_backends(server):
     assert post(tools=[{"type": "function"}]).status_code == 400  # no function
     assert post(tools=[]).status_code == 400
     assert post(tools=None, tool_choice="auto").status_code == 400  # a choice without tools
+    # A tool message without the id of the call it answers (vLLM itself accepts it; our server in front of it
+    # refuses it as the built-in engine does), and tool calls on a user turn.
+    response = post(messages=[QUESTION, {"role": "tool", "content": "42"}])
+    assert response.status_code == 400 and "needs tool_call_id" in response.json()["error"]["message"]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    response = post(messages=[QUESTION | {"tool_calls": [call]}])
+    assert response.status_code == 400 and "only assistant messages" in response.json()["error"]["message"]
     if server.backend == "builtin":
         # No constrained decoding in the built-in engine: forcing a call is refused, naming why. (vLLM forces
         # it with structured outputs.)
         response = post(tool_choice="required")
         assert response.status_code == 400 and "constrained decoding" in response.json()["error"]["message"]
-        # vLLM accepts a tool message without the id of the call it answers; the built-in engine does not.
-        response = post(messages=[QUESTION, {"role": "tool", "content": "42"}])
-        assert response.status_code == 400 and "tool_call_id" in response.json()["error"]["message"]

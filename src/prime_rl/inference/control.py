@@ -8,8 +8,9 @@
   in flight have finished on the old weights while new ones wait at the gate, and applies;
 - every completion response carries `x-weight-step: n`, the policy that computed all of its tokens: a
   request enters the gate holding the step it will be served with, and no swap happens while it runs;
-- a generation body that is not a JSON object, or holds a lone UTF-16 surrogate, is a 400 before the
-  backend parses it (vLLM answered both with a 500).
+- a generation body that is not a JSON object, nests deeper than 128 levels or holds a lone UTF-16
+  surrogate is a 400 before the backend parses it (vLLM answered each with a 500, the built-in engine the
+  last two).
 The backend supplies only `ServedModel`: how to check and read a dir, how to apply it, what to report.
 """
 
@@ -39,31 +40,42 @@ ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, "/update_weig
 
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Deeper JSON than any real request (a tool schema nests a few dozen levels at most): parsers, templates and
+# validators recurse on it, and one 600 levels deep holding "\ud800" ended in a RecursionError (a 500).
+MAX_JSON_DEPTH = 128
 
 
-def has_lone_surrogate(body: bytes) -> bool:
-    """Whether a JSON body holds a string that is not Unicode text (a surrogate escape without its pair).
+def json_body_problem(body: bytes) -> str | None:
+    """Why a JSON body cannot be served (nested deeper than MAX_JSON_DEPTH, or a string that is not Unicode
+    text: a surrogate escape without its pair), else None; malformed JSON is left to the route to name.
 
-    Only run when the raw bytes show a surrogate escape, which paired ones (emoji) also do.
+    Parsed only when the raw bytes could hold either problem: more brackets than the depth limit, or a
+    surrogate escape (which paired ones, emoji, also show). The walk is iterative: no depth can overflow it.
     """
-
-    def bad(value) -> bool:
+    deep = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
+    if not deep and not SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        return f"the body nests deeper than {MAX_JSON_DEPTH} levels"
+    except ValueError:
+        return None
+    todo = [(value, 0)]
+    while todo:
+        value, depth = todo.pop()
         if isinstance(value, str):
             try:
                 value.encode()
             except UnicodeEncodeError:
-                return True
-            return False
-        if isinstance(value, dict):
-            return any(bad(k) or bad(v) for k, v in value.items())
-        if isinstance(value, list):
-            return any(bad(v) for v in value)
-        return False
-
-    try:
-        return bad(json.loads(body))
-    except ValueError:
-        return False  # malformed JSON: the route answers 400 for that
+                # Valid JSON, but no UTF-8 text: tokenizers and response encoders fail on it (a 500).
+                return "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+        elif isinstance(value, dict | list):
+            if depth == MAX_JSON_DEPTH:
+                return f"the body nests deeper than {MAX_JSON_DEPTH} levels"
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            todo += [(item, depth + 1) for item in items]
+    return None
 
 
 class ServedModel(Protocol):
@@ -211,10 +223,14 @@ class ControlPlane:
             return await (await self._swap(path, body))(scope, receive, send)
         if path not in GENERATION_ROUTES:
             return await self.app(scope, replay(body, receive), send)
-        refusal = check_generation_body(body)
+        refusal = self.check_generation(path, body)
         if refusal is not None:
             return await refusal(scope, receive, send)
         await self._generate_stamped(scope, body, replay(body, receive), send)
+
+    def check_generation(self, path: str, body: bytes) -> JSONResponse | None:
+        """The 400 for a generation body that no backend gets to see, else None (a backend may add checks)."""
+        return check_generation_body(body)
 
     def _check_headers(self, headers: dict[str, str]) -> JSONResponse | None:
         """The 401 for a missing or wrong API key, or the 413 for a declared body over the limit; else None."""
@@ -319,13 +335,12 @@ def replay(body: bytes, receive):
 
 
 def check_generation_body(body: bytes) -> JSONResponse | None:
-    """The 400 for a generation body that is not a JSON object or holds a lone UTF-16 surrogate, else None."""
+    """The 400 for a generation body that is not a JSON object, nests too deep or holds a lone UTF-16
+    surrogate, else None."""
     if not body.lstrip().startswith(b"{"):  # vLLM's request models crash (a 500) on other JSON values
         return error(400, "invalid request: the body must be a JSON object")
-    if SURROGATE_ESCAPE.search(body) and has_lone_surrogate(body):
-        # Valid JSON, but no UTF-8 text: tokenizers and response encoders fail on it (a 500).
-        return error(400, "invalid request: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
-    return None
+    problem = json_body_problem(body)
+    return None if problem is None else error(400, f"invalid request: {problem}")
 
 
 def requested_model(body: bytes) -> str | None:

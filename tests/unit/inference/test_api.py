@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -113,6 +114,14 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
         ("/v1/completions", {"prompt": "hi", "top_k": 2**63, "top_p": 0.9}, "body.top_k"),
         ("/v1/completions", {"prompt": "hi", "top_k": 2**63, "min_p": 0.1}, "body.top_k"),
         ("/v1/completions", {"prompt": "hi", "min_tokens": 2**63}, "body.min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**63}, "body.seed"),  # vLLM's range: int64
+        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "body.temperature"),  # OpenAI's and vLLM's
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e39}, "body.repetition_penalty"),  # float32 inf
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "4"}]}, "needs tool_call_id"),
+        # 600 levels holding a lone surrogate ended in a RecursionError (a 500); any nesting past 128 is refused.
+        ("/v1/chat/completions", b'{"messages": ' + b"[" * 600 + b'"\\ud800"' + b"]" * 600 + b"}", "deeper than 128"),
+        ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper than 128"),
+        ("/v1/completions", b'{"prompt": "hi", "x": ' + b'{"a": ' * 129 + b"1" + b"}" * 130, "deeper than 128"),
         ("/v1/chat/completions", {"messages": []}, "body.messages"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "body.messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
@@ -151,6 +160,31 @@ def test_bad_requests_get_400_with_a_message(client, route, body, message):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert message in error["message"]
+
+
+def test_json_nested_to_the_depth_limit_is_accepted(client):
+    body = b'{"prompt": "hi", "max_tokens": 1, "x": ' + b"[" * 127 + b'"\\ud83d\\ude00"' + b"]" * 127 + b"}"
+    response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_then_done():
+    """A request the engine fails (or a chunk that cannot be built) once cut the stream: no error, no [DONE]."""
+    from prime_rl.inference.engine import RequestFailed
+    from prime_rl.inference.openai.stream import sse
+
+    async def chunks_then(error: Exception):
+        yield {"choices": [{"index": 0, "text": "a"}]}
+        raise error
+
+    async def events(error: Exception) -> list[str]:
+        return [event async for event in sse(chunks_then(error), timeout=5).body_iterator]
+
+    for error, code in [(RequestFailed("the engine failed on this request"), 500), (KeyError("x"), 500)]:
+        sent = asyncio.run(events(error))
+        assert len(sent) == 3 and sent[0].startswith("data: {") and sent[-1] == "data: [DONE]\n\n"
+        failure = json.loads(sent[1].removeprefix("data: "))["error"]
+        assert failure["code"] == code and failure["type"] == "server_error", failure
 
 
 def test_unknown_fields_and_unsupported_params_at_their_neutral_value_are_accepted(client):

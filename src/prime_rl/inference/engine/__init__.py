@@ -3,7 +3,7 @@
 from prime_rl.inference.engine.build import build_engine
 from prime_rl.inference.engine.engine import Engine
 from prime_rl.inference.engine.sampling import SamplingParams
-from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Sample
+from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, RequestFailed, Sample
 from prime_rl.inference.engine.weights import LoadedWeights
 from prime_rl.inference.weights import WeightsError
 
@@ -13,6 +13,7 @@ __all__ = [
     "EngineBusy",
     "EngineClosed",
     "LoadedWeights",
+    "RequestFailed",
     "Sample",
     "SamplingParams",
     "WeightsError",

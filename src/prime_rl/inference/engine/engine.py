@@ -12,7 +12,8 @@ waiting queue. One background thread owns the model and repeats one *iteration*:
 
 So a request joins at the next iteration while others keep decoding, and rows leave as soon as they finish.
 Each row has its own parameters and generator, so a seeded request draws the same tokens whatever else
-shares its batch (sampling.py).
+shares its batch (sampling.py). A failure that belongs to one request (its prefill, its draw, its text) fails
+that request alone (`RequestFailed`); only a failed decode step, shared by every row, fails the whole batch.
 
 Weight updates are read and checked off the worker (weights.py), then handed over as a pending swap. While a
 swap is pending no request is admitted; once the running rows have finished, the worker copies the tensors
@@ -46,7 +47,7 @@ from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.rows import Row, eos_ids
 from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
-from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Request, Sample, Swap
+from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Request, RequestFailed, Sample, Swap
 from prime_rl.inference.engine.weights import (
     LoadedWeights,
     checkpoint_specs,
@@ -262,6 +263,7 @@ class Engine:
         with torch.inference_mode():
             if admitted:
                 self._prefill(admitted)
+                self._drop_cancelled()  # a row whose request failed in the prefill has no token to decode
             if self._batch.rows:
                 self._decode()
         self.iterations += 1
@@ -286,10 +288,21 @@ class Engine:
         return admitted
 
     def _prefill(self, requests: list[Request]) -> None:
-        """Run the prompts of newly admitted requests, sample each row's first token, join the batch."""
+        """Run the prompts of newly admitted requests, sample each row's first token, join the batch.
+
+        A prefill shared by several requests that fails is run again per request (nothing joined the batch
+        yet), so only a request whose own prefill fails is failed.
+        """
         rows = [Row(r, i, random.Random(_mix(r.seed, i))) for r in requests for i in range(r.params.n)]
         start = len(self._batch.rows)
-        logits = self._batch.join(requests, rows)
+        try:
+            logits = self._batch.join(requests, rows)
+        except Exception as e:
+            if len(requests) == 1:
+                return self._fail_request(requests[0], e)
+            for request in requests:
+                self._prefill([request])
+            return
         self._sample(logits, rows)
         self.requests += len(requests)
         self.prefills += 1
@@ -301,6 +314,31 @@ class Engine:
         self._retire(range(len(self._batch.rows)))
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> None:
+        """Draw each row's next token and record it. Sampling is batched, but what fails in it fails only the
+        requests whose own rows fail: the batch is drawn again row by row when its draw raises."""
+        try:
+            draws = self._draw(logits, rows)
+        except Exception:
+            draws = None
+        for b, row in enumerate(rows):
+            try:
+                if draws is not None:
+                    token, logprob, top = draws.tokens[b], draws.logprobs[b], draws.top[b]
+                else:
+                    alone = self._draw(logits[b : b + 1], [row])
+                    token, logprob, top = alone.tokens[0], alone.logprobs[0], alone.top[0]
+                row.append(token, logprob, top, self.eos_ids, self._text)
+            except Exception as e:
+                self._fail_request(row.request, e)
+        self.generated_tokens += len(rows)
+        now = time.monotonic()
+        self._recent.append((now, len(rows)))
+        while now - self._recent[0][0] > 60:
+            self._recent.popleft()
+        if any(row.request.events is not None for row in rows):
+            self._post_deltas(rows)
+
+    def _draw(self, logits: torch.Tensor, rows: list[Row]):
         params = [row.request.params for row in rows]
         seen = None
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -309,16 +347,15 @@ class Engine:
                 if row.request.params.repetition_penalty != 1.0:
                     seen[b, row.request.prompt_ids + row.token_ids] = True
         blocked = [row.blocked(self.eos_ids) for row in rows]
-        draws = sample_batch(logits, params, [row.generator for row in rows], seen, blocked)
-        for b, row in enumerate(rows):
-            row.append(draws.tokens[b], draws.logprobs[b], draws.top[b], self.eos_ids, self._text)
-        self.generated_tokens += len(rows)
-        now = time.monotonic()
-        self._recent.append((now, len(rows)))
-        while now - self._recent[0][0] > 60:
-            self._recent.popleft()
-        if any(row.request.events is not None for row in rows):
-            self._post_deltas(rows)
+        return sample_batch(logits, params, [row.generator for row in rows], seen, blocked)
+
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        """Fail one request (its rows leave the batch at the next `_drop_cancelled`); the others go on."""
+        if request.cancelled:
+            return
+        logger.exception(f"the engine failed a request: {error}", exc_info=error)
+        request.cancelled = True
+        self._fail([request], RequestFailed(f"the engine failed on this request: {type(error).__name__}: {error}"))
 
     def _retire(self, candidates: range) -> None:
         """Answer requests whose rows are all finished and drop finished rows from the batch."""
@@ -344,7 +381,11 @@ class Engine:
             request = row.request
             if request.events is None or request.cancelled:
                 continue
-            text = row.stream_text(self._text)
+            try:
+                text = row.stream_text(self._text)
+            except Exception as e:
+                self._fail_request(request, e)
+                continue
             delta = Delta(
                 row.index,
                 row.token_ids[row.streamed :],

@@ -1,5 +1,5 @@
-"""The engine's data: what a request gets back (`Sample`, `Delta`) or why it is refused (`EngineBusy`,
-`EngineClosed`), and what a request and a pending weight swap carry from the asyncio side to the worker
+"""The engine's data: what a request gets back (`Sample`, `Delta`) or why it is refused or failed (`EngineBusy`,
+`EngineClosed`, `RequestFailed`), and what a request and a pending weight swap carry from the asyncio side to the worker
 thread and back (engine.py). A request's rows, while decoded, are rows.py's."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ class EngineBusy(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down (HTTP 503)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed on this request alone (its prefill, its draw or its text); the others go on (HTTP 500)."""
 
 
 @dataclass

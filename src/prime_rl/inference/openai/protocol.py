@@ -10,7 +10,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 MAX_TOP_LOGPROBS = 20
 
@@ -30,6 +30,9 @@ UNSUPPORTED = {
 # Counts the engine turns into tensor sizes and indices: a larger one overflowed inside a batch and failed every
 # request batched with it, so it is refused here, with a 400 for its own request only.
 INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (vLLM's)
+# The engine samples in float32: a larger repetition penalty is inf there, and inf x 0 a NaN logit.
+FLOAT32_MAX = 3.4e38
 
 
 class APIError(Exception):
@@ -49,12 +52,12 @@ class SamplingRequest(BaseModel):
     n: Annotated[int, Field(ge=1)] = 1
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
-    temperature: Annotated[float | None, Field(ge=0)] = None
+    temperature: Annotated[float | None, Field(ge=0, le=2)] = None  # OpenAI's and vLLM's range
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
     top_k: Annotated[int | None, Field(ge=-1, le=INT32_MAX)] = None  # beyond any vocabulary: no filter
     min_p: Annotated[float | None, Field(ge=0, le=1)] = None
-    repetition_penalty: Annotated[float | None, Field(gt=0)] = None
-    seed: int | None = None
+    repetition_penalty: Annotated[float | None, Field(gt=0, le=FLOAT32_MAX)] = None
+    seed: Annotated[int | None, Field(ge=INT64_MIN, le=INT64_MAX)] = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -151,10 +154,31 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None  # False keeps only the first call of a turn (as vLLM)
 
 
-def describe(error: RequestValidationError) -> str:
-    """One readable line per problem, e.g. `body.n: Input should be greater than or equal to 1`."""
+def describe(error: RequestValidationError | ValidationError, where: tuple = ()) -> str:
+    """One readable line per problem, e.g. `body.n: Input should be greater than or equal to 1`; `where` is
+    prepended to the locations of a pydantic error (a request's are `body....` already)."""
     problems = []
     for e in error.errors():
-        where = ".".join(str(part) for part in e.get("loc", ()))
-        problems.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
+        loc = ".".join(str(part) for part in (*where, *e.get("loc", ())))
+        problems.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
     return "invalid request: " + "; ".join(problems)[:2000]
+
+
+CHAT_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def chat_messages_problem(body: dict[str, Any]) -> str | None:
+    """What the built-in engine would refuse in a chat body's `messages` (a tool message without the id of the
+    call it answers, tool calls on a non-assistant turn, call arguments that are no JSON object), else None.
+
+    The vLLM backend checks these too (vLLM accepts them), so a conversation is valid on both or on neither.
+    Messages that are not a list are left to the backend's own validation.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    try:
+        CHAT_MESSAGES.validate_python(messages)
+    except ValidationError as e:
+        return describe(e, ("body", "messages"))
+    return None

@@ -3,10 +3,10 @@ streams the same choices).
 
 A request becomes prompt token ids and `SamplingParams` here, with every client mistake (unknown model, a
 prompt too long for `max_model_len`, token ids out of range, a chat template that fails) an `APIError`; an
-engine refusal becomes a 429 (queue full) or 503 (shutting down). Responses carry vLLM's extras so the
-orchestrator never re-tokenizes sampled text: prompt and completion token ids (`return_token_ids`) and
-logprob tokens spelled `token_id:<id>` (`return_tokens_as_token_ids`). Every choice, streamed or not, is
-built by `build_choice`.
+engine refusal becomes a 429 (queue full) or 503 (shutting down), a request the engine failed (alone: the
+others in its batch go on) a 500. Responses carry vLLM's extras so the orchestrator never re-tokenizes
+sampled text: prompt and completion token ids (`return_token_ids`) and logprob tokens spelled `token_id:<id>`
+(`return_tokens_as_token_ids`). Every choice, streamed or not, is built by `build_choice`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 
 from prime_rl.configs.inference import InferenceConfig
-from prime_rl.inference.engine import Delta, Engine, EngineBusy, EngineClosed, Sample, SamplingParams
+from prime_rl.inference.engine import Delta, Engine, EngineBusy, EngineClosed, RequestFailed, Sample, SamplingParams
 from prime_rl.inference.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -203,13 +203,16 @@ def _temperature(requested: float | None) -> float:
 
 
 def http_error(e: BaseException) -> BaseException:
-    """The HTTP error for an engine refusal (also inside a TaskGroup's ExceptionGroup); others pass through."""
+    """The HTTP error for an engine refusal or failure (also inside a TaskGroup's ExceptionGroup); others pass
+    through."""
     while isinstance(e, ExceptionGroup):
         e = e.exceptions[0]
     if isinstance(e, EngineBusy):
         return APIError(429, str(e), "rate_limit_error")
     if isinstance(e, EngineClosed):
         return APIError(503, str(e), "server_error")
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), "server_error")
     return e
 
 
@@ -251,7 +254,7 @@ async def guarded(http: Request, work: Awaitable, timeout: float):
     if task in done:
         try:
             return task.result()
-        except (EngineBusy, EngineClosed, ExceptionGroup) as e:
+        except (EngineBusy, EngineClosed, RequestFailed, ExceptionGroup) as e:
             raise http_error(e) from None
     task.cancel()
     if watcher in done:

@@ -1,9 +1,10 @@
 """Streamed answers of the built-in engine's OpenAI routes: engine deltas → OpenAI chunks → server-sent events.
 
 Chunks carry the same choices as the non-streamed answers (serving.build_choice), one per choice update as
-vLLM streams them, then a usage chunk when `stream_options.include_usage` asks for it. A stream past
-`request_timeout`, or one the engine ends (shutting down), ends with an error event and `[DONE]`; a client
-that leaves mid-stream cancels its generation.
+vLLM streams them, then a usage chunk when `stream_options.include_usage` asks for it. Every stream ends with
+`data: [DONE]`: one past `request_timeout`, one the engine ends (shutting down, or failing this request) or
+one whose chunk cannot be built gets an error event first. A client that leaves mid-stream cancels its
+generation.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from prime_rl.inference.engine import Delta, EngineClosed
-from prime_rl.inference.openai.protocol import ChatCompletionRequest, CompletionRequest
-from prime_rl.inference.openai.serving import assistant_message, build_choice, usage_of
+from prime_rl.inference.engine import Delta
+from prime_rl.inference.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from prime_rl.inference.openai.serving import assistant_message, build_choice, http_error, usage_of
+
+logger = logging.getLogger("prime_rl")
 
 
 async def merge(streams: list[AsyncIterator[list[Delta]]]) -> AsyncIterator[tuple[int, list[Delta]]]:
@@ -71,8 +75,13 @@ def sse(chunks: AsyncIterator[dict[str, Any]], timeout: float) -> StreamingRespo
         except TimeoutError:
             error = {"message": f"generation did not finish within request_timeout={timeout}s", "code": 504}
             yield f"data: {json.dumps({'error': error | {'type': 'timeout_error'}})}\n\n"
-        except (EngineClosed, RuntimeError) as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 503}})}\n\n"
+        except Exception as e:  # the engine failed it or shuts down, or a chunk could not be built: say so
+            failure = http_error(e)
+            if not isinstance(failure, APIError):
+                logger.exception("a stream failed")
+                failure = APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+            error = {"message": failure.message, "type": failure.type, "code": failure.status}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         finally:
             await chunks.aclose()  # a client that left mid-stream cancels its generation now, not at GC
         yield "data: [DONE]\n\n"

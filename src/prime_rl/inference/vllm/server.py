@@ -3,7 +3,8 @@
 Imported only when the vLLM backend is chosen. `vllm serve` builds its app itself; its `--middleware` flag
 puts `VllmControlPlane` (the same `ControlPlane` the built-in engine mounts) in front of every route, so
 `/health`, `/update_weights`, `/reload_weights`, the API key, the body limit and the `x-weight-step` stamp
-behave exactly as on the built-in engine. A weight swap, once no request is in flight, pauses vLLM's
+behave exactly as on the built-in engine; chat messages are checked as the built-in engine checks them
+(a tool message without `tool_call_id` is a 400 on both). A weight swap, once no request is in flight, pauses vLLM's
 scheduler (clearing the prefix cache, which holds keys of the old weights), has every worker load the
 tensors (`collective_rpc("update_weights_from_path")`, worker.py) and resumes. Only one API server runs
 (in this process); `--headless` nodes run engines only and serve no routes.
@@ -19,12 +20,16 @@ unloads it. Requests naming the base model keep getting the base weights, and sa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 from prime_rl.configs.inference import InferenceConfig
-from prime_rl.inference.control import BroadcastRequest, ControlPlane
+from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
+from prime_rl.inference.openai.protocol import chat_messages_problem
 from prime_rl.inference.vllm.args import vllm_serve_args
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
@@ -55,6 +60,20 @@ class VllmControlPlane(ControlPlane):
         c = _config
         broadcast = c.weight_transfer.type == "broadcast"
         super().__init__(app, VllmModel(c), c.api_key, c.max_body_bytes, broadcast=broadcast)
+
+    def check_generation(self, path: str, body: bytes) -> JSONResponse | None:
+        """Also refuses the chat messages the built-in engine refuses (vLLM accepts a tool message without
+        `tool_call_id`), so a conversation is valid on both backends or on neither. Only bodies that mention
+        tools are parsed: a JSON encoder never escapes the ASCII letters of `tool`."""
+        refusal = super().check_generation(path, body)
+        if refusal is not None or path != "/v1/chat/completions" or b"tool" not in body:
+            return refusal
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None  # malformed JSON: vLLM says so
+        problem = chat_messages_problem(parsed) if isinstance(parsed, dict) else None
+        return None if problem is None else error(400, problem)
 
     async def __call__(self, scope, receive, send):
         if self.served.client is None and "app" in scope:

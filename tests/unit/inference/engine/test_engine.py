@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.inference.engine import Engine, EngineBusy, SamplingParams, WeightsError, build_engine
+from prime_rl.inference.engine import Engine, EngineBusy, RequestFailed, SamplingParams, WeightsError, build_engine
 from prime_rl.inference.engine.batch import left_padded_positions
 from prime_rl.inference.engine.engine import cpu_threads
 from prime_rl.inference.engine.weights import checkpoint_specs
@@ -101,6 +101,42 @@ def test_a_request_joins_while_another_decodes_and_finishes_first(engine):
     assert short_joined.token_ids == short_alone.token_ids
     assert long_joined.token_ids == long_alone.token_ids
     assert long_joined.logprobs == pytest.approx(long_alone.logprobs, abs=1e-4)
+
+
+def test_a_request_the_engine_fails_on_fails_alone_and_its_batch_is_served(engine):
+    """top_k >= 2**63 with top_p < 1 overflowed in the batch's draw, and a prompt id past the vocabulary fails
+    the prefill it shares: each failed every request batched with it (issue 33). Now only that request fails,
+    plain or streamed, whether it arrives with the others or joins them while they decode."""
+    overflow = SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63, top_p=0.5)
+    past_vocab = [5, engine.vocab_size + 5]
+    alone = generate_together(engine, *[(p, GREEDY) for p in OTHERS])
+
+    async def arriving_together():
+        asks = [(OTHERS[0], GREEDY), (PROMPT, overflow), (OTHERS[1], GREEDY), (past_vocab, GREEDY), (OTHERS[2], GREEDY)]
+        return await asyncio.gather(*(engine.generate(ids, p) for ids, p in asks), return_exceptions=True)
+
+    results = asyncio.run(arriving_together())
+    assert isinstance(results[1], RequestFailed) and "Overflow" in str(results[1])
+    assert isinstance(results[3], RequestFailed) and "IndexError" in str(results[3])
+    assert [r[0].token_ids for r in results[::2]] == [r[0].token_ids for r in alone]
+
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    ((long_alone,),) = generate_together(engine, (PROMPT, long))
+
+    async def joining_a_decoding_batch():
+        admitted = engine.requests
+        decoding = asyncio.create_task(engine.generate(PROMPT, long))
+        while engine.requests == admitted:
+            await asyncio.sleep(0.001)
+        with pytest.raises(RequestFailed, match="Overflow"):
+            async for _ in engine.stream(OTHERS[0], overflow):
+                pass
+        with pytest.raises(RequestFailed, match="Overflow"):
+            await engine.generate(OTHERS[1], overflow)
+        return await decoding
+
+    (long_beside,) = asyncio.run(joining_a_decoding_batch())
+    assert long_beside.token_ids == long_alone.token_ids and engine.running == 0
 
 
 def test_rows_beyond_max_batch_size_wait_for_a_free_slot(tiny_model):
