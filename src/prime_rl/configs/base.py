@@ -17,16 +17,17 @@ ENV_PREFIX = "PRIME_"
 
 
 class Section(BaseModel):
-    """A nested group of settings; unknown keys are errors."""
+    """A nested group of settings; unknown keys are errors, and so are inf and nan for any float (an `lr = inf`
+    read as a number trained to NaN; a timeout of inf never fires)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class BaseConfig(BaseSettings):
     """Top-level config of one entrypoint."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True, allow_inf_nan=False
     )
 
     @classmethod
@@ -36,6 +37,16 @@ class BaseConfig(BaseSettings):
 
 
 C = TypeVar("C", bound=BaseModel)
+
+
+class FieldError(ValueError):
+    """A cross-field check that failed at `key` (dotted, relative to the model whose validator raises it): the
+    error line names that key and where its value came from, and the sources of the keys in `also` (the other
+    side of the check), instead of a line with no key and no source."""
+
+    def __init__(self, key: str, message: str, also: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.key, self.also = key, also
 
 
 def default_output_dir() -> Path:

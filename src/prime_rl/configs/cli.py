@@ -20,6 +20,7 @@ key, so errors cannot name the source; and an unknown flag aborts with one argpa
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import tomllib
@@ -29,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
 
-from prime_rl.configs.base import ENV_PREFIX, C
+from prime_rl.configs.base import ENV_PREFIX, C, FieldError
 from prime_rl.configs.fields import (
     dealias,
     did_you_mean,
+    env_json_kind,
     expand_shorthands,
     field_type,
     is_list,
@@ -55,6 +58,22 @@ class ConfigError(Exception):
 # ---------------------------------------------------------------------------------------------
 # Sources
 
+# No config is nested more than a few levels (rl.orchestrator.env.args.<value>); a deeper value is a mistake,
+# and it would overflow Python's recursion in the parser or in validation (a traceback) long before it means much.
+MAX_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """How many tables and arrays deep `value` is (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
 
 def _load_toml(path: str) -> dict:
     p = Path(path)
@@ -62,11 +81,42 @@ def _load_toml(path: str) -> dict:
         raise ConfigError([f"config file not found: {path}"])
     try:
         with open(p, "rb") as f:
-            return tomllib.load(f)
+            tree = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: invalid TOML: {e}"]) from None
     except UnicodeDecodeError as e:
         raise ConfigError([f"{path}: not UTF-8 text (TOML is UTF-8): byte {e.start}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{path}: nested too deeply (more than {MAX_DEPTH} tables or arrays)"]) from None
+    if _depth(tree) > MAX_DEPTH:
+        raise ConfigError([f"{path}: nested too deeply (more than {MAX_DEPTH} tables or arrays)"])
+    return tree
+
+
+def _env_errors(cls: type[BaseModel]) -> list[str]:
+    """One line per `PRIME_*` env var that pydantic-settings would read as JSON (a list or table field) and
+    cannot: it raises a SettingsError naming only the top-level field, with a traceback."""
+    lines = []
+    for name, value in sorted(os.environ.items()):
+        if not name.startswith(ENV_PREFIX) or not value:
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        kind = env_json_kind(cls, path)
+        if kind is None:
+            continue
+        example = '\'["a", "b"]\'' if kind == "a list" else "'{\"key\": 1}'"
+        try:
+            too_deep = _depth(json.loads(value)) > MAX_DEPTH
+        except RecursionError:
+            too_deep = True
+        except ValueError:
+            shown = value if len(value) <= 80 else value[:77] + "..."
+            lines.append(f"{'.'.join(path)}: not valid JSON ({kind} in an env var is JSON, e.g. {example}) "
+                         f"(got {shown!r}) [env {name}]")  # fmt: skip
+            continue
+        if too_deep:
+            lines.append(f"{'.'.join(path)}: nested too deeply (more than {MAX_DEPTH} levels) [env {name}]")
+    return lines
 
 
 def _set(tree: dict, path: list[str], value: Any, sources: dict, source: str, append: bool = False) -> None:
@@ -266,40 +316,71 @@ def parse_args(cls: type[BaseModel], argv: Sequence[str]) -> tuple[dict, dict, l
     return parser.result()
 
 
-def _source_of(loc: tuple, sources: dict, cls: type[BaseModel]) -> str:
-    for n in range(len(loc), 0, -1):
+def _env_var(loc: tuple) -> str | None:
+    name = ENV_PREFIX + "__".join(loc).upper()
+    return name if name in os.environ else None
+
+
+def _source_of(loc: tuple, sources: dict, cls: type[BaseModel], exact: bool = False) -> tuple[tuple, str]:
+    """Where the value at `loc` came from, and the key it was given under: `loc` itself, or, for a value a
+    class copies between keys (`rl`'s shared keys, `shared_copies`), the key the user set. A file or flag beats
+    an env var for the same key, a more specific key beats a table that holds it; `exact`: no tables."""
+    copies = getattr(cls, "shared_copies", lambda loc: [])(loc)
+    for key in (loc, *copies):
+        if key in sources:
+            return key, sources[key]
+    for key in (loc, *copies):
+        if env := _env_var(key):
+            return key, f"env {env}"
+    for n in range(len(loc) - 1, 0, -1) if not exact else ():
         if loc[:n] in sources:
-            return sources[loc[:n]]
-    for n in range(len(loc), 0, -1):
-        env = ENV_PREFIX + "__".join(loc[:n]).upper()
-        if env in os.environ:
-            return f"env {env}"
-    return "default"
+            return loc, sources[loc[:n]]
+        if env := _env_var(loc[:n]):
+            return loc, f"env {env}"
+    return loc, "default"
+
+
+def _field_error_line(model_loc: tuple, error: FieldError, sources: dict, cls: type[BaseModel]) -> str:
+    """`key: message [its source; other.key: its source]` for a failed cross-field check."""
+
+    def at(key: str) -> tuple:
+        return model_loc + tuple(key.split("."))
+
+    loc, source = _source_of(at(error.key), sources, cls, exact=True)
+    others = [f"{'.'.join(at(k))}: {_source_of(at(k), sources, cls, exact=True)[1]}" for k in error.also]
+    return f"{'.'.join(loc)}: {error} [{'; '.join([source, *others])}]"
 
 
 def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseModel]) -> list[str]:
-    lines = []
+    lines: list[str] = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"] if not isinstance(p, int))
         msg = e["msg"].removeprefix("Value error, ")
-        if not loc:
-            lines.append(msg)
-            continue
-        key, source, hint = ".".join(loc), _source_of(loc, sources, cls), ""
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-            hint = did_you_mean(cls, list(loc), as_flag=source.startswith("flag "))
-        elif e["type"] == "missing":
-            msg = "required but not set"
-        elif "input" in e and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"{key}: {msg} [{source}]{hint}")
+        if isinstance(error := e.get("ctx", {}).get("error"), FieldError):
+            line = _field_error_line(loc, error, sources, cls)
+        elif not loc:
+            line = msg
+        else:
+            loc, source = _source_of(loc, sources, cls)
+            hint = ""
+            if e["type"] == "extra_forbidden":
+                msg = "unknown key"
+                hint = did_you_mean(cls, list(loc), as_flag=source.startswith("flag "))
+            elif e["type"] == "missing":
+                msg = "too few items" if isinstance(e["loc"][-1], int) else "required but not set"
+            elif "input" in e and not isinstance(e["input"], dict):
+                msg = f"{msg} (got {e['input']!r})"
+            line = f"{'.'.join(loc)}: {msg} [{source}]{hint}"
+        if line not in lines:  # a shared key of `rl` fails once, not once per service it was copied to
+            lines.append(line)
     return lines
 
 
 def load_config(cls: type[C], argv: Sequence[str]) -> C:
     """Build `cls` from argv and the environment; raises ConfigError with readable lines."""
     values, sources, errors = parse_args(cls, argv)
+    if env_errors := _env_errors(cls):
+        raise ConfigError(errors + env_errors)
     prepare = getattr(cls, "prepare_args", None)
     if prepare is not None:
         values = prepare(values, sources)
@@ -307,6 +388,8 @@ def load_config(cls: type[C], argv: Sequence[str]) -> C:
         config = cls(**values)
     except ValidationError as err:
         raise ConfigError(errors + format_validation_error(err, sources, cls)) from None
+    except SettingsError as err:  # an env var `_env_errors` did not foresee: still one line, no traceback
+        raise ConfigError([*errors, f"environment: {err}"]) from None
     if errors:
         raise ConfigError(errors)
     return config

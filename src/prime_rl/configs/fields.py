@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_settings import NoDecode
 
 
 def unwrap(annotation: Any) -> Any:
@@ -48,16 +50,40 @@ def dealias(cls: type[BaseModel], path: list[str]) -> list[str]:
     return out
 
 
-def field_type(cls: type[BaseModel], path: list[str]) -> Any | None:
-    """The unwrapped annotation of the field at `path`, or None if there is no such field."""
+def field_info(cls: type[BaseModel], path: list[str]) -> FieldInfo | None:
+    """The field at `path` (non-empty), or None if there is no such field."""
     annotation: Any = cls
+    info = None
     for part in path:
         if is_list(annotation) and is_model(item_type(annotation)):
             annotation = item_type(annotation)  # `--env.id x` addresses a list of tables written as one table
         if not is_model(annotation) or part not in annotation.model_fields:
             return None
-        annotation = unwrap(annotation.model_fields[part].annotation)
-    return annotation
+        info = annotation.model_fields[part]
+        annotation = unwrap(info.annotation)
+    return info
+
+
+def field_type(cls: type[BaseModel], path: list[str]) -> Any | None:
+    """The unwrapped annotation of the field at `path`, or None if there is no such field."""
+    if not path:
+        return cls
+    info = field_info(cls, path)
+    return None if info is None else unwrap(info.annotation)
+
+
+def env_json_kind(cls: type[BaseModel], path: list[str]) -> str | None:
+    """'a list' or 'a table' when pydantic-settings reads an env var for the field at `path` as JSON, else None
+    (its text is the value: scalars, and `NoDecode` fields such as `weight_transfer`)."""
+    info = field_info(cls, path) if path else None
+    if info is None or NoDecode in info.metadata:
+        return None
+    annotation = unwrap(info.annotation)
+    if is_list(annotation):
+        return "a list"
+    if is_model(annotation) or annotation is dict or typing.get_origin(annotation) is dict:
+        return "a table"
+    return None
 
 
 def shorthand(annotation: Any) -> str | None:

@@ -6,13 +6,15 @@ sub-configs, the values must agree. The launcher (`prime_rl.launch`) and the Slu
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
-from prime_rl.configs.base import BaseConfig, Section
+from prime_rl.configs.base import BaseConfig, FieldError, Section
 from prime_rl.configs.fields import expand_shorthands
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.orchestrator import OrchestratorConfig
@@ -21,6 +23,7 @@ from prime_rl.configs.shared import (
     CkptConfig,
     LogConfig,
     LoraConfig,
+    ModelName,
     WeightTransferConfig,
 )
 from prime_rl.configs.slurm import SlurmConfig
@@ -41,7 +44,9 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 
 
 class SharedModelConfig(Section):
-    name: Annotated[str | None, Field(description="policy model for all three services (hub id or local path)")] = None
+    name: Annotated[
+        ModelName | None, Field(description="policy model for all three services (hub id or local path)")
+    ] = None
     lora: Annotated[LoraConfig | None, Field(description="LoRA adapter training, for all three services")] = None
 
 
@@ -72,7 +77,8 @@ class RLConfig(BaseConfig):
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
     startup_timeout: Annotated[float, Field(gt=0, description="seconds to wait for the inference server")] = 600.0
     restart: Annotated[
-        int, Field(ge=0, description="restart a service that dies or hangs, alone, up to this many times each (needs ckpt)")
+        int,
+        Field(ge=0, description="restart a service that dies or hangs, alone, up to this many times each (needs ckpt)"),
     ] = 0
     hang_timeout: Annotated[
         float,
@@ -105,7 +111,26 @@ class RLConfig(BaseConfig):
                     # A sub-config flag is kept, so two flags that disagree are refused as inconsistent.
                     if isinstance(node, dict) and not str(sources.get((service, *path), "")).startswith("flag"):
                         node.pop(path[-1], None)
+        # An orchestrator file (the split form `--orchestrator @ orch.toml`) names the server a lone orchestrator
+        # talks to; under `rl` a local server is the one rl starts, so its URL is left to `propagate_shared`,
+        # which points it at that server's port. A local URL given as a flag is kept: a different port is refused.
+        client = _get(values, ("orchestrator", "client"))
+        urls = client.get("base_url") if isinstance(client, dict) else None
+        flagged_url = str(sources.get(("orchestrator", "client", "base_url"), "")).startswith("flag")
+        if isinstance(urls, list) and len(urls) == 1 and local_port(str(urls[0])) is not None and not flagged_url:
+            del client["base_url"]
         return values
+
+    @classmethod
+    def shared_copies(cls, loc: tuple) -> list[tuple]:
+        """The keys a shared key's value is copied to or from (`model.name` <-> `trainer.model.name`, ...): an
+        error at a copy is reported where the user set the value (configs/cli.py)."""
+        for key, services in SHARED_KEYS.items():
+            if loc[: len(key)] == key:
+                return [(service, *loc) for service in services]
+            if loc and loc[0] in services and loc[1 : 1 + len(key)] == key:
+                return [loc[1:], *((service, *loc[1:]) for service in services if service != loc[0])]
+        return []
 
     @model_validator(mode="before")
     @classmethod
@@ -121,8 +146,50 @@ class RLConfig(BaseConfig):
         if len(dirs) > 1:
             raise ValueError(f"the services' output_dir differ ({sorted(dirs)}); set --output-dir once")
         if self.restart and self.trainer.ckpt is None:
-            raise ValueError("--restart resumes a dead service from its checkpoint: also set --ckpt.interval N")
+            raise FieldError(
+                "restart", "--restart resumes a dead service from its checkpoint: also set --ckpt.interval N"
+            )
         return self
+
+    @model_validator(mode="after")
+    def _orchestrator_fits_the_server(self) -> RLConfig:
+        """rl starts the server: the orchestrator must reach it, and ask for no longer sequences than it takes."""
+        port = self.inference.server.port
+        if port == 0:  # rl would wait startup_timeout for port 0, then fail
+            raise FieldError(
+                "inference.server.port",
+                "rl must know the port of the server it starts: give a free one (e.g. 8000); 0 (any free port) is "
+                "for a lone `inference`",
+            )
+        for url in self.orchestrator.client.base_url:
+            if local_port(url) not in (None, port):
+                raise FieldError(
+                    "orchestrator.client.base_url",
+                    f"{url} is a local port rl starts no server on (its server listens on {port}); leave "
+                    "client.base_url unset and rl points the orchestrator at its server",
+                    also=("inference.server.port",),
+                )
+        seq_len, max_len = self.orchestrator.seq_len, self.inference.max_model_len
+        if seq_len > max_len:  # a multi-turn episode fills seq_len, and the server refuses it past max_model_len
+            raise FieldError(
+                "orchestrator.seq_len",
+                f"{seq_len} is more than inference.max_model_len ({max_len}), the longest sequence the server "
+                "takes: lower seq_len or raise max_model_len",
+                also=("inference.max_model_len",),
+            )
+        return self
+
+
+def local_port(url: str) -> int | None:
+    """The port of `url` when it names this machine (localhost, a loopback address, 0.0.0.0), else None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host = parts.hostname or ""
+        local = host == "localhost" or (ip := ipaddress.ip_address(host)).is_loopback or ip.is_unspecified
+    except ValueError:  # not a URL, a bad port, a host name (remote)
+        return None
+    return port if local else None
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -172,11 +239,13 @@ def _share(data: dict, key: tuple[str, ...], services: tuple[str, ...]) -> None:
     if top is not None:
         for service, value in explicit.items():
             if str(value) != str(top):
-                raise ValueError(f"{name} is {top!r} but {service}.{name} is {value!r}; set it once at the top")
+                message = f"{name} is {top!r} but {service}.{name} is {value!r}; set it once at the top"
+                raise FieldError(name, message, also=(f"{service}.{name}",))
         value = top
     elif len({str(v) for v in explicit.values()}) > 1:
         found = ", ".join(f"{s}.{name}={v!r}" for s, v in explicit.items())
-        raise ValueError(f"inconsistent {name}: {found}")
+        first, *others = (f"{s}.{name}" for s in explicit)
+        raise FieldError(first, f"inconsistent {name}: {found}", also=tuple(others))
     elif explicit:
         value = next(iter(explicit.values()))
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from prime_rl.configs.base import Section
 
@@ -27,8 +27,18 @@ class LoraConfig(Section):
     name: Annotated[str, Field(min_length=1, description="name the servers serve the adapter under")] = "policy-lora"
 
 
+def _names_a_model(name: str) -> str:
+    if not name.strip():  # `--model.name ""` got as far as loading the model: the hub's "Repo id must use ..."
+        raise ValueError("must name a model: a Hugging Face hub id or a local path")
+    return name
+
+
+# The model's name: every config that takes one (the services and `rl`'s shared one) refuses a blank one alike.
+ModelName = Annotated[str, AfterValidator(_names_a_model)]
+
+
 class ModelConfig(Section):
-    name: Annotated[str, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
+    name: Annotated[ModelName, Field(description="HF hub id or local path of the policy model")] = "Qwen/Qwen3-0.6B"
     lora: Annotated[LoraConfig | None, Field(description="LoRA: train an adapter only; off unless --model.lora")] = None
 
     @property
