@@ -162,7 +162,7 @@ def test_multi_node_script_starts_each_step_on_its_nodes_with_the_key_only_in_th
     commands = (tmp_path / "commands").read_text().splitlines()
     out = tmp_path / "out"
     assert f"CUDA_VISIBLE_DEVICES= -m prime_rl.entrypoints.inference @ {out}/run/slurm/inference.toml" in commands
-    assert (f"CUDA_VISIBLE_DEVICES= -m torch.distributed.run --nnodes 2 --node-rank 0 --rdzv-endpoint n3:29500 "
+    assert (f"CUDA_VISIBLE_DEVICES= -m prime_rl.launch.torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint n3:29500 "
             f"--nproc-per-node 1 -m prime_rl.entrypoints.trainer @ {out}/run/slurm/trainer.toml"
             ) in commands  # fmt: skip
     assert (f"CUDA_VISIBLE_DEVICES= -m prime_rl.entrypoints.orchestrator @ {out}/run/slurm/orchestrator.toml "
