@@ -524,6 +524,59 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
         torch.testing.assert_close(final[key], value, rtol=0, atol=0, msg=key)
 
 
+def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, free_port):
+    """`rl --restart 3 --hang-timeout 30`: the trainer's worker, the orchestrator and the inference server are
+    each SIGSTOPped once (alive, silent: a stuck collective, an NFS stall, a swapped-out node). Each is found
+    hung within the bound, named, killed and replaced; the run completes with every step once, and no process
+    is left. (Before: nothing reacted for 486 s, then the wrong service was blamed.)"""
+    import os
+    import signal
+
+    hang = 30
+    out = tmp_path / "out"
+    args = [*small_run(tiny_model, out, free_port, max_steps=14), "--ckpt.interval", "2", "--restart", "3",
+            "--hang-timeout", str(hang)]  # fmt: skip
+    victims = [("trainer", "prime_rl.entrypoints.trainer", 2), ("orchestrator", "prime_rl.entrypoints.orchestrator", 6),
+               ("inference", "prime_rl.entrypoints.inference", 10)]  # fmt: skip
+    rl = start_rl(args)
+    seen: dict[int, str] = {}
+    detected: dict[str, float] = {}
+    stopped_at = 0.0
+    try:
+        for name, marker, step in victims:
+            deadline = time.monotonic() + 240
+            while not any(m["step"] >= step and m["time"] > stopped_at for m in read_metrics(out, "trainer")):
+                assert rl.poll() is None, rl.stderr.read().decode() + show_logs(out)
+                assert time.monotonic() < deadline, f"no trainer step {step} in time\n" + show_logs(out)
+                seen |= descendants(rl.pid)
+                time.sleep(0.1)
+            family = descendants(rl.pid)
+            seen |= family
+            (pid,) = [p for p, cmd in family.items() if "-m " + marker in cmd and "torchrun" not in cmd]
+            os.kill(pid, signal.SIGSTOP)
+            stopped_at, start = time.time(), time.monotonic()
+            while alive([pid]):  # rl kills the silent one
+                assert time.monotonic() - start < 3 * hang, f"{name} not found hung\n" + show_logs(out)
+                time.sleep(0.2)
+            detected[name] = time.monotonic() - start
+        rl.wait(400)
+        seen |= descendants(rl.pid)
+        stderr = rl.stderr.read().decode()
+        assert rl.returncode == 0, stderr + show_logs(out)
+    finally:
+        if rl.poll() is None:
+            rl.kill()
+        for pid in alive(seen):
+            os.kill(pid, signal.SIGKILL)
+    print(f"hang detected after (s): {detected}")
+    for name, _, _ in victims:
+        assert f"{name} is hung" in stderr and f"{name} hung (" in stderr, stderr
+        assert hang - 3 <= detected[name] < hang + 10, detected  # silence counts from its last beat
+    for service in ("orchestrator", "trainer"):
+        assert [m["step"] for m in read_metrics(out, service)] == list(range(14)), service
+    assert alive(seen) == [], {p: seen[p] for p in alive(seen)}
+
+
 LORA_STEPS = 5
 
 

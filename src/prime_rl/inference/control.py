@@ -271,17 +271,30 @@ class ControlPlane:
         base = self.served.base_name
         if base is not None and requested_model(body) in (None, base):
             step = 0
+        started = False
 
         async def stamped(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 extra = [(WEIGHT_STEP_HEADER.encode(), str(step).encode())]
                 message = message | {"headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         try:
             await self.app(scope, receive, stamped)
+        except Exception as e:
+            refusal = None if started else self.refusal_for(scope["path"], body, e)
+            if refusal is None:
+                raise
+            await refusal(scope, receive, stamped)
         finally:
             await self.gate.leave()
+
+    def refusal_for(self, path: str, body: bytes, error: Exception) -> JSONResponse | None:
+        """The 4xx for a generation request the backend raised on before answering, when its body is at
+        fault; None lets the error through (a 500). The built-in engine's routes raise on no body."""
+        return None
 
     def _health(self) -> JSONResponse:
         state = {"status": "ok", "step": self.gate.step, "backend": self.served.backend}

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.protocol.files import atomic_write_json
+from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.paths import broadcast_root, step_of
 
 MARKER_SUFFIX = ".json"
@@ -176,6 +177,7 @@ def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tens
         _broadcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
     tensors = iter(tensors)
     for run in buckets(specs):
+        stamp()  # sending 70B takes a while: each bucket is progress
         parts = [next(tensors).to(device=device, dtype=specs[i][1]).reshape(-1) for i in run]
         if pg is not None:
             _broadcast(pg, parts[0] if len(parts) == 1 else torch.cat(parts))

@@ -27,6 +27,7 @@ from prime_rl.protocol import (
     WriterDead,
     atomic_write_json,
     checkpoint_due,
+    doing,
     is_stable,
     prune_checkpoints,
     resolve_resume_step,
@@ -125,7 +126,10 @@ def load(config: TrainingConfig, state: Training, step: int) -> Progress:
     """Restore checkpoint `step` into `state`; returns its Progress."""
     from prime_rl.trainer.ckpt import load_checkpoint
 
-    progress = load_checkpoint(config.output_dir, step, state.model, state.optimizer, state.scheduler, state.dist.rank)
+    with doing(f"loading checkpoint step {step}", long=True):
+        progress = load_checkpoint(
+            config.output_dir, step, state.model, state.optimizer, state.scheduler, state.dist.rank
+        )
     if progress.step != step:
         raise TrainerError(f"checkpoint step_{step} holds trainer progress of step {progress.step}")
     return progress
@@ -144,7 +148,7 @@ def save(config: TrainingConfig, state: Training, progress: Progress, max_steps:
     """Collective: write `checkpoints/step_n/trainer` for `progress`; rank 0 prunes old ones."""
     from prime_rl.trainer.ckpt import save_checkpoint
 
-    with timer(times, "save_ckpt"):
+    with timer(times, "save_ckpt"), doing(f"writing checkpoint step {progress.step}", long=True):
         save_checkpoint(
             config.output_dir,
             progress.step,

@@ -40,6 +40,7 @@ from prime_rl.protocol import (
     checkpoint_steps,
     mark_stable,
     prune_steps,
+    stamp,
     weights_dir,
     weights_root,
     writing,
@@ -279,6 +280,7 @@ def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, ran
         if i % world != rank:
             for name in names:
                 full_tensor(state[name])  # this rank's part of the gather
+                stamp()
             continue
         specs = [(n, *exported[n]) for n in names]
 
@@ -288,6 +290,7 @@ def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, ran
                 f.write(
                     full_tensor(state[name]).to(exported[name][0]).contiguous().reshape(-1).view(torch.uint8).numpy()
                 )
+                stamp()  # a 70B export takes minutes: each tensor written is progress
 
         atomic_write(path / shard_name(i, len(plan)), stream)
         mine.append(shard_name(i, len(plan)))

@@ -75,6 +75,23 @@ class VllmControlPlane(ControlPlane):
         problem = chat_messages_problem(parsed) if isinstance(parsed, dict) else None
         return None if problem is None else error(400, problem)
 
+    def refusal_for(self, path: str, body: bytes, error: Exception) -> JSONResponse | None:
+        """vLLM's request models read some fields before validating them (`structured_outputs` as a dict, ...),
+        so a body with another type there raised (AttributeError: a 500). When vLLM's own request model
+        raises on the body with anything but a validation error, the body is at fault: a 400 naming it."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+        try:
+            model.model_validate(json.loads(body))
+        except (ValidationError, ValueError):
+            return None  # vLLM answers these itself: the error came from elsewhere
+        except Exception as e:
+            return error(400, f"invalid request: a field of the wrong type ({type(e).__name__}: {e})"[:2000])
+        return None
+
     async def __call__(self, scope, receive, send):
         if self.served.client is None and "app" in scope:
             self.served.client = scope["app"].state.engine_client

@@ -81,8 +81,7 @@ def run(config: TrainerConfig) -> None:
             optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
             progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
             if not config.bench:
-                with doing("publishing weights and checkpoints", long=True):
-                    publish(config, state, progress, times, sender)
+                publish(config, state, progress, times, sender)
             times["step"] = time.perf_counter() - start
             record = step_metrics(stats, times, lr, progress) | {"optimized_at": optimized_at}
             history.append(record)
