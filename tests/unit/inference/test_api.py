@@ -190,6 +190,9 @@ def test_a_stream_that_fails_ends_with_an_error_event_then_done():
 def test_unknown_fields_and_unsupported_params_at_their_neutral_value_are_accepted(client):
     body = {"prompt": "hi", "max_tokens": 1, "user": "me", "presence_penalty": 0.0, "best_of": 1}
     assert client.post("/v1/completions", json=body).status_code == 200
+    # Chat's max_completion_tokens is unknown to completions (it was read there, and a string was a 500).
+    response = client.post("/v1/completions", json=body | {"max_completion_tokens": "x"})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1
 
 
 def test_unknown_model_and_route_get_404(client):

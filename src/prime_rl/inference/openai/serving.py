@@ -167,7 +167,9 @@ def sampling_params(
     if request.n > engine.max_batch_size:
         raise APIError(400, f"n={request.n} is more than this server's engine.max_batch_size {engine.max_batch_size}")
     room = config.max_model_len - prompt_len
-    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens or default_max_tokens or room
+    # Only chat declares max_completion_tokens; on a completion it is an unknown field (ignored, as vLLM does).
+    chat_max = request.max_completion_tokens if isinstance(request, ChatCompletionRequest) else None
+    max_tokens = chat_max or request.max_tokens or default_max_tokens or room
     if room < 1 or max_tokens > room:
         raise APIError(
             400,
