@@ -107,19 +107,49 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     assert all((weights_dir(out, s) / "model.safetensors").stat().st_mtime_ns > t for s, t in first.items())
 
 
-def test_rl_stops_everything_and_names_the_failed_service(tiny_model, tmp_path, free_port):
-    out = tmp_path / "out"
-    # The trainer is asked for CUDA on a machine without one, so it fails; rl must stop the others and exit 1.
-    result = run_rl([
-        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "2",
-        "--inference.server.port", str(free_port), "--orchestrator.batch-size", "4",
-        "--orchestrator.rollouts-per-example", "2", "--trainer.dtype", "bfloat16", "--trainer.device", "cuda",
-    ], timeout=240)  # fmt: skip
-    assert result.returncode == 1, result.stderr
-    assert "trainer failed" in result.stderr
-    assert "Traceback" not in result.stderr.split("last lines of")[0]
-    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], "orphan processes left behind"
+def no_traceback(stderr: str, output_dir) -> None:
+    """A stop `rl` orders, or a failure it reports, is said in lines, not tracebacks: console or logs."""
+    assert "Traceback" not in stderr, stderr
+    for log in (output_dir / "logs").glob("*.log"):
+        assert "Traceback" not in log.read_text(), show_logs(output_dir)
+
+
+def test_a_service_failing_at_every_start_ends_the_run_fast_with_its_own_error(tiny_model, tmp_path, free_port):
+    """`--restart 5` does not retry a crash loop: the trainer (asked for CUDA on a machine without one) dies
+    again before finishing a step, so the run ends, showing the worker's own error line (not torchrun's
+    ChildFailedError summary); an orchestrator's permanent error (an unknown environment) is not retried at
+    all. Both stop the other services and leave nothing running. (Before: 63-105 s of restarts.)"""
+    import time
+
+    base = [
+        "--model.name", str(tiny_model), "--max-steps", "2", "--inference.server.port", str(free_port),
+        "--orchestrator.batch-size", "4", "--orchestrator.rollouts-per-example", "2", "--restart", "5",
+        "--ckpt.interval", "1",
+    ]  # fmt: skip
+    bad_args = tmp_path / "bad_args.toml"
+    bad_args.write_text('[orchestrator.env]\nid = "reverse-text"\nargs = {bogus = 1}\n')
+    cases = [
+        (["--trainer.device", "cuda"], "trainer died (exit 1) again before finishing a unit of work: a crash loop",
+         "device = 'cuda' but no CUDA device is available"),
+        (["@", str(bad_args)], "orchestrator failed with a permanent error (exit 2)",
+         "environment 'reverse-text' rejected its arguments {'bogus': 1}"),
+    ]  # fmt: skip
+    for i, (extra, verdict, cause) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        start = time.monotonic()
+        result = run_rl([*extra, *base, "--output-dir", str(out)], timeout=240)
+        took = time.monotonic() - start
+        print(f"{extra}: ended in {took:.1f}s")
+        assert result.returncode == 1, result.stderr
+        assert verdict in result.stderr and cause in result.stderr.split("last lines of")[1], result.stderr
+        assert took < 30, result.stderr
+        assert "ChildFailedError" not in result.stderr
+        no_traceback(result.stderr, out)
+        leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+        assert leftovers == [], "orphan processes left behind"
+    unknown = run_rl([*base, "--output-dir", str(tmp_path / "out3"), "--orchestrator.env.id", "no-such-env"])
+    assert unknown.returncode == 1 and "unknown environment 'no-such-env'" in unknown.stderr  # before any start
+    assert not (tmp_path / "out3" / "logs" / "inference.log").exists()
 
 
 def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, free_port):
@@ -142,6 +172,7 @@ def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, 
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "interrupted; stopped all services" in stderr
+    no_traceback(stderr, out)
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert leftovers == [], "orphan processes left behind"
 

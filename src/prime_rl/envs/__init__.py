@@ -50,6 +50,7 @@ __all__ = [
     "shuffled_forever",
     "split_score",
     "BUILTIN",
+    "environment_factory",
     "load_environment",
 ]
 
@@ -76,21 +77,24 @@ def _resolve(path: str) -> Callable[..., Any]:
     return factory
 
 
-def load_environment(env_id: str, **args: Any) -> Environment:
-    """Build the environment `env_id` (built-in name, 'module:function' or 'verifiers:<id>') with `args`."""
+def environment_factory(env_id: str) -> Callable[..., Any]:
+    """What builds `env_id` (built-in name, 'module:function' or 'verifiers:<id>'); EnvError if nothing does.
+    Cheap (imports the module only): a launcher checks its ids before it starts any service."""
     if env_id.startswith("verifiers:"):
         from prime_rl.envs.verifiers_env import load_verifiers_environment
 
-        factory: Callable[..., Any] = lambda **kw: load_verifiers_environment(env_id.removeprefix("verifiers:"), **kw)  # noqa: E731
-    elif env_id in BUILTIN:
-        factory = _resolve(BUILTIN[env_id])
-    elif ":" in env_id:
-        factory = _resolve(env_id)
-    else:
-        known = ", ".join(sorted(BUILTIN))
-        raise EnvError(
-            f"unknown environment {env_id!r}; built-ins are: {known} (or give an import path 'module:function')"
-        )
+        return lambda **kw: load_verifiers_environment(env_id.removeprefix("verifiers:"), **kw)
+    if env_id in BUILTIN:
+        return _resolve(BUILTIN[env_id])
+    if ":" in env_id:
+        return _resolve(env_id)
+    known = ", ".join(sorted(BUILTIN))
+    raise EnvError(f"unknown environment {env_id!r}; built-ins are: {known} (or give an import path 'module:function')")
+
+
+def load_environment(env_id: str, **args: Any) -> Environment:
+    """Build the environment `env_id` (see `environment_factory`) with `args`."""
+    factory = environment_factory(env_id)
     try:
         env = factory(**args)
     except (TypeError, ValueError) as e:

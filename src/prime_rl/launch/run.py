@@ -27,6 +27,7 @@ def run(config: RLConfig) -> None:
 
 def _run(config: RLConfig, lock_token: str) -> None:
     output_dir = config.orchestrator.output_dir
+    check_environments(config)
     env, trainer_procs = service_env(config, lock_token)
     config = config.model_copy(update=service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key)))
     for name in SERVICES:
@@ -56,6 +57,15 @@ def _run(config: RLConfig, lock_token: str) -> None:
         time.sleep(0.6)  # let the follower print the last lines
         stop_following.set()
         follower.join(timeout=2)
+
+
+def check_environments(config: RLConfig) -> None:
+    """An unknown environment id fails here, in a second, not after the server and the trainer started."""
+    from prime_rl.envs import environment_factory
+
+    for env in [*config.orchestrator.env, *config.orchestrator.eval]:
+        if not env.id.startswith("verifiers:"):  # importing verifiers takes seconds: its loader says
+            environment_factory(env.id)
 
 
 def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, str]], int]:
