@@ -545,7 +545,7 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
 
     for name, _, _ in victims:
         assert f"{name} died (exit -9); restarting it" in stderr, stderr
-    assert "restart 3 of 3" in stderr
+    assert stderr.count("restart 1 of 3") == 3  # counted per service
     for service in ("orchestrator", "trainer"):
         assert [m["step"] for m in read_metrics(out, service)] == list(range(12)), service
     assert alive(seen) == [], {p: seen[p] for p in alive(seen)}
@@ -606,6 +606,43 @@ def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, fre
     for service in ("orchestrator", "trainer"):
         assert [m["step"] for m in read_metrics(out, service)] == list(range(14)), service
     assert alive(seen) == [], {p: seen[p] for p in alive(seen)}
+
+
+def test_a_service_that_lost_its_peer_gets_the_peer_restarted_not_itself_blamed(tiny_model, tmp_path, free_port):
+    """The orchestrator gives up waiting on a SIGSTOPped trainer (its heartbeat_timeout, 10 s, before rl's
+    --hang-timeout): it exits PEER_LOST and rl restarts the trainer, the silent one, and the orchestrator
+    without counting it. (Before: rl restarted the orchestrator until its restarts ran out and the run failed
+    blaming it.)"""
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    args = [*small_run(tiny_model, out, free_port, max_steps=6), "--ckpt.interval", "1", "--restart", "1",
+            "--hang-timeout", "300", "--orchestrator.heartbeat-timeout", "10"]  # fmt: skip
+    rl = start_rl(args)
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not read_metrics(out, "trainer"):
+            assert rl.poll() is None and time.monotonic() < deadline, rl.stderr.read().decode() + show_logs(out)
+            time.sleep(0.1)
+        seen = descendants(rl.pid)
+        (worker,) = [p for p, cmd in seen.items() if "-m prime_rl.entrypoints.trainer" in cmd and "torchrun" not in cmd]
+        os.kill(worker, signal.SIGSTOP)
+        rl.wait(300)
+        seen |= descendants(rl.pid)
+        stderr = rl.stderr.read().decode()
+        assert rl.returncode == 0, stderr + show_logs(out)
+    finally:
+        if rl.poll() is None:
+            rl.kill()
+        for pid in alive(seen):
+            os.kill(pid, signal.SIGKILL)
+    assert "trainer went silent (the orchestrator gave up waiting on it); restarting it" in stderr, stderr
+    assert "orchestrator died (exit 4); restarting it" in stderr and "not counted: its peer failed" in stderr
+    for service in ("orchestrator", "trainer"):
+        assert [m["step"] for m in read_metrics(out, service)] == list(range(6)), service
+    assert alive(seen) == []
 
 
 LORA_STEPS = 5
