@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prime_rl.protocol import DiskFull, WriterDead
+from prime_rl.protocol import DiskFull, RunLocked, WriterDead
+from prime_rl.utils.logging import console_only
 from prime_rl.utils.process import FATAL, PEER_LOST, PREEMPTED, StopRequested
 
 logger = logging.getLogger("prime_rl")
@@ -24,9 +25,14 @@ def run_service(
 ) -> None:
     """Call `run()`. A known failure (`errors`) is one ERROR line and exit status 1 (FATAL for a full disk and
     `fatal`: a restart cannot help; PEER_LOST when the peer it waited on went silent), a stop on a stop signal
-    a WARNING and `stopped`, Ctrl-C exit 130 (after `interrupted`, if given): never a traceback for these."""
+    a WARNING and `stopped`, Ctrl-C exit 130 (after `interrupted`, if given): never a traceback for these. A
+    start refused by another run's lock (RunLocked) is told on the console only, never in that run's log file."""
     try:
         run()
+    except RunLocked as e:  # another run holds the output dir: its log file is not ours to write
+        console_only()
+        logger.error(str(e))
+        raise SystemExit(1) from None
     except WriterDead as e:
         logger.error(str(e))
         raise SystemExit(PEER_LOST) from None

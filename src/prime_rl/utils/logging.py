@@ -25,10 +25,18 @@ def setup_logging(service: str, output_dir: Path | None, level: str = "INFO", to
     if to_file and output_dir is not None:
         path = log_file(output_dir, service)
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = _FileHandler(path)
+        handler = _FileHandler(path, delay=True)  # opened at the first record: a refused start never touches it
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     return logger
+
+
+def console_only() -> None:
+    """Log to the console only from now on. For a process refused at start because another run holds the output
+    dir (RunLocked): the log file it was given is the live run's, and its refusal does not belong there."""
+    for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 class _FileHandler(logging.FileHandler):
