@@ -33,9 +33,25 @@ def test_inconsistent_shared_values_are_rejected(tmp_path):
         load_config(RLConfig, ["@", str(path), "--trainer.max-steps", "3"])
 
 
-def test_orchestrator_follows_the_inference_port():
+def test_orchestrator_follows_the_inference_port(tmp_path):
     config = load_config(RLConfig, ["--inference.server.port", "8123"])
     assert config.orchestrator.client.base_url == ["http://127.0.0.1:8123/v1"]
+    # The split form: orch.toml names port 8000 for a lone orchestrator, rl starts its server on 8111. The
+    # orchestrator stayed on 8000 and waited 600 s for a server that was never there.
+    orch = tmp_path / "orch.toml"
+    orch.write_text('[client]\nbase_url = ["http://localhost:8000/v1"]\n')
+    config = load_config(RLConfig, ["--orchestrator", "@", str(orch), "--inference.server.port", "8111"])
+    assert config.orchestrator.client.base_url == ["http://127.0.0.1:8111/v1"]
+    # A flag naming the server's own port, or a remote server, is kept; another local port is refused.
+    flag = ["--inference.server.port", "8111", "--orchestrator.client.base-url"]
+    assert load_config(RLConfig, [*flag, "http://localhost:8111/v1"]).orchestrator.client.base_url == [
+        "http://localhost:8111/v1"
+    ]
+    assert load_config(RLConfig, [*flag, "http://node7:8000/v1"]).orchestrator.client.base_url == [
+        "http://node7:8000/v1"
+    ]
+    with pytest.raises(ConfigError, match=r"http://0.0.0.0:8000/v1 is a local port rl starts no server on"):
+        load_config(RLConfig, [*flag, "http://0.0.0.0:8000/v1"])
 
 
 def test_device_assignment():

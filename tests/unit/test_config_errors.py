@@ -1,0 +1,101 @@
+"""A bad config, run through the real commands: exit status 2 and one line naming the key and where its value came
+from (file, flag or env var), never a traceback. Every case here was a traceback, a wrong source, or a config
+accepted until it failed much later (a 600 s wait on port 0, a NaN loss from `lr = inf`, a hub error for an empty
+model name). And a second run refused by a live run's lock tells it on its console, not in the live run's log."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def run(command: str, *argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
+    return subprocess.run([sys.executable, "-m", f"prime_rl.entrypoints.{command}", *argv], cwd=cwd,
+                          env=clean | (env or {}), capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+FILES = {
+    "deep.toml": "x = " + "[" * 3000 + "]" * 3000 + "\n",  # tomllib's recursion: a RecursionError traceback
+    "lr.toml": "[optim]\nlr = inf\n",
+    "opt.toml": "[optim]\nlr = 1e-5\n",
+    "trainer.toml": "max_steps = 3\n",
+}
+
+# (command, argv, env, the one line after "<command>: config error: ")
+CASES = [
+    ("trainer", ["@", "deep.toml"], {}, "deep.toml: nested too deeply (more than 32 tables or arrays)"),
+    ("orchestrator", [], {"PRIME_ENV": "[" * 3000 + "]" * 3000}, "env: nested too deeply (more than 32 levels) "
+     "[env PRIME_ENV]"),
+    ("orchestrator", [], {"PRIME_CLIENT__BASE_URL": "http://x:8000/v1"}, "client.base_url: not valid JSON (a list "
+     """in an env var is JSON, e.g. '["a", "b"]') (got 'http://x:8000/v1') [env PRIME_CLIENT__BASE_URL]"""),
+    ("rl", [], {"PRIME_ORCHESTRATOR__SAMPLING": "temperature=1"}, "orchestrator.sampling: not valid JSON (a table "
+     """in an env var is JSON, e.g. '{"key": 1}') (got 'temperature=1') [env PRIME_ORCHESTRATOR__SAMPLING]"""),
+    ("trainer", ["@", "lr.toml"], {}, "optim.lr: Input should be a finite number (got inf) [lr.toml]"),
+    ("sft", ["--optim.lr", "nan"], {}, "optim.lr: Input should be a finite number (got 'nan') [flag --optim.lr]"),
+    ("orchestrator", [], {"PRIME_SAMPLING__TEMPERATURE": "inf"},
+     "sampling.temperature: Input should be a finite number (got 'inf') [env PRIME_SAMPLING__TEMPERATURE]"),
+    ("rl", ["--trainer.optim.betas", "0.9,-inf"], {},
+     "trainer.optim.betas: Input should be a finite number (got '-inf') [flag --trainer.optim.betas]"),
+    # An env var below a table a file set is the env var's doing, not the file's.
+    ("trainer", ["@", "opt.toml"], {"PRIME_OPTIM__BETAS": '[0.9, "x"]'}, "optim.betas: Input should be a valid "
+     "number, unable to parse string as a number (got 'x') [env PRIME_OPTIM__BETAS]"),
+    ("inference", ["--model.name", ""], {}, "model.name: must name a model: a Hugging Face hub id or a local path "
+     "(got '') [flag --model.name]"),
+    # A shared key of `rl` copied into the three services fails once, at the flag that set it (it was 4 lines,
+    # 2 of them "[default]" and one blaming trainer.toml).
+    ("rl", ["--trainer", "@", "trainer.toml", "--model.lora.rank", "0"], {},
+     "model.lora.rank: Input should be greater than or equal to 1 (got '0') [flag --model.lora.rank]"),
+    ("rl", ["--inference.server.port", "0"], {}, "inference.server.port: rl must know the port of the server it "
+     "starts: give a free one (e.g. 8000); 0 (any free port) is for a lone `inference` [flag --inference.server.port]"),
+    ("rl", ["--orchestrator.client.base-url", "http://localhost:8001/v1", "--inference.server.port", "8111"], {},
+     "orchestrator.client.base_url: http://localhost:8001/v1 is a local port rl starts no server on (its server "
+     "listens on 8111); leave client.base_url unset and rl points the orchestrator at its server "
+     "[flag --orchestrator.client.base-url; inference.server.port: flag --inference.server.port]"),
+    ("rl", ["--orchestrator.seq-len", "8192"], {}, "orchestrator.seq_len: 8192 is more than inference.max_model_len "
+     "(4096), the longest sequence the server takes: lower seq_len or raise max_model_len "
+     "[flag --orchestrator.seq-len; inference.max_model_len: default]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "argv", "env", "line"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_bad_config_exits_2_with_one_line_naming_its_source(tmp_path, command, argv, env, line):
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    result = run(command, *argv, "--output-dir", str(tmp_path / "out"), cwd=tmp_path, env=env)
+    assert "Traceback" not in result.stderr
+    assert (result.returncode, result.stderr.splitlines()) == (2, [f"{command}: config error: {line}"])
+
+
+@pytest.mark.parametrize("command", ["trainer", "orchestrator", "sft", "rl"])
+def test_a_start_refused_by_a_live_runs_lock_writes_nothing_into_its_logs(tmp_path, command):
+    """The live run holds the locks (as `rl` does); a second process on its dir is refused and says so on its
+    stderr. It used to append its refusal to the live run's logs/<service>.log."""
+    out = tmp_path / "out"
+    roles = ("orchestrator", "trainer") if command in ("rl", "orchestrator", "trainer") else ("sft",)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from prime_rl.protocol import RunLock\n"
+         f"locks = [RunLock(Path(sys.argv[1]), role).acquire() for role in {roles!r}]\n"
+         "print('held', flush=True); time.sleep(60)", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        logs = out / "logs"
+        logs.mkdir(parents=True)
+        for name in (command, "rl"):
+            (logs / f"{name}.log").write_text("the live run's line\n")
+        before = {p.name: p.read_text() for p in logs.iterdir()}
+        started = time.monotonic()
+        result = run(command, "--output-dir", str(out), *(["--data.path", "x.jsonl"] if command == "sft" else []),
+                     cwd=tmp_path)  # fmt: skip
+        assert result.returncode == 1, result.stderr
+        assert f"{out} is in use" in result.stderr and "Traceback" not in result.stderr
+        assert {p.name: p.read_text() for p in logs.iterdir()} == before
+        assert time.monotonic() - started < 30  # refused at once, before loading anything
+    finally:
+        holder.kill()
+        holder.wait()
