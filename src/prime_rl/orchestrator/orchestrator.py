@@ -132,7 +132,7 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
             mix = build_mix(config, state)
             evals = Evals(config, state.step)
             rng = new_rng(config.seed, resumed)
-            wandb = build_wandb(config)
+            wandb = build_wandb(config, resumed is not None)
         progress = ProgressLine(config.progress, config.max_steps)
         async with AsyncExitStack() as stack:
             client = await stack.enter_async_context(

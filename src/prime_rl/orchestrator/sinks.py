@@ -12,6 +12,8 @@ shown only on a terminal, so log files and CI output stay clean.
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 import sys
 import time
 from collections.abc import Awaitable
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.protocol import atomic_write_json, wandb_run_file
 
 
 class SinkError(RuntimeError):
@@ -66,7 +69,9 @@ class WandbSink:
         self.run.finish()
 
 
-def build_wandb(config: OrchestratorConfig) -> NoSink | WandbSink:
+def build_wandb(config: OrchestratorConfig, resumed: bool = False) -> NoSink | WandbSink:
+    """A fresh run starts a W&B run and records its id in run/wandb.json; a resumed one (a restart by
+    `rl --restart`, a Slurm requeue, `--ckpt.resume-step`) continues that W&B run instead of starting another."""
     if config.wandb is None:
         return NoSink()
     try:
@@ -77,10 +82,17 @@ def build_wandb(config: OrchestratorConfig) -> NoSink | WandbSink:
             "run `uv sync --extra wandb` or drop the [wandb] section"
         ) from None
     w = config.wandb
+    record = wandb_run_file(config.output_dir)
+    try:
+        run_id = json.loads(record.read_text())["id"] if resumed else None
+    except (OSError, ValueError, KeyError, TypeError):
+        run_id = None
+    run_id = run_id or secrets.token_hex(6)
     run = wandb.init(
         project=w.project, name=w.name, entity=w.entity, mode="offline" if w.offline else "online",
-        config=config.model_dump(mode="json"), dir=str(config.output_dir),
+        config=config.model_dump(mode="json"), dir=str(config.output_dir), id=run_id, resume="allow",
     )  # fmt: skip
+    atomic_write_json(record, {"id": run_id})
     return WandbSink(run, config.output_dir)
 
 

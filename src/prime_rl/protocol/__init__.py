@@ -48,6 +48,7 @@ from prime_rl.protocol.paths import (
     step_of,
     stopped_file,
     trainer_checkpoint_dir,
+    wandb_run_file,
     weights_dir,
     weights_root,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "wait_for_weights",
     "wait_until",
     "wait_until_async",
+    "wandb_run_file",
     "weights_dir",
     "weights_root",
 ]

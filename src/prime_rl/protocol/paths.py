@@ -18,6 +18,11 @@ def stopped_file(output_dir: Path, service: str) -> Path:
     return run_dir(output_dir) / f"{service}.stopped"
 
 
+def wandb_run_file(output_dir: Path) -> Path:
+    """{"id"}: the W&B run a resumed or restarted orchestrator continues."""
+    return run_dir(output_dir) / "wandb.json"
+
+
 def log_file(output_dir: Path, service: str) -> Path:
     return Path(output_dir) / "logs" / f"{service}.log"
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import io
 
+import pytest
+
 from prime_rl.orchestrator.sinks import ProgressLine
 
 
@@ -62,3 +64,27 @@ def test_a_terminal_that_goes_away_turns_the_line_off_instead_of_failing_the_ste
     assert track(progress) == [0, 1, 2]
     assert not progress.enabled
     progress.close()
+
+
+def test_a_resumed_orchestrator_continues_its_wandb_run_and_a_fresh_one_starts_another(tmp_path, monkeypatch):
+    """A restart by `rl --restart` or a Slurm requeue resumes the orchestrator: it used to start a second W&B
+    run, splitting one training run's curves in two."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed (uv sync --extra wandb)")
+    from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.orchestrator.sinks import build_wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = OrchestratorConfig.model_validate(
+        {"output_dir": str(tmp_path), "model": {"name": "m"}, "wandb": {"project": "p", "offline": True}}
+    )
+
+    def run_id(resumed: bool) -> str:
+        sink = build_wandb(config, resumed)
+        try:
+            return sink.run.id
+        finally:
+            sink.close()
+
+    first = run_id(False)
+    assert run_id(True) == first
+    assert run_id(False) != first
