@@ -291,7 +291,7 @@ class ControlPlane:
         finally:
             await self.gate.leave()
 
-    def refusal_for(self, path: str, body: bytes, error: Exception) -> JSONResponse | None:
+    def refusal_for(self, path: str, body: bytes, exc: Exception) -> JSONResponse | None:
         """The 4xx for a generation request the backend raised on before answering, when its body is at
         fault; None lets the error through (a 500). The built-in engine's routes raise on no body."""
         return None

@@ -75,7 +75,7 @@ class VllmControlPlane(ControlPlane):
         problem = chat_messages_problem(parsed) if isinstance(parsed, dict) else None
         return None if problem is None else error(400, problem)
 
-    def refusal_for(self, path: str, body: bytes, error: Exception) -> JSONResponse | None:
+    def refusal_for(self, path: str, body: bytes, exc: Exception) -> JSONResponse | None:
         """vLLM's request models read some fields before validating them (`structured_outputs` as a dict, ...),
         so a body with another type there raised (AttributeError: a 500). When vLLM's own request model
         raises on the body with anything but a validation error, the body is at fault: a 400 naming it."""
