@@ -173,3 +173,20 @@ def test_a_streamed_answer_with_tool_calls_ends_with_them_and_keeps_every_token(
     (call,) = chunks[-1]["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "add", "arguments": '{"a": 3, "b": 4}'}
     assert call["id"] == _assistant_message(TURN, True, None)["tool_calls"][0]["id"]  # same ids as unstreamed
+
+
+def test_chat_messages_are_checked_by_the_rules_both_backends_apply():
+    """The check the vLLM backend runs in front of vLLM (which accepts a tool message without its call's id)."""
+    from prime_rl.inference.openai.protocol import chat_messages_problem
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    ok = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "tool_calls": [call]}]
+    assert chat_messages_problem({"messages": ok + [{"role": "tool", "tool_call_id": "c1", "content": "2"}]}) is None
+    assert chat_messages_problem({"messages": "not a list"}) is None  # left to the backend's own validation
+    problem = chat_messages_problem({"messages": ok + [{"role": "tool", "content": "2"}]})
+    assert problem.startswith("invalid request: body.messages.2: ") and "needs tool_call_id" in problem
+    problem = chat_messages_problem({"messages": [{"role": "user", "tool_calls": [call]}]})
+    assert "only assistant messages carry tool_calls" in problem
+    bad_arguments = call | {"function": {"name": "add", "arguments": "[1]"}}
+    problem = chat_messages_problem({"messages": [{"role": "assistant", "tool_calls": [bad_arguments]}]})
+    assert "must be a JSON object" in problem
