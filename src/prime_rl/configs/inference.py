@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransferConfig
+from prime_rl.configs.shared import EnvVarName
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -75,7 +76,7 @@ class InferenceConfig(BaseConfig):
     api_key: Annotated[
         str | None, Field(description="require `Authorization: Bearer <key>` on every route but /health")
     ] = None
-    api_key_var: Annotated[str | None, Field(description="name of an env var holding the API key")] = None
+    api_key_var: Annotated[EnvVarName | None, Field(description="name of an env var holding the API key")] = None
     allow_unauthenticated: Annotated[
         bool, Field(description="allow binding a non-loopback address without an API key")
     ] = False

@@ -16,7 +16,7 @@ from prime_rl.configs import (
     Section,
     WeightTransferConfig,
 )
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName
 
 
 class ClientConfig(Section):
@@ -28,7 +28,7 @@ class ClientConfig(Section):
         Field(description="relative share of requests per base_url (e.g. 2,1,1 = 50/25/25%); unset = equal"),
     ] = None
     api_key_var: Annotated[
-        str, Field(description="name of the env var holding the inference API key (unset var = no key)")
+        EnvVarName, Field(description="name of the env var holding the inference API key (unset var = no key)")
     ] = "INFERENCE_SERVER_API_KEY"
     timeout: Annotated[float, Field(gt=0, description="seconds before one HTTP request is abandoned")] = 600.0
     max_concurrency: Annotated[int, Field(ge=1, description="most requests in flight at once per server")] = 64

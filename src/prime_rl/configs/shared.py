@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -35,6 +36,16 @@ def _names_a_model(name: str) -> str:
 
 # The model's name: every config that takes one (the services and `rl`'s shared one) refuses a blank one alike.
 ModelName = Annotated[str, AfterValidator(_names_a_model)]
+
+
+def _names_an_env_var(name: str) -> str:
+    # The Slurm job script assigns it (`export NAME=...`): anything else there would be shell, not a name.
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError("must be an env var name: letters, digits and _, not starting with a digit")
+    return name
+
+
+EnvVarName = Annotated[str, AfterValidator(_names_an_env_var)]
 
 
 class ModelConfig(Section):

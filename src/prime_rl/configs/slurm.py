@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from prime_rl.configs import Section
+from prime_rl.configs.base import FieldError
 
 
 class SlurmConfig(Section):
@@ -28,7 +29,8 @@ class SlurmConfig(Section):
     time: Annotated[str | None, Field(description="#SBATCH --time, e.g. 04:00:00 or 2-00:00:00")] = None
     job_name: Annotated[str | None, Field(description="#SBATCH --job-name; unset = rl or sft")] = None
     extra_sbatch: Annotated[
-        list[str], Field(description="more #SBATCH options, one per entry, e.g. --exclusive, --mem=0, --qos=high")
+        list[str],
+        Field(description="more #SBATCH options, one per entry (each one argument), e.g. --exclusive, --mem=0"),
     ] = []
     setup: Annotated[
         list[str],
@@ -93,13 +95,15 @@ class SlurmConfig(Section):
 
     @model_validator(mode="after")
     def _no_control_characters(self) -> SlurmConfig:
-        """Each of these becomes one token of a `#SBATCH` or srun line: a newline in one would start a line of
-        shell (or end the `#SBATCH` block) in the rendered job script."""
+        """Each of these becomes one argument of a `#SBATCH` or srun line, quoted there: a newline in one would
+        still start a line of shell (or end the `#SBATCH` block) in the rendered job script."""
         for name in ("job_name", "partition", "account", "time", "python", "extra_sbatch", "srun_args"):
             values = getattr(self, name)
             for value in values if isinstance(values, list) else [values]:
                 if value is not None and any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
-                    raise ValueError(f"slurm.{name} contains a control character (a newline?): {value!r}")
+                    raise FieldError(name, f"contains a control character (a newline?): {value!r}")
+        if bad := [option for option in self.extra_sbatch if not option.startswith("-")]:
+            raise FieldError("extra_sbatch", f"each entry is one #SBATCH option such as --exclusive (got {bad[0]!r})")
         return self
 
     @model_validator(mode="after")

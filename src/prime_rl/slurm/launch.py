@@ -28,6 +28,7 @@ checkpoint and passes `--ckpt.resume-step=latest`, so it goes on at the next ste
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -92,27 +93,53 @@ def torchrun_nodes(nodes: int) -> list[str]:
     return ["--nnodes", str(nodes), "--node-rank", "$SLURM_PROCID", "--rdzv-endpoint", "$TRAINER_HEAD:$RDZV_PORT"]
 
 
+def sbatch_arg(arg: str) -> str:
+    """One argument of a #SBATCH line as sbatch's parser reads it: as is when it holds nothing that parser treats
+    specially, else in double quotes (whitespace splits arguments, quotes group, `\\` escapes, `#` starts a
+    comment). Bash never reads these lines: to it they are comments."""
+    if not re.search(r"[\s\"'\\#]", arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def one_line(what: str, value: object) -> str:
+    """`value` as text, refused (ValueError) when a control character in it would end a line of the script."""
+    text = str(value)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise ValueError(f"{what} contains a control character (a newline?): {text!r}; it would end a job script line")
+    return text
+
+
 def sbatch_header(
-    slurm: SlurmConfig, name: str, nodes: int, output_dir: Path, argv: list[str], resumable: bool
+    slurm: SlurmConfig,
+    name: str,
+    nodes: int,
+    output_dir: Path,
+    argv: list[str],
+    resumable: bool,
+    secrets: tuple[str, ...] = (),
 ) -> list[str]:
     """The #SBATCH lines and the script's start; `resumable` (the run checkpoints): the stop signal, and
-    RESUME set when a trainer checkpoint is there (a requeued or resubmitted job)."""
+    RESUME set when a trainer checkpoint is there (a requeued or resubmitted job); `secrets`: values the
+    `# Rendered by` line must not show."""
     if slurm.requeue and not resumable:
         raise ValueError("slurm.requeue resumes the run from its checkpoints: also set ckpt (e.g. --ckpt.interval 50)")
+    cwd, output_dir = one_line("the working directory", Path.cwd()), one_line("output_dir", output_dir)
     options = [f"--job-name={slurm.job_name or name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     options += [f"--partition={slurm.partition}"] if slurm.partition else []
     options += [f"--account={slurm.account}"] if slurm.account else []
     options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
     options += [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
     options += [f"--time={slurm.time}"] if slurm.time else []
-    options += [f"--chdir={Path.cwd()}", f"--output={output_dir}/logs/slurm-%j.log"]
+    options += [f"--chdir={cwd}", f"--output={output_dir}/logs/slurm-%j.log"]
     options += ["--requeue", "--open-mode=append"] if slurm.requeue else ["--no-requeue"]
     options += [f"--signal=USR1@{slurm.signal_seconds}"] if resumable and slurm.signal_seconds else []
     options += slurm.extra_sbatch
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options)]
-    lines += [f"# Rendered by `{name} --slurm`: {argv_comment(name, argv)}", "set -euo pipefail", *slurm.setup]
-    python = slurm.python or sys.executable
-    lines += [f"export OUTPUT_DIR={shlex.quote(str(output_dir))}", f"export PY={shlex.quote(python)}"]
+    lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_arg(o)}" for o in options)]
+    comment = argv_comment(name, argv, secrets)
+    lines += [f"# Rendered by `{name} --slurm`: {comment}", "set -euo pipefail", *slurm.setup]
+    python = one_line("slurm.python", slurm.python or sys.executable)
+    lines += [f"export OUTPUT_DIR={shlex.quote(output_dir)}", f"export PY={shlex.quote(python)}"]
     return lines + [RESUME_IF_CHECKPOINTED] if resumable else lines
 
 
@@ -151,9 +178,10 @@ def srun(slurm: SlurmConfig, *options: str) -> str:
 SECRET_FLAG = re.compile(r"--(?:[\w-]+\.)*api[-_]key(?:=|$)")
 
 
-def argv_comment(name: str, argv: list[str]) -> str:
-    """The command that rendered the job, for its first lines: secrets (`--...api-key`) replaced by `***`, and
-    control characters escaped, so that no value can end the comment and start a line of shell."""
+def argv_comment(name: str, argv: list[str], secrets: tuple[str, ...] = ()) -> str:
+    """The command that rendered the job, for its first lines: secrets (`--...api-key X`, `--...api-key=X`, and
+    any of `secrets` wherever it appears) replaced by `***`, and control characters escaped, so that no value can
+    end the comment and start a line of shell."""
     shown, hide = [], False
     for arg in argv:
         if hide:
@@ -163,9 +191,24 @@ def argv_comment(name: str, argv: list[str]) -> str:
                 arg = arg.split("=", 1)[0] + "=***"
             else:
                 hide = True
+        for secret in sorted(secrets, key=len, reverse=True):
+            arg = arg.replace(secret, "***")
         shown.append(arg)
     text = shlex.join([name, *shown])
     return "".join(f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch for ch in text)
+
+
+SECRET_VAR = re.compile(r"KEY|TOKEN|SECRET|PASSW", re.IGNORECASE)
+
+
+def key_values(config) -> tuple[str, ...]:
+    """Values the `# Rendered by` line must not show: the API key an `rl` config knows (given, or read from the
+    env var it names) and the value of every env var named like a secret (HF_TOKEN, WANDB_API_KEY, ...) that
+    is long enough to be one, should the command line hold it."""
+    inference = getattr(config, "inference", None)
+    values = {inference.api_key} if inference is not None else set()
+    values |= {value for name, value in os.environ.items() if SECRET_VAR.search(name) and len(value) >= 8}
+    return tuple(value for value in values if value)
 
 
 NODE_LISTS = """mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -251,7 +294,7 @@ def render_rl(config, argv: list[str]) -> Job:
                 "rl runs its services on one node: set slurm.inference_nodes and slurm.trainer_nodes to spread them"
             )
         resumable = config.trainer.ckpt is not None
-        lines = sbatch_header(slurm, "rl", 1, output_dir, argv, resumable)
+        lines = sbatch_header(slurm, "rl", 1, output_dir, argv, resumable, key_values(config))
         rl = [
             "$PY",
             "-m",
@@ -284,7 +327,9 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
 
     first_trainer = 0 if shared else n_inf
     arrays = f'INFERENCE_NODES=("${{NODES[@]:0:{n_inf}}}")\nTRAINER_NODES=("${{NODES[@]:{first_trainer}:{n_train}}}")'
-    lines = sbatch_header(slurm, "rl", 1 if shared else n_inf + n_train, output_dir, argv, resumable)
+    lines = sbatch_header(
+        slurm, "rl", 1 if shared else n_inf + n_train, output_dir, argv, resumable, key_values(config)
+    )
     clear = ["$PY", "-c", CLEAR_PREVIOUS_RUN, "$OUTPUT_DIR"]
     lines += [
         NODE_LISTS.format(arrays=arrays, port=slurm.rdzv_port),
@@ -351,7 +396,7 @@ def render_sft(config, argv: list[str]) -> Job:
            "-m", "prime_rl.entrypoints.sft", "@", "$OUTPUT_DIR/run/slurm/sft.toml"]  # fmt: skip
     cmd += [RESUME] if resumable else []
     env = {} if slurm.gpus_per_node else {"CUDA_VISIBLE_DEVICES": ""}
-    lines = sbatch_header(slurm, "sft", nodes, output_dir, argv, resumable)
+    lines = sbatch_header(slurm, "sft", nodes, output_dir, argv, resumable, key_values(config))
     lines += [
         NODE_LISTS.format(arrays='TRAINER_NODES=("${NODES[@]}")', port=slurm.rdzv_port),
         'echo "prime-rl: sft on ${TRAINER_NODES[*]} (rendezvous $TRAINER_HEAD:$RDZV_PORT)"',

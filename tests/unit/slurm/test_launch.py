@@ -299,13 +299,6 @@ def test_a_sigterm_to_the_services_of_a_multi_node_job_ends_it_as_stopped_not_fa
     assert (tmp_path / "requeued").read_text() == "requeue 42\n"
 
 
-@pytest.mark.parametrize("flag", ["--slurm.job-name", "--slurm.partition", "--slurm.account", "--slurm.time",
-                                  "--slurm.extra-sbatch", "--slurm.srun-args"])  # fmt: skip
-def test_a_newline_in_a_value_that_reaches_a_job_line_is_a_config_error(tmp_path, flag):
-    with pytest.raises(ConfigError, match=r"slurm\.\w+ contains a control character"):
-        rl(tmp_path, flag, "x\ntouch /tmp/injected")
-
-
 def test_no_cli_value_becomes_a_shell_line_or_leaks_a_secret_through_the_rendered_by_comment(tmp_path):
     """Any CLI value lands in the `# Rendered by` comment: a newline there would end it and run the rest."""
     marker = tmp_path / "injected"
