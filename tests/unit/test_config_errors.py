@@ -32,6 +32,8 @@ CASES = [
      "[env PRIME_ENV]"),
     ("orchestrator", [], {"PRIME_CLIENT__BASE_URL": "http://x:8000/v1"}, "client.base_url: not valid JSON (a list "
      """in an env var is JSON, e.g. '["a", "b"]') (got 'http://x:8000/v1') [env PRIME_CLIENT__BASE_URL]"""),
+    ("orchestrator", [], {"PRIME_ENV": ""}, "env: not valid JSON (a list in an env var is JSON, e.g. "
+     """'["a", "b"]') (got '') [env PRIME_ENV]"""),
     ("rl", [], {"PRIME_ORCHESTRATOR__SAMPLING": "temperature=1"}, "orchestrator.sampling: not valid JSON (a table "
      """in an env var is JSON, e.g. '{"key": 1}') (got 'temperature=1') [env PRIME_ORCHESTRATOR__SAMPLING]"""),
     ("trainer", ["@", "lr.toml"], {}, "optim.lr: Input should be a finite number (got inf) [lr.toml]"),

@@ -98,7 +98,7 @@ def _env_errors(cls: type[BaseModel]) -> list[str]:
     cannot: it raises a SettingsError naming only the top-level field, with a traceback."""
     lines = []
     for name, value in sorted(os.environ.items()):
-        if not name.startswith(ENV_PREFIX) or not value:
+        if not name.startswith(ENV_PREFIX):
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         kind = env_json_kind(cls, path)
