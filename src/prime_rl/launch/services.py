@@ -49,7 +49,13 @@ def service_commands(run_dir: Path, trainer_procs: int) -> dict[str, list[str]]:
 
 
 def service_configs(
-    config: RLConfig, trainer_ranks: int, *, key_in_env: bool, layout: str = "", host: str | None = None
+    config: RLConfig,
+    trainer_ranks: int,
+    *,
+    key_in_env: bool,
+    layout: str = "",
+    host: str | None = None,
+    self_watch: bool = False,
 ) -> dict[str, BaseConfig]:
     """The inference, orchestrator and trainer configs as the launcher runs them; `config` is left as it is.
 
@@ -59,6 +65,8 @@ def service_configs(
     - `key_in_env`: the API key travels in the environment under the orchestrator's client.api_key_var (the
       written configs never hold it), so the server reads it from there too (inference.api_key_var);
     - `host`: where the server listens, when the layout needs another address than the config's.
+    - `self_watch`: no `rl` watches the services (multi-node Slurm): the orchestrator and the trainer exit
+      when hung themselves, after `rl`'s --hang-timeout (`protocol.liveness.Heartbeat`).
     Copies, not re-validated: the server's key is only in the environment where the services run.
     """
     orchestrator, inference = config.orchestrator, config.inference
@@ -72,6 +80,10 @@ def service_configs(
         updates["inference"]["api_key_var"] = orchestrator.client.api_key_var
     if host is not None:
         updates["inference"]["server"] = inference.server.model_copy(update={"host": host})
+    if self_watch:
+        for name in ("orchestrator", "trainer"):
+            if getattr(config, name).hang_timeout is None:
+                updates[name]["hang_timeout"] = config.hang_timeout
     configs = {}
     for name in SERVICES:
         sub = getattr(config, name)

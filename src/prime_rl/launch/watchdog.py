@@ -15,9 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from prime_rl.protocol import read_beat
-
-LONG = 3  # the bound for long work and start-up, in multiples of hang_timeout
+from prime_rl.protocol.liveness import LONG, read_beat
 
 
 class Watchdog:

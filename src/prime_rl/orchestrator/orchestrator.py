@@ -127,7 +127,7 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
         logger.warning(said)
     # Beating from the start (an environment may take minutes to load); the event loop is the thread that
     # does the work, so a tick of it stamps progress: a blocked loop goes silent.
-    with Heartbeat(config.output_dir, "orchestrator") as heartbeat, ticking():
+    with Heartbeat(config.output_dir, "orchestrator", hang_timeout=config.hang_timeout) as heartbeat, ticking():
         with doing("loading environments", long=True):
             mix = build_mix(config, state)
             evals = Evals(config, state.step)

@@ -15,9 +15,12 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
+import logging
 import os
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -27,9 +30,12 @@ from pathlib import Path
 from prime_rl.protocol.files import atomic_write_json
 from prime_rl.protocol.paths import heartbeat_file
 
+HUNG = 5  # exit status of a service that found itself hung (`Heartbeat(hang_timeout=...)`)
+LONG = 3  # long work (a model load, a checkpoint) may be silent this many times the hang bound
 RUN_VAR = "PRIME_RUN_ID"  # set by `rl` for its services: the run a heartbeat belongs to
 STARTED = time.time()  # when this process started (close enough: when the protocol was imported)
 
+logger = logging.getLogger("prime_rl")
 _progress = {"time": time.time(), "doing": "working", "long": False}
 
 
@@ -67,11 +73,15 @@ def ticking(interval: float = 1.0):
 
 class Heartbeat:
     """Refreshes `heartbeat/{name}.json` every `interval` seconds from a side thread; `step`/`finished()` say
-    what the work has done."""
+    what the work has done.
 
-    def __init__(self, output_dir: Path, name: str, interval: float = 2.0):
-        self.path = heartbeat_file(output_dir, name)
-        self.interval = interval
+    `hang_timeout` (services no `rl` watches: panes, multi-node Slurm): after that long without progress (3x
+    in long work) the process logs every thread's stack and exits HUNG, so a deadlock (a stuck collective, an
+    NFS stall) ends the job, or lets its peers and the job script see it, instead of holding it forever."""
+
+    def __init__(self, output_dir: Path, name: str, interval: float = 2.0, hang_timeout: float | None = None):
+        self.path, self.name = heartbeat_file(output_dir, name), name
+        self.interval, self.hang_timeout = interval, hang_timeout
         self.step = 0
         self.units = 0
         self._stop = threading.Event()
@@ -98,6 +108,20 @@ class Heartbeat:
                 self.beat()
             except OSError:
                 pass  # a transient filesystem hiccup must not kill the service; the next beat retries
+            if self.hang_timeout is not None:
+                self._exit_if_hung(self.hang_timeout * (LONG if _progress["long"] else 1))
+
+    def _exit_if_hung(self, bound: float) -> None:
+        silence = time.time() - _progress["time"]
+        if silence <= bound:
+            return
+        logger.error(
+            f"{self.name} made no progress for {silence:.0f}s while {_progress['doing']} (> {bound:.0f}s, "
+            f"hang_timeout): exiting with status {HUNG}; where every thread was:"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(HUNG)
 
     def __enter__(self) -> Heartbeat:
         stamp()

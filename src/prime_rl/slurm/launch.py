@@ -319,7 +319,7 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
         env, procs = {s: {} for s in env}, slurm.gpus_per_node
     # The job puts a fresh API key in the steps' environment; the servers listen on every interface.
     layout = f" ({n_train} node(s) x {procs})"
-    subs = service_configs(config, n_train * procs, key_in_env=True, layout=layout, host="0.0.0.0")
+    subs = service_configs(config, n_train * procs, key_in_env=True, layout=layout, host="0.0.0.0", self_watch=True)
     configs = {name: _toml_data(sub, output_dir) for name, sub in subs.items()}
     key_var, port = config.orchestrator.client.api_key_var, config.inference.server.port
     resumable = config.trainer.ckpt is not None

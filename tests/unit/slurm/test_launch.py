@@ -71,6 +71,8 @@ def test_multi_node_rl_puts_servers_trainer_and_one_orchestrator_on_their_nodes(
     assert job.configs["inference.toml"]["api_key_var"] == "INFERENCE_SERVER_API_KEY"
     assert job.configs["inference.toml"]["server"]["host"] == "0.0.0.0"
     assert all(data["log"]["file"] is False for data in job.configs.values())  # srun writes one log per node
+    # No `rl` watches these steps: a hung orchestrator or trainer ends itself after rl's --hang-timeout.
+    assert job.configs["orchestrator.toml"]["hang_timeout"] == job.configs["trainer.toml"]["hang_timeout"] == 600
 
 
 def test_multi_node_sft_runs_torchrun_over_every_node(tmp_path):

@@ -54,7 +54,10 @@ def run(config: TrainerConfig) -> None:
 
     # Beating from the start: peers and the launcher tell a trainer loading a 70B model from a dead one.
     rank = int(os.environ.get("RANK", 0))
-    with Heartbeat(config.output_dir, f"trainer-rank{rank}") as hb, ExitStack() as stack:
+    with (
+        Heartbeat(config.output_dir, f"trainer-rank{rank}", hang_timeout=config.hang_timeout) as hb,
+        ExitStack() as stack,
+    ):
         with doing("loading the model", long=True):
             state = stack.enter_context(service.training(config, config.max_steps))
             dist = state.dist
