@@ -58,7 +58,7 @@ class ClientConfig(Section):
 
 
 class SamplingConfig(Section):
-    temperature: Annotated[float, Field(gt=0, description="sampling temperature")] = 1.0
+    temperature: Annotated[float, Field(gt=0, le=2, description="sampling temperature (the servers take <= 2)")] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass")] = 1.0
     max_tokens: Annotated[int, Field(ge=1, description="most completion tokens per model turn")] = 128
     seed: Annotated[
@@ -122,9 +122,9 @@ class EvalEnvConfig(EnvConfig):
     num_examples: Annotated[int, Field(ge=1, description="examples per evaluation (the same ones each time)")] = 32
     rollouts_per_example: Annotated[int, Field(ge=1, description="samples per example (k of pass@k)")] = 1
     seed: Annotated[int, Field(description="seed of the examples drawn")] = 1234
-    temperature: Annotated[float | None, Field(gt=0, description="sampling temperature here; unset = sampling's")] = (
-        None
-    )
+    temperature: Annotated[
+        float | None, Field(gt=0, le=2, description="sampling temperature here (<= 2); unset = sampling's")
+    ] = None
 
 
 def _one_or_many(value: Any) -> Any:

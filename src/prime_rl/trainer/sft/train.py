@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.protocol import checkpoint_due, final_weights_dir, link_final_weights
 from prime_rl.trainer import service
+from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.timer import timer
 
@@ -50,7 +51,10 @@ def run(config: SFTConfig) -> None:
     from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
     from prime_rl.trainer.step import step_metrics, train_step
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    except (OSError, ValueError) as e:  # not a hub id, no such path, no network: one line, like the model's
+        raise TrainerError(f"cannot load the tokenizer of {config.model.name!r}: {e}") from None
     samples, truncated = build_samples(config.data, tokenizer, config.seq_len)
     max_steps = config.max_steps or config.epochs * math.ceil(len(samples) / config.batch_size)
     with service.training(config, max_steps) as state:
