@@ -4,9 +4,10 @@ The entry only: parse the config, then `prime_rl.launch` resolves the three sub-
 OUTPUT_DIR/run/, spawns the services with their output captured in OUTPUT_DIR/logs/, follows their logs,
 and stops everything when one fails or on Ctrl-C (exit non-zero, naming the failed service).
 
-With `--restart N`, a service that dies is restarted alone, up to N times in all, while the others keep
-running: the trainer and the orchestrator from their newest checkpoint (`--ckpt.resume-step latest`), the
-inference server as it was started (the orchestrator waits for it and gives it the current weights).
+With `--restart N`, a service that dies, or hangs (`--hang-timeout`), is restarted alone, up to N times per
+service, while the others keep running: the trainer and the orchestrator from their newest checkpoint
+(`--ckpt.resume-step latest`), the inference server as it was started (the orchestrator waits for it and gives
+it the current weights). A permanent error or a crash loop ends the run at once (launch/supervise.py).
 
 With checkpoints on, USR1 or SIGTERM (Slurm's time-limit and preemption signals) stop the run cleanly: the
 trainer checkpoints after its current step, the orchestrator stops with its progress saved, and `rl` exits
