@@ -480,6 +480,37 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path,
         live.wait(60)
 
 
+def finished(rl: subprocess.Popen, out, seen: dict[int, str]) -> str:
+    """`rl`'s stderr once it ended with status 0 (its processes added to `seen`)."""
+    rl.wait(400)
+    seen |= descendants(rl.pid)
+    stderr = rl.stderr.read().decode()
+    assert rl.returncode == 0, stderr + show_logs(out)
+    return stderr
+
+
+def leave_nothing_running(rl: subprocess.Popen, seen: dict[int, str]) -> None:
+    import os
+    import signal
+
+    if rl.poll() is None:
+        rl.kill()
+    for pid in alive(seen):
+        os.kill(pid, signal.SIGKILL)
+
+
+def wait_for_trainer_step(rl: subprocess.Popen, out, step: int, after: float) -> dict[int, str]:
+    """Until the trainer recorded step >= `step` after time `after`; returns the processes seen meanwhile."""
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + 240
+    while not any(m["step"] >= step and m["time"] > after for m in read_metrics(out, "trainer")):
+        assert rl.poll() is None, rl.stderr.read().decode() + show_logs(out)
+        assert time.monotonic() < deadline, f"no trainer step {step} in time\n" + show_logs(out)
+        seen |= descendants(rl.pid)
+        time.sleep(0.05)
+    return seen
+
+
 def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_uninterrupted_run_does(
     tiny_model, tmp_path, free_port
 ):
@@ -520,28 +551,17 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
     killed_at = 0.0
     try:
         for _, marker, step in victims:
-            deadline = time.monotonic() + 240
             # Trainer step `step` done, after the previous victim's restart (a restarted trainer redoes steps).
-            while not any(m["step"] >= step and m["time"] > killed_at for m in read_metrics(out, "trainer")):
-                assert rl.poll() is None, rl.stderr.read().decode() + show_logs(out)
-                assert time.monotonic() < deadline, f"no trainer step {step} in time\n" + show_logs(out)
-                seen |= descendants(rl.pid)
-                time.sleep(0.05)
+            seen |= wait_for_trainer_step(rl, out, step, after=killed_at)
             time.sleep(rng.uniform(0, 0.5))  # somewhere inside the next step
             family = descendants(rl.pid)
             seen |= family
             (pid,) = [p for p, cmd in family.items() if "-m " + marker in cmd]
             os.kill(pid, signal.SIGKILL)
             killed_at = time.time()
-        rl.wait(400)
-        seen |= descendants(rl.pid)
-        stderr = rl.stderr.read().decode()
-        assert rl.returncode == 0, stderr + show_logs(out)
+        stderr = finished(rl, out, seen)
     finally:
-        if rl.poll() is None:
-            rl.kill()
-        for pid in alive(seen):
-            os.kill(pid, signal.SIGKILL)
+        leave_nothing_running(rl, seen)
 
     for name, _, _ in victims:
         assert f"{name} died (exit -9); restarting it" in stderr, stderr
@@ -575,12 +595,7 @@ def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, fre
     stopped_at = 0.0
     try:
         for name, marker, step in victims:
-            deadline = time.monotonic() + 240
-            while not any(m["step"] >= step and m["time"] > stopped_at for m in read_metrics(out, "trainer")):
-                assert rl.poll() is None, rl.stderr.read().decode() + show_logs(out)
-                assert time.monotonic() < deadline, f"no trainer step {step} in time\n" + show_logs(out)
-                seen |= descendants(rl.pid)
-                time.sleep(0.1)
+            seen |= wait_for_trainer_step(rl, out, step, after=stopped_at)
             family = descendants(rl.pid)
             seen |= family
             (pid,) = [p for p, cmd in family.items() if "-m " + marker in cmd and "torchrun" not in cmd]
@@ -590,15 +605,9 @@ def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, fre
                 assert time.monotonic() - start < 3 * hang, f"{name} not found hung\n" + show_logs(out)
                 time.sleep(0.2)
             detected[name] = time.monotonic() - start
-        rl.wait(400)
-        seen |= descendants(rl.pid)
-        stderr = rl.stderr.read().decode()
-        assert rl.returncode == 0, stderr + show_logs(out)
+        stderr = finished(rl, out, seen)
     finally:
-        if rl.poll() is None:
-            rl.kill()
-        for pid in alive(seen):
-            os.kill(pid, signal.SIGKILL)
+        leave_nothing_running(rl, seen)
     print(f"hang detected after (s): {detected}")
     for name, _, _ in victims:
         assert f"{name} is hung" in stderr and f"{name} hung (" in stderr, stderr
@@ -629,15 +638,9 @@ def test_a_service_that_lost_its_peer_gets_the_peer_restarted_not_itself_blamed(
         seen = descendants(rl.pid)
         (worker,) = [p for p, cmd in seen.items() if "-m prime_rl.entrypoints.trainer" in cmd and "torchrun" not in cmd]
         os.kill(worker, signal.SIGSTOP)
-        rl.wait(300)
-        seen |= descendants(rl.pid)
-        stderr = rl.stderr.read().decode()
-        assert rl.returncode == 0, stderr + show_logs(out)
+        stderr = finished(rl, out, seen)
     finally:
-        if rl.poll() is None:
-            rl.kill()
-        for pid in alive(seen):
-            os.kill(pid, signal.SIGKILL)
+        leave_nothing_running(rl, seen)
     assert "trainer went silent (the orchestrator gave up waiting on it); restarting it" in stderr, stderr
     assert "orchestrator died (exit 4); restarting it" in stderr and "not counted: its peer failed" in stderr
     for service in ("orchestrator", "trainer"):

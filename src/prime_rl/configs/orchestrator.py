@@ -16,7 +16,7 @@ from prime_rl.configs import (
     Section,
     WeightTransferConfig,
 )
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName, SelfHangTimeout
 
 
 class ClientConfig(Section):
@@ -188,14 +188,7 @@ class OrchestratorConfig(BaseConfig):
     heartbeat_timeout: Annotated[
         float, Field(gt=0, description="a trainer heartbeat older than this means the trainer is dead")
     ] = 120.0
-    hang_timeout: Annotated[
-        float | None,
-        Field(
-            gt=0,
-            description="exit (status 5, every thread's stack in the log) after this long without progress (3x "
-            "in long work): for panes and multi-node Slurm; under `rl` its --hang-timeout watches instead",
-        ),
-    ] = None
+    hang_timeout: SelfHangTimeout = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     weight_transfer: Annotated[
         WeightTransferConfig,

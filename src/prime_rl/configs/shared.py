@@ -118,3 +118,14 @@ class CkptConfig(Section):
         int | Literal["latest"] | None,
         Field(description="resume from checkpoints/step_N (a number or 'latest'); unset = start fresh"),
     ] = None
+
+
+# The orchestrator's and the trainer's own hang watch (protocol.liveness.Heartbeat), for where no `rl` watches.
+SelfHangTimeout = Annotated[
+    float | None,
+    Field(
+        gt=0,
+        description="exit (status 5, every thread's stack in the log) after this long without progress (3x "
+        "in long work): for panes and multi-node Slurm; under `rl` its --hang-timeout watches instead",
+    ),
+]

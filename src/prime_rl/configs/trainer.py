@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import OutputDir, Section, WeightTransferConfig
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, SelfHangTimeout
 from prime_rl.configs.training import TrainingConfig
 
 
@@ -64,14 +64,7 @@ class TrainerConfig(TrainingConfig):
     ] = 1
     loss: Annotated[LossConfig, Field(description="RL loss")] = LossConfig()
     data: Annotated[DataConfig, Field(description="reading rollouts")] = DataConfig()
-    hang_timeout: Annotated[
-        float | None,
-        Field(
-            gt=0,
-            description="exit (status 5, every thread's stack in the log) after this long without progress (3x "
-            "in long work): for panes and multi-node Slurm; under `rl` its --hang-timeout watches instead",
-        ),
-    ] = None
+    hang_timeout: SelfHangTimeout = None
     keep_weights: Annotated[
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None
