@@ -177,6 +177,25 @@ def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, 
     assert leftovers == [], "orphan processes left behind"
 
 
+def test_a_stop_signal_stops_the_run_resumably_with_no_traceback_anywhere(tiny_model, tmp_path, free_port):
+    """USR1 (Slurm's stop signal) to a checkpointing `rl`: the trainer checkpoints after its step, rl exits 3,
+    and neither the console nor any log shows a traceback (torchrun used to print its SignalException)."""
+    import signal
+
+    out = tmp_path / "out"
+    rl = start_rl([*small_run(tiny_model, out, free_port, max_steps=40), "--ckpt.interval", "100"])
+    try:
+        wait_for_trainer_step(rl, out, 2, after=0)
+        rl.send_signal(signal.SIGUSR1)
+        rl.wait(120)
+        stderr = rl.stderr.read().decode()
+    finally:
+        leave_nothing_running(rl, {})
+    assert rl.returncode == 3, stderr
+    assert "stopped: trainer checkpoint step" in stderr
+    no_traceback(stderr, out)
+
+
 def on_policy_broadcast_run(model, out, port: int, *extra: str) -> list[str]:
     return [
         "--model.name", str(model), "--output-dir", str(out), "--max-steps", "3", "--async-level", "0",

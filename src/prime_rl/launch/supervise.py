@@ -159,16 +159,18 @@ class Restarter:
         name, rc = dead.name, dead.returncode
         if name in self.due:
             return
+        if self.total == 0:
+            raise ServiceFailed(dead, why)  # "failed (exit N)", or why it hung
         why = why or f"died (exit {rc})"
         if rc == FATAL:
             raise ServiceFailed(dead, f"failed with a permanent error (exit {FATAL}): not restarted")
         early = self.early_deaths.get(name, 0) + 1 if charged and not dead.worked else 0
         self.early_deaths[name] = early
-        if self.total and early >= 2:
+        if early >= 2:
             raise ServiceFailed(dead, f"{why} again before finishing a unit of work: a crash loop, not restarted")
         count = self.restarts.get(name, 0) + charged
         if count > self.total:
-            raise ServiceFailed(dead, why if self.total == 0 else f"{why}; no restart left (--restart {self.total})")
+            raise ServiceFailed(dead, f"{why}; no restart left (--restart {self.total})")
         self.restarts[name] = count
         if rc == PEER_LOST and (peer := next((s for s in services if s.name == PEER.get(name)), None)):
             if peer.returncode is None and peer.name not in self.due:
