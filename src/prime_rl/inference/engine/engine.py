@@ -22,7 +22,9 @@ awaits the swap knows every later request sees the new weights. A CPU copy of th
 startup makes `/reload_weights` exact, and is what a LoRA adapter (`lora`) is merged onto (weights.py).
 
 This module holds the `Engine`, its asyncio API and the worker's scheduling loop. The data it takes and hands
-out is in types.py, a row's stop rules and text in rows.py, and `build_engine` (loading a model) in build.py.
+out is in types.py, a row's stop rules and text in rows.py, what an iteration comes to for each request (its
+draws, answers, deltas and failures, handed to the asyncio side) in outcomes.py, and `build_engine` (loading a
+model) in build.py.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from prime_rl.configs.inference import EngineConfig, StartupError
 from prime_rl.inference.broadcast import BroadcastReceiver
 from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
+from prime_rl.inference.engine.outcomes import fail, fail_request, post, post_deltas, record_draws, resolve, retire
 from prime_rl.inference.engine.rows import Row, eos_ids
-from prime_rl.inference.engine.sampling import SamplingParams, sample_batch
-from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Request, RequestFailed, Sample, Swap
+from prime_rl.inference.engine.sampling import SamplingParams
+from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Request, Sample, Swap
 from prime_rl.inference.engine.weights import (
     LoadedWeights,
     checkpoint_specs,
@@ -240,9 +243,9 @@ class Engine:
                 self._iteration()
             except Exception as e:  # a failed forward fails the requests in it, not the server
                 logger.exception("engine iteration failed")
-                self._fail([row.request for row in self._batch.rows], e)
+                fail([row.request for row in self._batch.rows], e)
                 self._batch = self._new_batch()
-        self._fail([row.request for row in self._batch.rows] + list(self._waiting), EngineClosed("engine stopped"))
+        fail([row.request for row in self._batch.rows] + list(self._waiting), EngineClosed("engine stopped"))
 
     def _iteration(self) -> None:
         self._drop_cancelled()
@@ -299,105 +302,31 @@ class Engine:
             logits = self._batch.join(requests, rows)
         except Exception as e:
             if len(requests) == 1:
-                return self._fail_request(requests[0], e)
+                return fail_request(requests[0], e)
             for request in requests:
                 self._prefill([request])
             return
         self._sample(logits, rows)
         self.requests += len(requests)
         self.prefills += 1
-        self._retire(range(start, start + len(rows)))
+        retire(self._batch, range(start, start + len(rows)), self.step)
 
     def _decode(self) -> None:
         logits = self._batch.step()
         self._sample(logits, self._batch.rows)
-        self._retire(range(len(self._batch.rows)))
+        retire(self._batch, range(len(self._batch.rows)), self.step)
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> None:
-        """Draw each row's next token and record it. Sampling is batched, but what fails in it fails only the
-        requests whose own rows fail: the batch is drawn again row by row when its draw raises."""
-        try:
-            draws = self._draw(logits, rows)
-        except Exception:
-            draws = None
-        for b, row in enumerate(rows):
-            try:
-                if draws is not None:
-                    token, logprob, top = draws.tokens[b], draws.logprobs[b], draws.top[b]
-                else:
-                    alone = self._draw(logits[b : b + 1], [row])
-                    token, logprob, top = alone.tokens[0], alone.logprobs[0], alone.top[0]
-                row.append(token, logprob, top, self.eos_ids, self._text)
-            except Exception as e:
-                self._fail_request(row.request, e)
+        """Draw and record each row's next token (a failure fails only its own request) and count it; a streamed
+        request gets what its rows gained."""
+        record_draws(logits, rows, self.eos_ids, self._text)
         self.generated_tokens += len(rows)
         now = time.monotonic()
         self._recent.append((now, len(rows)))
         while now - self._recent[0][0] > 60:
             self._recent.popleft()
         if any(row.request.events is not None for row in rows):
-            self._post_deltas(rows)
-
-    def _draw(self, logits: torch.Tensor, rows: list[Row]):
-        params = [row.request.params for row in rows]
-        seen = None
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-            for b, row in enumerate(rows):
-                if row.request.params.repetition_penalty != 1.0:
-                    seen[b, row.request.prompt_ids + row.token_ids] = True
-        blocked = [row.blocked(self.eos_ids) for row in rows]
-        return sample_batch(logits, params, [row.generator for row in rows], seen, blocked)
-
-    def _fail_request(self, request: Request, error: Exception) -> None:
-        """Fail one request (its rows leave the batch at the next `_drop_cancelled`); the others go on."""
-        if request.cancelled:
-            return
-        logger.exception(f"the engine failed a request: {error}", exc_info=error)
-        request.cancelled = True
-        self._fail([request], RequestFailed(f"the engine failed on this request: {type(error).__name__}: {error}"))
-
-    def _retire(self, candidates: range) -> None:
-        """Answer requests whose rows are all finished and drop finished rows from the batch."""
-        rows = self._batch.rows
-        done = [b for b in candidates if rows[b].finish_reason is not None]
-        if not done:
-            return
-        for b in done:
-            row = rows[b]
-            request = row.request
-            request.samples[row.index] = Sample(
-                row.token_ids, row.logprobs, row.top_logprobs, row.text or "", row.finish_reason, self.step
-            )
-            if all(s is not None for s in request.samples):
-                _post(request.loop, _resolve, request.future, request.samples)
-        finished = set(done)
-        self._batch.keep([b for b in range(len(rows)) if b not in finished])
-
-    def _post_deltas(self, rows: list[Row]) -> None:
-        """Send each streamed request what its rows gained this iteration (one event per request)."""
-        by_request: dict[int, tuple[Request, list[Delta]]] = {}
-        for row in rows:
-            request = row.request
-            if request.events is None or request.cancelled:
-                continue
-            try:
-                text = row.stream_text(self._text)
-            except Exception as e:
-                self._fail_request(request, e)
-                continue
-            delta = Delta(
-                row.index,
-                row.token_ids[row.streamed :],
-                row.logprobs[row.streamed :],
-                row.top_logprobs[row.streamed :],
-                text,
-                row.finish_reason,
-            )
-            row.streamed = len(row.token_ids)
-            by_request.setdefault(id(request), (request, []))[1].append(delta)
-        for request, deltas in by_request.values():
-            _post(request.loop, request.events.put_nowait, deltas)
+            post_deltas(rows, self._text)
 
     def _apply_swap(self) -> None:
         swap, params = self._swap, self.model.state_dict()
@@ -412,13 +341,7 @@ class Engine:
             logger.exception("weight swap failed")
             result = e
         self._swap = None
-        _post(swap.loop, _resolve, swap.future, result)
-
-    def _fail(self, requests: list[Request], error: BaseException) -> None:
-        for request in {id(r): r for r in requests}.values():
-            _post(request.loop, _resolve, request.future, error)
-            if request.events is not None:
-                _post(request.loop, request.events.put_nowait, error)
+        post(swap.loop, resolve, swap.future, result)
 
     def _text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -453,20 +376,3 @@ def _mix(seed: int, sample: int) -> int:
     # Sample i of a seeded request always gets the same generator, so its tokens do not depend on the
     # batch; the odd multiplier keeps (seed=1, sample 0) and (seed=0, sample 1) apart.
     return (seed + sample * 0x9E3779B97F4A7C15) % 2**63
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    """Run `fn(*args)` on the awaiting side's loop; a loop that is gone has no one left to tell."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop is closed
-        pass
-
-
-def _resolve(future: asyncio.Future, result: Any) -> None:
-    if future.done():  # the client went away and the route was cancelled
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)

@@ -1,6 +1,6 @@
 """The engine's data: what a request gets back (`Sample`, `Delta`) or why it is refused or failed (`EngineBusy`,
 `EngineClosed`, `RequestFailed`), and what a request and a pending weight swap carry from the asyncio side to the worker
-thread and back (engine.py). A request's rows, while decoded, are rows.py's."""
+thread and back (engine.py, outcomes.py). A request's rows, while decoded, are rows.py's."""
 
 from __future__ import annotations
 
