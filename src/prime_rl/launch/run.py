@@ -44,9 +44,10 @@ def _run(config: RLConfig, lock_token: str) -> None:
     follower.start()
     health = f"http://127.0.0.1:{config.inference.server.port}/health"
     try:
-        start_services(config, services, commands, env, trainer_procs)
+        restart = Restarter(config, commands, env)
+        start_services(config, services, commands, env, trainer_procs, restart)
         with Watchdog(output_dir, lock_token, config.hang_timeout, health, trainer_procs) as watchdog:
-            watch(services, Restarter(config, commands, env), watchdog, config)
+            watch(services, restart, watchdog, config)
         logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
         from prime_rl.utils.plot import plot_runs
 
@@ -88,6 +89,7 @@ def start_services(
     commands: dict[str, list[str]],
     env: dict[str, dict[str, str]],
     trainer_procs: int,
+    restart: Restarter,
 ) -> None:
     """Start the services into `services`: the trainer only needs rollouts, so it loads while the server does;
     the orchestrator needs the server."""
@@ -95,7 +97,7 @@ def start_services(
     for name in ("inference", "trainer"):
         services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
     port = config.inference.server.port
-    wait_for_inference(services, f"http://127.0.0.1:{port}/health", config.startup_timeout)
+    wait_for_inference(services, f"http://127.0.0.1:{port}/health", config.startup_timeout, restart)
     logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
     services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
                             env["orchestrator"]))  # fmt: skip

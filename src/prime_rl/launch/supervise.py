@@ -101,17 +101,22 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def wait_for_inference(services: list[Service], url: str, timeout: float) -> None:
-    """Wait for the server's /health; fail at once if any started service dies meanwhile."""
+def wait_for_inference(services: list[Service], url: str, timeout: float, restart: Restarter | None = None) -> None:
+    """Wait for the server's /health; fail at once if any started service dies meanwhile (or, with `restart`,
+    replace a trainer that does: the server's start may take minutes, a crash loop must end in seconds)."""
     import httpx
 
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if signal_name := stop_requested():
             raise StopRequested(f"{signal_name} received while waiting for the inference server; nothing to save")
-        for service in services:
+        for service in list(services):
             if service.returncode is not None:
-                raise ServiceFailed(service)
+                if restart is None or service.name == "inference":
+                    raise ServiceFailed(service)
+                restart(services, service)
+        if restart is not None:
+            restart.start_due(services)
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
