@@ -1,6 +1,7 @@
 """The whole loop: `rl` runs inference, orchestrator and trainer as real processes on loopback."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -434,7 +435,7 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
             assert rl.poll() is None and time.monotonic() < deadline, rl.stderr.read().decode() if rl.poll() else "slow"
             time.sleep(0.5)
         family = descendants(rl.pid)
-        torchrun = [p for p, cmd in family.items() if "torch.distributed.run" in cmd]
+        torchrun = [p for p, cmd in family.items() if "prime_rl.launch.torchrun" in cmd]
         workers = [p for p, cmd in family.items() if "prime_rl.entrypoints.trainer" in cmd and p not in torchrun]
         assert torchrun and workers, family
         os.kill(torchrun[0], signal.SIGKILL)
@@ -560,7 +561,7 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
 
     rng = random.Random(17)
     victims = [  # (service, its command line marker, the trainer step to wait for)
-        ("trainer", "torch.distributed.run", rng.randint(2, 4)),
+        ("trainer", "prime_rl.launch.torchrun", rng.randint(2, 4)),
         ("orchestrator", "prime_rl.entrypoints.orchestrator", rng.randint(5, 7)),
         ("inference", "prime_rl.entrypoints.inference", rng.randint(8, 10)),
     ]
@@ -621,7 +622,7 @@ def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, fre
             os.kill(pid, signal.SIGSTOP)
             stopped_at, start = time.time(), time.monotonic()
             while alive([pid]):  # rl kills the silent one
-                assert time.monotonic() - start < 3 * hang, f"{name} not found hung\n" + show_logs(out)
+                assert time.monotonic() - start < 3 * hang + 10, f"{name} not found hung\n" + show_logs(out)
                 time.sleep(0.2)
             detected[name] = time.monotonic() - start
         stderr = finished(rl, out, seen)
@@ -629,8 +630,10 @@ def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, fre
         leave_nothing_running(rl, seen)
     print(f"hang detected after (s): {detected}")
     for name, _, _ in victims:
-        assert f"{name} is hung" in stderr and f"{name} hung (" in stderr, stderr
-        assert hang - 3 <= detected[name] < hang + 10, detected  # silence counts from its last beat
+        assert f"{name} hung (" in stderr, stderr
+        # Within the bound of what it was doing: 30 s, or 90 s if stopped while writing a checkpoint.
+        bound = int(re.search(rf"{name} is hung: .*?\(> (?:--hang-timeout )?(\d+)s\)", stderr)[1])
+        assert bound in (hang, 3 * hang) and bound - 3 <= detected[name] < bound + 10, (bound, detected)
     for service in ("orchestrator", "trainer"):
         assert [m["step"] for m in read_metrics(out, service)] == list(range(14)), service
     assert alive(seen) == [], {p: seen[p] for p in alive(seen)}

@@ -34,7 +34,7 @@ def _run(config: RLConfig, lock_token: str) -> None:
         write_run_config(getattr(config, name), name, output_dir)
     write_run_config(config, "rl", output_dir)
     # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
-    if said := prepare_output_dir(output_dir, resume_step(config)):
+    if said := prepare_output_dir(output_dir, resume_step(config), launcher=True):
         logger.warning(said)
     commands = service_commands(run_dir(output_dir), trainer_procs)
     services: list[Service] = []

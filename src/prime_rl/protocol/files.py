@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from prime_rl.protocol.paths import STABLE, final_weights_dir, heartbeat_dir, list_steps, rollouts_dir, weights_root
+from prime_rl.protocol.paths import STABLE, final_weights_dir, list_steps, rollouts_dir, weights_root
 
 
 def _fsync_dir(path: Path) -> None:
@@ -140,13 +140,10 @@ def clear_previous_run(output_dir: Path) -> str:
     """Delete the rollouts and weights an earlier run left in `output_dir` (checkpoints stay); say what went.
 
     A fresh run must never read them: a stale `weights/step_n` would be served as this run's policy, stale
-    rollouts trained on, and the trainer's keep policy would prune its new weights in their favour. Its
-    heartbeats go too (a live service of this run writes its own again within seconds).
+    rollouts trained on, and the trainer's keep policy would prune its new weights in their favour.
     """
     removed = []
     for parent in (rollouts_dir(output_dir), weights_root(output_dir)):
         if steps := prune_steps(parent, keep=0):
             removed.append(f"{parent.name}/step_{steps[0]}..{steps[-1]}")
-    for beat in heartbeat_dir(output_dir).glob("*.json"):
-        beat.unlink(missing_ok=True)
     return f"fresh start: removed {', '.join(removed)} left in {output_dir} by an earlier run" if removed else ""

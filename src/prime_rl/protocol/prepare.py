@@ -14,17 +14,24 @@ from pathlib import Path
 
 from prime_rl.protocol.files import clear_previous_run
 from prime_rl.protocol.lock import RunLock
-from prime_rl.protocol.paths import STABLE, list_steps, rollout_step_dir, rollouts_dir
+from prime_rl.protocol.paths import STABLE, heartbeat_dir, list_steps, rollout_step_dir, rollouts_dir
 
 
-def prepare_output_dir(output_dir: Path, resume_step: int | None) -> str:
+def prepare_output_dir(output_dir: Path, resume_step: int | None, *, launcher: bool = False) -> str:
     """Make `output_dir` ready for a run that starts at `resume_step` (None: fresh); say what went, or "".
+
+    `launcher`: called before any service of the run started (`rl`, a Slurm job), so the heartbeats an earlier
+    run left go too; a service must keep them: a peer of its run may be beating there already (and a beat of
+    an earlier run never counts against this one: `liveness.Beat.of_this_run`).
 
     Fresh: the rollouts and weights an earlier run left go (checkpoints stay): served or trained on, they
     would pass for this run's. Resumed at the orchestrator's checkpoint step n: the rollouts of steps >= n go,
     since the interrupted run may have written some the resumed one redoes; earlier ones stay for a trainer
     that resumes at an earlier step, and so do the weights (the inference server may be serving them).
     """
+    if launcher:
+        for beat in heartbeat_dir(output_dir).glob("*.json"):
+            beat.unlink(missing_ok=True)
     if resume_step is None:
         return clear_previous_run(output_dir)
     dropped = [step for step in list_steps(rollouts_dir(output_dir)) if step >= resume_step]

@@ -78,7 +78,7 @@ export TRAINER_HEAD=${{TRAINER_NODES[0]}} RDZV_PORT={port}"""
 # A fresh job's first step: the fresh case of `protocol.prepare_output_dir`, the one owner of that rule.
 CLEAR_PREVIOUS_RUN = (
     "import pathlib, sys; from prime_rl.protocol import prepare_output_dir; "
-    'print("prime-rl:", prepare_output_dir(pathlib.Path(sys.argv[1]), None) or "fresh start")'
+    'print("prime-rl:", prepare_output_dir(pathlib.Path(sys.argv[1]), None, launcher=True) or "fresh start")'
 )
 
 # Bash that follows the steps started in the background (STEP_PIDS: name -> srun pid).
@@ -298,7 +298,7 @@ def prepare_for_run(config) -> None:
         return
     output_dir = config.orchestrator.output_dir
     with run_locks(output_dir):
-        if said := prepare_output_dir(output_dir, None):
+        if said := prepare_output_dir(output_dir, None, launcher=True):
             print(f"prime-rl: {said}", file=sys.stderr)
 
 
