@@ -52,3 +52,15 @@ def test_run_locks_hold_both_roles_and_children_join_with_the_token(tmp_path):
             assert RunLock(tmp_path, role, token=token).acquire().joined
     with RunLock(tmp_path, "trainer"):  # released
         pass
+
+
+def test_only_a_launcher_clears_the_heartbeats_a_service_may_share_with_live_peers(tmp_path):
+    """`rl` and a Slurm job clear the heartbeats before their services start; the orchestrator's own fresh
+    start, with the trainer of its run already beating, must not delete that trainer's beat."""
+    from prime_rl.protocol import Heartbeat, heartbeat_file
+
+    with Heartbeat(tmp_path, "trainer-rank0", interval=60):
+        prepare_output_dir(tmp_path, None)
+        assert heartbeat_file(tmp_path, "trainer-rank0").is_file()
+    prepare_output_dir(tmp_path, None, launcher=True)
+    assert not heartbeat_file(tmp_path, "trainer-rank0").exists()
