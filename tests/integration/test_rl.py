@@ -631,9 +631,10 @@ def test_a_hung_service_is_detected_named_and_replaced(tiny_model, tmp_path, fre
     print(f"hang detected after (s): {detected}")
     for name, _, _ in victims:
         assert f"{name} hung (" in stderr, stderr
-        # Within the bound of what it was doing: 30 s, or 90 s if stopped while writing a checkpoint.
+        # Within the bound of what it was doing: 30 s, or 90 s if stopped while writing a checkpoint (silence
+        # counts from its last beat, up to ~2 s before the stop).
         bound = int(re.search(rf"{name} is hung: .*?\(> (?:--hang-timeout )?(\d+)s\)", stderr)[1])
-        assert bound in (hang, 3 * hang) and bound - 3 <= detected[name] < bound + 10, (bound, detected)
+        assert bound in (hang, 3 * hang) and bound - 5 <= detected[name] < bound + 10, (bound, detected)
     for service in ("orchestrator", "trainer"):
         assert [m["step"] for m in read_metrics(out, service)] == list(range(14)), service
     assert alive(seen) == [], {p: seen[p] for p in alive(seen)}

@@ -37,6 +37,9 @@ STARTED = time.time()  # when this process started (close enough: when the proto
 
 logger = logging.getLogger("prime_rl")
 _progress = {"time": time.time(), "doing": "working", "long": False}
+# Set when what the work is doing changes: the heartbeat is written at once (a file that still says "long
+# work" after it ended would give a process stopped just then the long bound), not at the next interval.
+_changed = threading.Event()
 
 
 def stamp() -> None:
@@ -49,10 +52,12 @@ def doing(what: str, long: bool = False):
     """Label the work for the heartbeat; `long` work (model load, checkpoint) gets the longer hang bound."""
     before = dict(_progress)
     _progress.update(doing=what, long=long, time=time.time())
+    _changed.set()
     try:
         yield
     finally:
         _progress.update(doing=before["doing"], long=before["long"], time=time.time())
+        _changed.set()
 
 
 @contextmanager
@@ -91,6 +96,7 @@ class Heartbeat:
         """A unit of work (a step) is done."""
         self.step, self.units = step + 1, self.units + 1
         stamp()
+        _changed.set()
 
     def beat(self) -> None:
         atomic_write_json(
@@ -103,7 +109,11 @@ class Heartbeat:
         )  # fmt: skip
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            _changed.wait(self.interval)
+            _changed.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.beat()
             except OSError:
@@ -131,6 +141,7 @@ class Heartbeat:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        _changed.set()
         self._thread.join(timeout=self.interval + 1)
         try:
             self.beat()  # the last word: what it finished
