@@ -55,7 +55,6 @@ class Watchdog:
             self._inference_pid = service.proc.pid
             last = self.healthy_at.get(service.proc.pid)
             if last is None:
-                service.worked = False
                 if since_start > LONG * self.hang:
                     return f"not healthy {since_start:.0f}s after its start (> {LONG} x --hang-timeout)"
                 return None
