@@ -10,12 +10,15 @@ Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
 
 from __future__ import annotations
 
+import json
+
 from prime_rl.configs.inference import InferenceConfig, StartupError
 
 # `--max-lora-rank` values vLLM 0.26 accepts (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 WORKER_EXTENSION = "prime_rl.inference.vllm.worker.WeightUpdateExtension"
 CONTROL_PLANE = "prime_rl.inference.vllm.server.VllmControlPlane"
+TRANSFER_ENGINE = "prime"  # the name our weight-transfer engine is registered under in vLLM's factory
 
 
 def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> list[str]:
@@ -26,6 +29,9 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
     args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     args += ["--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.engine.max_batch_size)]
     args += ["--seed", str(config.seed), "--worker-extension-cls", WORKER_EXTENSION]
+    # Weight updates go through vLLM's weight-transfer phases with our engine (transfer.py), which the worker
+    # extension registers in vLLM's factory.
+    args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_ENGINE})]
     # Logprobs of log_softmax(logits / temperature), what the trainer recomputes (vLLM's default is the raw
     # logits' logprobs, before temperature). Sampling defaults come from vLLM, never from the checkpoint's
     # generation_config.json (its top_k, min_p, ... would make vLLM sample another distribution than the

@@ -41,7 +41,7 @@ _config: InferenceConfig | None = None  # set by serve_vllm before vLLM instanti
 
 def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     global _config
@@ -167,7 +167,7 @@ class VllmModel:
 
     async def load_adapter(self, weight_dir: Path) -> None:
         """Serve the adapter in `weight_dir` under `model.lora.name`, replacing the loaded one."""
-        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
         request = LoadLoRAAdapterRequest(lora_name=self.lora.name, lora_path=str(weight_dir), load_inplace=True)
