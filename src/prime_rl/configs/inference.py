@@ -9,13 +9,20 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import BaseConfig, LogConfig, ModelConfig, OutputDir, Section, WeightTransferConfig
-from prime_rl.configs.shared import EnvVarName
+from prime_rl.configs.base import FieldError
+from prime_rl.configs.shared import EnvVarName, EnvVars
+from prime_rl.configs.vllm_flags import VllmFlags
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class StartupError(RuntimeError):
     """The config asks for something this machine cannot provide (a backend, a device, a port, a model)."""
+
+
+class BadVllmFlag(StartupError):
+    """A `[vllm]` flag vLLM's own parser refuses, found when the server starts: a config error (exit 2, not
+    retried by `rl --restart`)."""
 
 
 class ServerConfig(Section):
@@ -124,6 +131,17 @@ class InferenceConfig(BaseConfig):
     headless: Annotated[
         bool, Field(description="vLLM multi-node DP: run engines only, no API server (secondary nodes)")
     ] = False
+    kv_cache_gb: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            description="vLLM: GiB of KV cache (--kv-cache-memory-bytes); unset = on GPU what gpu_memory_utilization "
+            "leaves, on CPU max_model_len x engine.max_batch_size tokens of the model's KV + 20%, at most a quarter "
+            "of the machine's memory (VLLM_CPU_KVCACHE_SPACE in the environment still wins)",
+        ),
+    ] = None
+    vllm: VllmFlags = {}
+    env_vars: EnvVars = {}
     weight_transfer: Annotated[
         WeightTransferConfig,
         NoDecode,
@@ -132,12 +150,37 @@ class InferenceConfig(BaseConfig):
             "comes with each request), so one weight_transfer table fits every service"
         ),
     ] = WeightTransferConfig()
+    weight_staging: Annotated[
+        Literal["auto", "device", "stream"],
+        Field(
+            description="vLLM, broadcast updates: `device` receives a step whole into spare device memory while "
+            "the old weights serve, then swaps (a transfer failing half-way changes nothing); `stream` loads it "
+            "into the model as it arrives, after the in-flight requests finished (no spare copy; a transfer "
+            "failing half-way leaves the server refusing requests until the next good step); `auto` = `device` "
+            "when the device has room for a copy of the model"
+        ),
+    ] = "auto"
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
 
     @field_validator("tool_call_parser", mode="before")
     @classmethod
     def _none_turns_tool_calling_off(cls, value: object) -> object:
         return None if isinstance(value, str) and value.lower() == "none" else value  # flags and TOML have no null
+
+    @model_validator(mode="after")
+    def _vllm_flags_need_vllm(self) -> InferenceConfig:
+        """vLLM flags are a request for vLLM: `auto` then means vllm (where vLLM is missing the start says so),
+        and the built-in engine, which would ignore them, is refused."""
+        if self.vllm and self.backend == "auto":
+            self.__dict__["backend"] = "vllm"
+        elif self.vllm and self.backend == "builtin":
+            first = next(iter(self.vllm))
+            raise FieldError(
+                f"vllm.{first}",
+                "vLLM flags with backend builtin, which would ignore them: drop [vllm] or use backend vllm",
+                also=("backend",),
+            )
+        return self
 
     @model_validator(mode="after")
     def _resolve_api_key(self) -> InferenceConfig:

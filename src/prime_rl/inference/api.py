@@ -143,6 +143,7 @@ class BuiltinModel:
     backend = "builtin"
     receivers = 1  # seats in a weight broadcast group
     base_name = None  # a LoRA adapter is merged: every name gets the current weights
+    unservable = None  # an update is swapped in whole or not at all
 
     def __init__(self, engine: Engine):
         self.engine = engine

@@ -5,6 +5,8 @@ checkpoint's layout before anything is swapped (the trainer's side is trainer/br
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prime_rl.inference.weights import WeightsError, check_specs
 from prime_rl.utils.hf_layout import TensorSpecs
 
@@ -25,6 +27,15 @@ class BroadcastReceiver:
     def receive(self, rdv, rank: int, step: int, device, served: TensorSpecs, tied: bool) -> dict:
         """Step `step`'s tensors in the sender's dtypes on `device`, checked against `served`; the served
         weights are untouched. Raises WeightsError naming the trainer when the transfer fails."""
+        try:
+            return dict(self.stream(rdv, rank, step, device, served, tied))
+        except WeightsError as e:
+            raise WeightsError(f"{e}; the previous weights keep serving") from None
+
+    def stream(self, rdv, rank: int, step: int, device, served: TensorSpecs, tied: bool) -> Iterator:
+        """(name, tensor) of step `step` as the buckets arrive, once the header was checked against `served`
+        (a mismatch raises before any tensor arrives). Raises WeightsError naming the trainer when the
+        transfer fails, at whatever tensor it failed."""
         from prime_rl.protocol.broadcast import BroadcastError, ask_for, connect_store, join_group, receive_step
 
         def check(got_step: int, specs: dict) -> None:
@@ -42,15 +53,14 @@ class BroadcastReceiver:
                 self.pg = join_group(self.store, rdv, rank)
             stream = receive_step(self.pg, device, check)
             next(stream)  # the checked header
-            return dict(stream)
+            yield from stream
         except WeightsError:  # the header does not fit the served model: the transfer is abandoned
             self.leave()
             raise
         except BroadcastError as e:
             self.leave()
             raise WeightsError(
-                f"weight broadcast of step {step} from the trainer at {rdv.where} failed ({e}); "
-                "is the trainer alive? The previous weights keep serving"
+                f"weight broadcast of step {step} from the trainer at {rdv.where} failed ({e}); is the trainer alive?"
             ) from None
         except (RuntimeError, OSError) as e:  # the store client: the trainer went away
             self.leave()

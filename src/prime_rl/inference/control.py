@@ -86,6 +86,9 @@ class ServedModel(Protocol):
     # A model name whose requests the base weights serve whatever the step (vLLM holding a LoRA adapter:
     # the base model's name), so their `x-weight-step` is 0; None when every name gets the current step.
     base_name: str | None
+    # Why generation requests are refused (a weight update failed half-way and left the weights incomplete),
+    # None while serving: answered with a 503 until a later update succeeds.
+    unservable: str | None
 
     async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Any]:
         """Check and read a weight dir, or receive a broadcast step (None: the base weights), without
@@ -224,6 +227,8 @@ class ControlPlane:
         if path not in GENERATION_ROUTES:
             return await self.app(scope, replay(body, receive), send)
         refusal = self.check_generation(path, body)
+        if refusal is None and self.served.unservable is not None:
+            refusal = error(503, f"no complete weights to serve: {self.served.unservable}", "service_unavailable")
         if refusal is not None:
             return await refusal(scope, receive, send)
         await self._generate_stamped(scope, body, replay(body, receive), send)

@@ -1,18 +1,34 @@
-"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.26). Pure: imports neither vLLM nor torch.
+"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.32 CPU build / 0.33 GPU). Imports neither vLLM
+nor torch, but for `vllm_parser` (vLLM's own parser, which checks the `[vllm]` flags passed through).
 
-Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192` →
+Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192 --vllm.enable-prefix-caching` →
 `Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8000 --tensor-parallel-size 2 --data-parallel-size 1
  --gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64 --seed 0
  --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension
  --logprobs-mode processed_logprobs --generation-config vllm --enable-auto-tool-choice --tool-call-parser hermes
- --api-server-count 1 ...`
+ --api-server-count 1 ... --enable-prefix-caching ...`
+
+The KV cache: `kv_cache_gb` is `--kv-cache-memory-bytes`. Unset, a GPU's comes from `gpu_memory_utilization`
+(vLLM's way); on CPU vLLM would take that share of the host's RAM (beside a trainer it refuses to start), so it
+gets what the run needs: `max_model_len x engine.max_batch_size` tokens of the model's KV plus 20%, at most a
+quarter of the machine's memory (`kv_cache_size`). `VLLM_CPU_KVCACHE_SPACE` (GiB) in the environment wins.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
 
-from prime_rl.configs.inference import InferenceConfig, StartupError
+from prime_rl.configs.inference import BadVllmFlag, InferenceConfig, StartupError
+from prime_rl.configs.vllm_flags import FROM_CONFIG, OWNED
+
+logger = logging.getLogger("prime_rl")
 
 # `--max-lora-rank` values vLLM 0.26 accepts (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -21,8 +37,9 @@ CONTROL_PLANE = "prime_rl.inference.vllm.server.VllmControlPlane"
 TRANSFER_ENGINE = "prime"  # the name our weight-transfer engine is registered under in vLLM's factory
 
 
-def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> list[str]:
-    """The argv (after `vllm serve`) that runs our config; the API key is enforced by our control plane."""
+def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True, parser: Any = None) -> list[str]:
+    """The argv (after `vllm serve`) that runs our config; the API key is enforced by our control plane. The
+    `[vllm]` flags are rendered and checked with `parser` (default: vLLM's own, `vllm_parser()`)."""
     args = [config.model.name, "--host", host, "--port", str(config.server.port)]
     args += ["--served-model-name", config.model.name]
     args += ["--tensor-parallel-size", str(config.parallel.tp), "--data-parallel-size", str(config.parallel.dp)]
@@ -65,8 +82,179 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True) -> li
     else:
         # One API server, in this process: the control plane's state (step, gate) lives in it.
         args += ["--api-server-count", "1", "--middleware", CONTROL_PLANE]
+    args += kv_cache_args(config, cuda)
+    if config.vllm:
+        args += passthrough_args(config, parser if parser is not None else vllm_parser())
     args += ["--disable-uvicorn-access-log", "--disable-fastapi-docs"]
     return args
+
+
+# ---------------------------------------------------------------------------------------------
+# [vllm]: more flags, passed through
+
+
+def vllm_parser() -> Any:
+    """vLLM's `vllm serve` argument parser (imports vLLM: call it only where vLLM runs)."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # vLLM 0.32
+    except ImportError:
+        from vllm.entrypoints.common.cli_args import make_arg_parser  # vLLM 0.33
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def render_flag(name: str, value: Any, parser: Any = None) -> list[str]:
+    """One `[vllm]` entry as argv: true is the bare flag; false `--no-<flag>` (nothing where the parser knows the
+    flag has no such form: off is its default); a list its items after the flag (repeated flags for an `append`
+    one, JSON for a flag that takes one value); a table JSON; anything else `--flag=value`. The parser, when
+    given, also picks vLLM's short spelling (`pp` -> `-pp`) for a name it knows only as one."""
+    actions = getattr(parser, "_option_string_actions", None)
+    flag = f"--{name}"
+    if actions is not None and flag not in actions and f"-{name}" in actions:
+        flag = f"-{name}"
+    action = actions.get(flag.partition(".")[0]) if actions is not None else None
+    if value is True:
+        return [flag]
+    if value is False:
+        negative = f"--no-{name}"
+        return [negative] if actions is None or negative in actions or action is None else []
+    if isinstance(value, list) and type(action).__name__ == "_AppendAction":
+        return [part for item in value for part in (flag, _text(item))]
+    if isinstance(value, list) and (action is None or action.nargs not in (None, "?")):
+        return [flag, *map(_text, value)]
+    return [f"{flag}={_text(value)}"]  # a list for a flag of one value: JSON (vLLM's list-valued JSON flags)
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+class _Refused(Exception):
+    pass
+
+
+def passthrough_args(config: InferenceConfig, parser: Any) -> list[str]:
+    """The `[vllm]` flags as argv, read by `parser` as vLLM reads them: a flag it does not know, or a value it
+    refuses, is one line (BadVllmFlag: exit 2, never retried), not argparse's usage text and exit."""
+    extra = [part for name, value in config.vllm.items() for part in render_flag(name, value, parser)]
+
+    def refuse(message: str):
+        raise _Refused(message)
+
+    parser.error = refuse  # argparse reports every problem through error(), which would print usage and exit
+    try:
+        parser.parse_args([config.model.name, *extra])
+    except _Refused as e:
+        raise BadVllmFlag(_refusal_line(str(e), parser)) from None
+    except SystemExit:  # an action that exits (a version flag): not a serving flag
+        raise BadVllmFlag(f"inference.vllm: {' '.join(extra)}: vLLM exits on it; not a serving flag") from None
+    return extra
+
+
+def _refusal_line(message: str, parser: Any) -> str:
+    """argparse's message as one line naming the [vllm] key: an unknown flag with the nearest vLLM flag."""
+    message = " ".join(message.split())
+    unknown = re.match(r"unrecognized arguments: (\S+)", message)
+    if unknown:
+        flag = unknown.group(1).split("=")[0]
+        ours = {*FROM_CONFIG, *OWNED}  # never suggested: refused at config time
+        known = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--") and o[2:] not in ours]
+        near = difflib.get_close_matches(flag, known, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        key = flag.lstrip("-").removeprefix("no-")
+        return f"inference.vllm.{key}: vLLM has no flag {flag}{hint}; `vllm serve --help` lists them"
+    bad = re.match(r"argument (\S+?)(/\S+)?: (.*)", message)
+    if bad:
+        return f"inference.vllm.{bad.group(1).lstrip('-')}: vLLM refuses it: {bad.group(3)}"
+    return f"inference.vllm: vLLM refuses these flags: {message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV cache
+
+KV_HEADROOM = 1.2  # blocks partly filled, the scheduler's slack
+KV_SHARE_OF_MEMORY = 0.25  # a CPU run's default KV cache takes at most this share of the machine's memory
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_args(config: InferenceConfig, cuda: bool) -> list[str]:
+    """`--kv-cache-memory-bytes` for `kv_cache_gb`, or on CPU for what the run needs (`kv_cache_size`); nothing
+    where vLLM's own sizing is meant (a GPU without kv_cache_gb; VLLM_CPU_KVCACHE_SPACE set on CPU, which vLLM's
+    CPU platform puts over the flag anyway)."""
+    if not cuda and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        logger.info(f"vLLM KV cache: {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB (VLLM_CPU_KVCACHE_SPACE)")
+        return []
+    if config.kv_cache_gb is not None:
+        size = int(config.kv_cache_gb * 2**30)
+        logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB (kv_cache_gb)")
+        return ["--kv-cache-memory-bytes", str(size)]
+    if cuda:
+        return []
+    size, why = kv_cache_size(config, read_model_config(config.model.name), machine_memory())
+    logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB ({why}; kv_cache_gb sets it)")
+    return ["--kv-cache-memory-bytes", str(size)]
+
+
+def kv_bytes_per_token(model_config: dict, dtype_bytes: int) -> int | None:
+    """Bytes of KV cache one token takes: layers x (K and V) x kv heads x head_dim x dtype bytes (MLA models:
+    layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes); None when config.json does not say."""
+    c = model_config.get("text_config") or model_config
+    layers, heads = c.get("num_hidden_layers"), c.get("num_attention_heads")
+    if not layers or not heads:
+        return None
+    if c.get("kv_lora_rank"):
+        return layers * (c["kv_lora_rank"] + (c.get("qk_rope_head_dim") or 0)) * dtype_bytes
+    head_dim = c.get("head_dim") or (c["hidden_size"] // heads if c.get("hidden_size") else None)
+    if not head_dim:
+        return None
+    return layers * 2 * (c.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+
+
+def kv_cache_size(config: InferenceConfig, model_config: dict | None, memory: int) -> tuple[int, str]:
+    """(bytes, why): max_model_len x engine.max_batch_size tokens of the model's KV, + 20%, at most a quarter of
+    `memory` but never less than one max_model_len sequence (vLLM refuses less). 4 GiB where the model's
+    config.json cannot be read."""
+    kv_dtype = str(config.vllm.get("kv-cache-dtype", "auto"))
+    dtype = config.engine.dtype if config.engine.dtype != "auto" else "float32"  # CPU: float32 (vllm_serve_args)
+    dtype_bytes = 1 if kv_dtype.startswith("fp8") else DTYPE_BYTES[dtype]
+    per_token = kv_bytes_per_token(model_config or {}, dtype_bytes)
+    if per_token is None:
+        return 4 * 2**30, f"{config.model.name}: no config.json to size it from"
+    tokens = config.max_model_len * config.engine.max_batch_size
+    want = math.ceil(per_token * tokens * KV_HEADROOM)
+    why = f"{config.engine.max_batch_size} x {config.max_model_len} tokens x {per_token} B + 20%"
+    cap = int(memory * KV_SHARE_OF_MEMORY)
+    if want <= cap:
+        return want, why
+    one = math.ceil(per_token * config.max_model_len * KV_HEADROOM)
+    return max(cap, one), f"{why} = {want / 2**30:.1f} GiB, capped at a quarter of {memory / 2**30:.0f} GiB"
+
+
+def read_model_config(name: str) -> dict | None:
+    """The model's config.json (a local dir, or the hub's cached copy: no download), or None."""
+    path: Any = Path(name) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a hub id
+            return None
+    try:
+        return json.loads(Path(path).read_text()) if isinstance(path, str | Path) else None
+    except (OSError, ValueError):
+        return None
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        return total
 
 
 def max_lora_rank(rank: int) -> int:

