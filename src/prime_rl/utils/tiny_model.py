@@ -6,12 +6,19 @@ initialised Qwen3 or Llama of ~0.3M parameters, a Qwen3-MoE / Mixtral with 4 exp
 Gemma2 with attention-logit and final-logit softcapping and sliding-window layers (window 8) alternating with
 full ones. Each is written with `save_pretrained`, so every part of prime-rl loads them exactly like a hub model.
 
+`--preset` writes a real model's exact shape instead (`PRESETS`: Qwen3-0.6B, -1.7B, -4B as their hub
+config.json gives them), randomly initialised in bfloat16, with the tokenizer's vocabulary padded to the
+model's so that every id a random model samples decodes: a full-size model for GPU checks without the hub.
+
     uv run tiny-model outputs/tiny-qwen3 --arch qwen3
+    uv run tiny-model outputs/qwen3-0.6b --preset qwen3-0.6b     # 596M parameters, 1.2 GB
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import random
 from pathlib import Path
 
@@ -29,6 +36,16 @@ _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 GEMMA2_ATTN_SOFTCAP = 2.0
 GEMMA2_FINAL_SOFTCAP = 5.0
 GEMMA2_SLIDING_WINDOW = 8
+# Qwen3 shapes as the hub's config.json of each model gives them (each also: RoPE theta 1e6, 40,960 positions,
+# RMSNorm eps 1e-6); `qwen3-micro` is a small one of the same kind, for tests.
+PRESET_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
+PRESETS: dict[str, tuple] = {
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),  # 596,049,920 parameters
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128, 151936, True),
+    "qwen3-4b": (2560, 9728, 36, 32, 8, 128, 151936, True),
+    "qwen3-micro": (128, 384, 2, 4, 2, 32, 2048, True),
+}
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
@@ -43,8 +60,13 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
-    """A byte-level BPE `PreTrainedTokenizerFast` with ChatML specials; same inputs give the same vocab."""
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0, pad_to: int | None = None):
+    """A byte-level BPE `PreTrainedTokenizerFast` with ChatML specials; same inputs give the same vocab.
+
+    `pad_to`: grow the vocabulary to this many ids with filler tokens (two or three byte-level symbols that no
+    merge produces, so encoding never yields them), so that every id a model of that vocabulary samples
+    decodes to some bytes, as with a real tokenizer.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,6 +80,8 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if pad_to is not None and pad_to > tok.get_vocab_size():
+        tok = _padded(tok, pad_to)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -66,6 +90,40 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def _padded(tok, size: int):
+    """`tok` with filler tokens appended up to `size` ids (same order every time)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = ("".join(t) for n in (2, 3) for t in itertools.product(symbols, repeat=n))
+    for filler in fillers:
+        if len(vocab) >= size:
+            break
+        vocab.setdefault(filler, len(vocab))
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def preset_config(preset: str):
+    """The `Qwen3Config` of a preset (`PRESETS`), bfloat16; ValueError naming the choices for an unknown one."""
+    from transformers import Qwen3Config
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny-model preset {preset!r}; choose from {', '.join(PRESETS)}")
+    shape = dict(zip(PRESET_FIELDS, PRESETS[preset], strict=True))
+    return Qwen3Config(rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6, dtype="bfloat16", **shape)
+
+
+def meta_model(config):
+    """The model of `config` on the meta device: its parameters' shapes and count, no memory, no init."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def build_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 2, max_len: int = 4096):
@@ -121,26 +179,35 @@ def create_tiny_model(
     num_layers: int = 2,
     vocab_size: int | None = None,
     tokenizer_vocab_size: int = 1024,
+    preset: str | None = None,
 ) -> Path:
     """Write a tiny model + tokenizer to `path` (an HF model dir) and return it. Deterministic in `seed`.
 
     `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as real models pad theirs; the extra
     rows are never sampled by the tokenizer but cost what a large vocabulary costs in the lm_head and loss.
     `tokenizer_vocab_size` 259 (the 256 bytes + 3 specials) leaves BPE no merges: one token per character.
+    `preset` (`PRESETS`) replaces `arch`, the sizes and `vocab_size`: that shape in bfloat16, the tokenizer
+    padded to its vocabulary.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
-    tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed)
-    if vocab_size is not None and vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
-    config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers)
+    if preset is not None:
+        config = preset_config(preset)
+        tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed, pad_to=config.vocab_size)
+        dtype = torch.bfloat16
+    else:
+        tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed)
+        if vocab_size is not None and vocab_size < len(tokenizer):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
+        config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers)
+        dtype = torch.float32
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
     )
@@ -192,10 +259,13 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="259: one token per character")
+    parser.add_argument("--preset", choices=PRESETS, help="a real model's shape (bf16) instead of --arch and the sizes")
     args = parser.parse_args()
     vocab = args.tokenizer_vocab_size
-    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, tokenizer_vocab_size=vocab)
-    print(f"wrote tiny {args.arch} model to {args.path}")
+    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, tokenizer_vocab_size=vocab,
+                      preset=args.preset)  # fmt: skip
+    what = args.preset or f"tiny {args.arch}"
+    print(f"wrote {what} model to {args.path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,315 @@
+"""GPU acceptance in one command: a Qwen3-0.6B-shaped model, the gpu tests, RL on vLLM with both weight
+transfers, and one table of what they measured beside upstream prime-rl's published single-H100 figures.
+
+    bash scripts/gpu_check.sh              # one CUDA GPU, `uv sync --extra vllm` done, no internet: <= 40 min
+    bash scripts/gpu_check.sh --dry-run    # every command it would run, in order, with its timeout
+
+Steps (each a subprocess with its own timeout and log under --out; a failed one is reported, the others
+still run, and the exit status is 1):
+1. `tiny-model --preset qwen3-0.6b`: Qwen3-0.6B's exact shape, random bf16 weights, an offline tokenizer;
+2. `pytest -m gpu`: the tests marked gpu;
+3. `rl` on the reverse-text example (configs/examples/reverse_text/rl.toml) with that model: vLLM, a bf16
+   FSDP2 trainer on the same GPU, `weight_transfer = broadcast` (nccl, the trainer being on CUDA);
+4. the same with `weight_transfer = filesystem`, fewer steps;
+5. `trainer --bench` alone on generated 16k-token rows with activation checkpointing: upstream's setting.
+The rl runs are synchronous (async_level 0): every step samples from the weights the trainer has, so the
+mismatch KL is the two engines' numerics, not a policy lag.
+
+Every figure is read from what the runs write: metrics/{trainer,orchestrator}.jsonl (trainer tokens/s and
+torch peak memory, mismatch KL, generated tokens over generation time, time to served = the trainer's
+optimizer step done -> the servers answering with those weights, as benchmarks/rl.py measures it); MFU with
+trainer/rl/bench.py's FLOPs per token; peak GPU memory per service from nvidia-smi, sampled every second by
+a side thread (a process counts for the service whose entrypoint is in its parent chain). Upstream's figures:
+PrimeIntellect-ai/prime-rl benchmarks/results/BENCHMARKS.md, Qwen3-0.6B, RL full, 16,384-token rows,
+recompute, FA3, 1xH100 HBM3: 11.90k tokens/s, 11.1% MFU, 12.5 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prime_rl.utils.metrics import read_metrics  # noqa: E402
+from prime_rl.utils.net import free_port  # noqa: E402
+
+PRESET = "qwen3-0.6b"
+RL_CONFIG = "configs/examples/reverse_text/rl.toml"
+# Over the example: vLLM leaves the trainer ~70% of the GPU and decodes up to 256 sequences at once; more
+# rollouts, longer answers and packed rows of 2k tokens than CPU sizes; a 0.6B model's learning rate.
+RL_GPU = ["--async-level", "0", "--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.3",
+          "--inference.engine.max-batch-size", "256", "--orchestrator.batch-size", "256",
+          "--orchestrator.sampling.max-tokens", "128", "--orchestrator.seq-len", "2048",
+          "--inference.max-model-len", "2048", "--trainer.dtype", "bfloat16", "--trainer.optim.lr", "1e-6"]  # fmt: skip
+FAKE_LEN = (16, 512)  # the bench's generated samples: lengths uniform in this range, packed into 16k-token rows
+BENCH_ROWS = ["--data.fake-seq-len", "16384", "--data.fake-micro-batches", "2", "--data.fake-min-len",
+              str(FAKE_LEN[0]), "--data.fake-max-len", str(FAKE_LEN[1])]  # fmt: skip
+# Not seen yet (nothing has run on a GPU), but NCCL has refused since 2.5 what step 3 asks of it on one GPU.
+ONE_GPU = (
+    "with one GPU, rl puts the trainer and vLLM on GPU 0, and NCCL refuses two ranks of one group on one GPU "
+    "('Duplicate GPU detected'): step 3 is then expected to fail; with two GPUs the trainer gets GPU 1"
+)
+# Every step's environment: no hub look-ups (the machine has no internet), no vLLM usage reports, logs as they come.
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+WARMUP = 2  # steps left out of the medians (the rl runs; the bench leaves out its first, as its own table does)
+SERVICES = {"inference": "prime_rl.entrypoints.inference", "trainer": "prime_rl.entrypoints.trainer"}
+COLUMNS = ["rl, broadcast (nccl)", "rl, filesystem", "trainer --bench (16k rows, AC)", "upstream prime-rl, 1xH100"]
+ROWS = ["status", "trainer tokens/s (median)", "trainer MFU", "vLLM generated tokens/s (median)",
+        "time to served per update (median)", "mismatch KL per step (median / max)",
+        "peak GPU memory: inference (nvidia-smi)", "peak GPU memory: trainer (nvidia-smi / torch allocated)",
+        "peak GPU memory: whole GPU (nvidia-smi)"]  # fmt: skip
+UPSTREAM = {"status": "published", "trainer tokens/s (median)": "11.9k (16k rows, AC, FA3)", "trainer MFU": "11.1%",
+            "peak GPU memory: trainer (nvidia-smi / torch allocated)": "12.5 GiB"}  # fmt: skip
+
+
+@dataclass
+class Step:
+    name: str
+    cmd: list[str]
+    timeout: int
+    column: str | None = None  # the table column its figures go to
+    output_dir: Path | None = None
+
+
+@dataclass
+class Outcome:
+    rc: int
+    seconds: float
+    peaks: dict[str, float] = field(default_factory=dict)  # MiB per service, from nvidia-smi
+
+
+def plan(out: Path, steps: int, fs_steps: int) -> list[Step]:
+    py, model = sys.executable, out / PRESET
+    rl = [py, "-m", "prime_rl.entrypoints.rl", "@", RL_CONFIG, "--model.name", str(model)]
+    trainer = [py, "-m", "prime_rl.launch.torchrun", "--standalone", "--nproc-per-node", "1",
+               "-m", "prime_rl.entrypoints.trainer"]  # fmt: skip
+    runs = []
+    for transfer, n, timeout, column in (
+        ("broadcast (nccl)", steps, 720, COLUMNS[0]),
+        ("filesystem", fs_steps, 480, COLUMNS[1]),
+    ):
+        d = out / f"rl-{transfer.split()[0]}"
+        cmd = [*rl, "--output-dir", str(d), "--max-steps", str(n), "--weight-transfer", transfer.split()[0],
+               "--inference.server.port", str(free_port()), *RL_GPU]  # fmt: skip
+        runs.append(Step(f"rl: vLLM + FSDP2 bf16 trainer, weight transfer {transfer}", cmd, timeout, column, d))
+    bench = out / "trainer-bench"
+    bench_cmd = [*trainer, "--model.name", str(model), "--output-dir", str(bench), "--bench", "--data.fake",
+                 *BENCH_ROWS, "--activation-checkpointing", "--dtype", "bfloat16", "--max-steps", "6"]  # fmt: skip
+    return [
+        Step(f"build the {PRESET} model", [py, "-m", "prime_rl.utils.tiny_model", str(model), "--preset", PRESET], 300),
+        Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600),
+        *runs,
+        Step("trainer benchmark", bench_cmd, 300, COLUMNS[2], bench),
+    ]
+
+
+def shown(cmd: list[str]) -> str:
+    return shlex.join(os.path.relpath(c, ROOT) if c == sys.executable and c.startswith(str(ROOT)) else c for c in cmd)
+
+
+class GpuMemory(threading.Thread):
+    """Peak memory (MiB) per service while a step runs, from nvidia-smi every second; a process whose parent
+    chain holds no service's entrypoint (or that /proc does not know: another PID namespace) counts as other."""
+
+    QUERIES = (["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+               ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peaks: dict[str, float] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            try:
+                apps, total = (
+                    subprocess.run(q, capture_output=True, text=True, timeout=10).stdout for q in self.QUERIES
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            now = {"whole GPU": sum(float(x) for x in total.split() if x.replace(".", "").isdigit())}
+            for line in apps.splitlines():
+                pid, mib = (x.strip() for x in line.split(",")[:2])
+                if pid.isdigit() and mib.replace(".", "").isdigit():
+                    service = service_of(int(pid))
+                    now[service] = now.get(service, 0.0) + float(mib)
+            for key, value in now.items():
+                self.peaks[key] = max(self.peaks.get(key, 0.0), value)
+
+
+def service_of(pid: int) -> str:
+    for _ in range(16):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if name := next((s for s, module in SERVICES.items() if module in cmdline), None):
+            return name
+    return "other"
+
+
+def run_step(step: Step, log: Path) -> Outcome:
+    """Run `step` in its own session, output to `log`; at its timeout SIGTERM (rl stops its services), then
+    SIGKILL a minute later. rc 124 = timed out."""
+    sampler = GpuMemory() if step.column else None
+    if sampler:
+        sampler.start()
+    start = time.monotonic()
+    with log.open("w") as f:
+        proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=os.environ | ENV)  # fmt: skip
+        try:
+            rc = proc.wait(timeout=step.timeout)
+        except subprocess.TimeoutExpired:
+            rc = 124
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, sig)
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        pass
+    if sampler:
+        sampler.done.set()
+        sampler.join()
+    return Outcome(rc, time.monotonic() - start, sampler.peaks if sampler else {})
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def figures(step: Step, outcome: Outcome, flops_per_token, peak_tflops: float | None) -> dict[str, str]:
+    """One column of the table from the step's metrics files and its GPU memory samples."""
+    trainer = {r["step"]: r for r in read_metrics(step.output_dir, "trainer")}
+    orch = {r["step"]: r for r in read_metrics(step.output_dir, "orchestrator")}
+    bench = "--bench" in step.cmd
+    warmup = 1 if bench else WARMUP
+    measured = [r for s, r in trainer.items() if s >= warmup] or list(trainer.values())
+    status = "ok" if outcome.rc == 0 else ("timed out" if outcome.rc == 124 else f"FAILED (exit {outcome.rc})")
+    col = {"status": f"{status}: {len(trainer)} steps, {outcome.seconds:.0f} s"}
+    if tps := median(r["tokens_per_s"] for r in measured):
+        col["trainer tokens/s (median)"] = f"{tps:,.0f}"
+        # Attention's context: half the mean sample length (the bench's samples: uniform min..max).
+        context = sum(FAKE_LEN) / 4 if bench else median(r["seq_len_mean"] / 2 for r in orch.values())
+        if peak_tflops and context:
+            col["trainer MFU"] = f"{100 * tps * flops_per_token(context) / (peak_tflops * 1e12):.1f}%"
+    later = [r for s, r in orch.items() if s >= WARMUP]
+    if gen := median(r["completion_len_mean"] * r["samples"] / r["time/generate"] for r in later if r["time/generate"]):
+        col["vLLM generated tokens/s (median)"] = f"{gen:,.0f}"
+    served = [r["weights_served_at"] - trainer[r["weight_step"] - 1]["optimized_at"] for r in later
+              if "weights_served_at" in r and r["weight_step"] - 1 in trainer]  # fmt: skip
+    if served:
+        col["time to served per update (median)"] = f"{median(served):.3f} s (n = {len(served)})"
+    if kl := [r["mismatch_kl"] for r in trainer.values() if "mismatch_kl" in r and not bench]:
+        col["mismatch KL per step (median / max)"] = f"{median(kl):.2e} / {max(kl):.2e}"
+
+    def smi(key: str) -> str:
+        return f"{outcome.peaks[key] / 1024:.1f} GiB" if key in outcome.peaks else "n/a"
+
+    torch_peak = max((r["peak_memory_gib"] for r in trainer.values()), default=None)
+    if outcome.peaks:
+        col["peak GPU memory: inference (nvidia-smi)"] = smi("inference")
+        col["peak GPU memory: whole GPU (nvidia-smi)"] = smi("whole GPU")
+    if outcome.peaks or torch_peak is not None:
+        torch_text = f"{torch_peak:.1f} GiB" if torch_peak is not None else "n/a"
+        col["peak GPU memory: trainer (nvidia-smi / torch allocated)"] = f"{smi('trainer')} / {torch_text}"
+    return col
+
+
+def table(columns: dict[str, dict[str, str]]) -> str:
+    lines = ["| figure | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    for row in ROWS:
+        lines.append(f"| {row} | " + " | ".join(columns.get(c, {}).get(row, "—") for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def mfu_inputs(model_dir: Path, peak_tflops: float | None):
+    """FLOPs per token as a function of the attention context, and the GPU's bf16 peak (--peak-tflops, else
+    the known GPUs' table of trainer --bench)."""
+    from transformers import AutoConfig
+
+    from prime_rl.trainer.rl.bench import _PEAK_TFLOPS, flops_per_token
+    from prime_rl.utils.tiny_model import meta_model
+
+    config = AutoConfig.from_pretrained(model_dir)
+    model = meta_model(config)
+    if peak_tflops is None:
+        q = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        name = subprocess.run(q, capture_output=True, text=True).stdout
+        peak_tflops = next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+    return (lambda ctx: flops_per_token(model, config.num_hidden_layers, config.hidden_size, ctx)), peak_tflops
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu-check")
+    parser.add_argument("--steps", type=int, default=20, help="steps of the broadcast rl run")
+    parser.add_argument("--fs-steps", type=int, default=8, help="steps of the filesystem rl run")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU; unset = known GPUs")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    if not args.dry_run:
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("gpu_check: needs a CUDA GPU (torch sees none); --dry-run prints the plan")
+        if importlib.util.find_spec("vllm") is None:
+            sys.exit("gpu_check: needs vLLM: uv sync --extra vllm")
+    steps = plan(out, args.steps, args.fs_steps)
+    print(f"GPU acceptance: {len(steps)} steps, at most {sum(s.timeout for s in steps) // 60} min; outputs in {out}")
+    print(f"environment of every step: {' '.join(f'{k}={v}' for k, v in ENV.items())}; cwd {ROOT}")
+    for i, step in enumerate(steps, 1):
+        print(f"{i}. {step.name} [timeout {step.timeout} s]\n   {shown(step.cmd)}")
+    print(f"   (during steps 3-5: {shown(GpuMemory.QUERIES[0])} and {shown(GpuMemory.QUERIES[1])} every 1 s)")
+    print(f"note: {ONE_GPU}")
+    if args.dry_run:
+        print(f"table, also written to {out / 'gpu_check.md'}:\n{table({COLUMNS[3]: UPSTREAM})}")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    columns, notes, failed, mfu = {COLUMNS[3]: UPSTREAM}, [], 0, None
+    for i, step in enumerate(steps, 1):
+        log = out / f"step{i}.log"
+        print(f"[{time.strftime('%H:%M:%S')}] {i}/{len(steps)} {step.name} (log: {log})", flush=True)
+        outcome = run_step(step, log)
+        none_marked = step.name == "gpu tests" and outcome.rc == 5  # pytest: nothing selected
+        said = "ok" if outcome.rc == 0 else "no test is marked gpu" if none_marked else f"FAILED, exit {outcome.rc}"
+        notes.append(f"{i}. {step.name}: {said} ({outcome.seconds:.0f} s; {log})")
+        if outcome.rc != 0 and not none_marked:
+            failed += 1
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            print("\n".join("   " + line for line in tail), file=sys.stderr)
+            if i == 1:
+                break  # nothing else runs without the model
+        if step.column:
+            try:
+                mfu = mfu or mfu_inputs(out / PRESET, args.peak_tflops)
+                columns[step.column] = figures(step, outcome, *mfu)
+            except Exception as e:  # a figure that cannot be read must not cost the rest of the report
+                columns[step.column] = {"status": f"exit {outcome.rc}; figures unreadable: {e!r}"}
+    report = table(columns) + "\n\n" + "\n".join(notes) + "\n"
+    (out / "gpu_check.md").write_text(report)
+    print(report)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# GPU acceptance in one command, on one CUDA machine with `uv sync --extra vllm` done (no internet needed):
+# a Qwen3-0.6B-shaped model built offline, `pytest -m gpu`, `rl` with vLLM + an FSDP2 bf16 trainer (weights by
+# NCCL broadcast, then by filesystem), a trainer benchmark, and one table beside upstream's single-H100 figures,
+# also written to OUT/gpu_check.md. At most 40 minutes; the logic is benchmarks/gpu.py (--help).
+#   bash scripts/gpu_check.sh [--dry-run] [--out DIR] [--steps N] [--fs-steps N] [--peak-tflops F]
+# --dry-run prints every command in order with its timeout and exits 0 (any machine); without CUDA the real run
+# exits 1 at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# --no-sync: run in the environment as it is (a sync without --extra vllm would take vLLM out of it).
+exec uv run --no-sync python benchmarks/gpu.py "$@"
