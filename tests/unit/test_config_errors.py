@@ -60,6 +60,15 @@ CASES = [
     ("rl", ["--orchestrator.seq-len", "8192"], {}, "orchestrator.seq_len: 8192 is more than inference.max_model_len "
      "(4096), the longest sequence the server takes: lower seq_len or raise max_model_len "
      "[flag --orchestrator.seq-len; inference.max_model_len: default]"),
+    # [inference.vllm]: a flag prime-rl renders from its own key names that key; the built-in engine refuses them.
+    ("rl", ["--inference.vllm.port", "8001"], {}, "inference.vllm.port: --port is set by prime-rl from server.port: "
+     "set that instead [flag --inference.vllm.port]"),
+    ("inference", ["--backend", "builtin", "--vllm.quantization", "fp8"], {}, "vllm.quantization: vLLM flags with "
+     "backend builtin, which would ignore them: drop [vllm] or use backend vllm [flag --vllm.quantization; backend: "
+     "flag --backend]"),
+    ("trainer", ["--env-vars.WANDB_API_KEY", "k"], {}, "env_vars.WANDB_API_KEY: looks like a secret, and env_vars "
+     "are written to disk (OUTPUT_DIR/run/*.toml, Slurm job scripts): export it in the environment that starts the "
+     "run instead (every service inherits it) [flag --env-vars.WANDB_API_KEY]"),
 ]  # fmt: skip
 
 

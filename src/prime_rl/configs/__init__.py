@@ -10,13 +10,13 @@ from prime_rl.configs.base import (
     ENV_PREFIX,
     SECRET_FIELDS,
     BaseConfig,
+    ConfigError,
     OutputDir,
     Section,
     default_output_dir,
     to_toml_dict,
 )
 from prime_rl.configs.cli import (
-    ConfigError,
     deep_merge,
     format_validation_error,
     help_text,

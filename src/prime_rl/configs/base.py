@@ -39,6 +39,14 @@ class BaseConfig(BaseSettings):
 C = TypeVar("C", bound=BaseModel)
 
 
+class ConfigError(Exception):
+    """A problem with the user's config; `lines` are shown one per line."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
 class FieldError(ValueError):
     """A cross-field check that failed at `key` (dotted, relative to the model whose validator raises it): the
     error line names that key and where its value came from, and the sources of the keys in `also` (the other

@@ -1,6 +1,6 @@
 """What a dotted key names in a config class: the field's type behind Annotated/Optional, flag aliases,
-`no_` forms of booleans, sections a bare value fills (`shorthand`), and the nearest valid key for a mistyped
-one ("did you mean", or where a moved key went)."""
+`no_` forms of booleans, sections a bare value fills (`shorthand`), tables whose entries flags set one by one
+(`FLAG_TABLE`), and the nearest valid key for a mistyped one ("did you mean", or where a moved key went)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,49 @@ def env_json_kind(cls: type[BaseModel], path: list[str]) -> str | None:
     if is_model(annotation) or annotation is dict or typing.get_origin(annotation) is dict:
         return "a table"
     return None
+
+
+class FlagTable:
+    """Marks a `dict[str, X]` field whose entries flags set one by one, the key kept as typed:
+    `--vllm.max-num-batched-tokens 8192` sets `vllm["max-num-batched-tokens"]`, `--env-vars.OMP_NUM_THREADS 4`
+    sets `env_vars["OMP_NUM_THREADS"]`. Put it in the field's `Annotated[...]`."""
+
+    def __repr__(self) -> str:
+        return "FLAG_TABLE"
+
+
+FLAG_TABLE = FlagTable()
+
+
+def flag_table(info: FieldInfo | None) -> Any | None:
+    """The value type of a `FLAG_TABLE` field (Any when unparametrized), else None."""
+    if info is None or not any(isinstance(m, FlagTable) for m in info.metadata):
+        return None
+    args = typing.get_args(unwrap(info.annotation))
+    return args[1] if len(args) == 2 else Any
+
+
+def table_entry(cls: type[BaseModel], parts: list[str]) -> tuple[list[str], Any] | None:
+    """For the parts of a flag (`inference.vllm.max-num-seqs`, dashes as typed) that name an entry of a
+    `FLAG_TABLE` field: (the field's path + the entry's key as typed, the table's value type); else None. The
+    key is what follows the table's name (dots included: `--vllm.compilation-config.mode 0`)."""
+    for n in range(1, len(parts)):
+        path = dealias(cls, [p.replace("-", "_") for p in parts[:n]])
+        info = field_info(cls, path)
+        if info is None:
+            return None
+        if (value_type := flag_table(info)) is not None:
+            return [*path, ".".join(parts[n:])], value_type
+    return None
+
+
+def accepts_bool(annotation: Any) -> bool:
+    """Whether a value of this type may be a bool (a bare table-entry flag then means true)."""
+    if annotation is Any or annotation is bool:
+        return True
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(
+        accepts_bool(a) for a in typing.get_args(annotation)
+    )
 
 
 def shorthand(annotation: Any) -> str | None:

@@ -16,7 +16,7 @@ from prime_rl.configs import (
     Section,
     WeightTransferConfig,
 )
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName, SelfHangTimeout
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName, EnvVars, SelfHangTimeout
 
 
 class ClientConfig(Section):
@@ -189,6 +189,7 @@ class OrchestratorConfig(BaseConfig):
         float, Field(gt=0, description="a trainer heartbeat older than this means the trainer is dead")
     ] = 120.0
     hang_timeout: SelfHangTimeout = None
+    env_vars: EnvVars = {}
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     weight_transfer: Annotated[
         WeightTransferConfig,

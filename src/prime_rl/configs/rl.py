@@ -152,6 +152,16 @@ class RLConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _rl_assigns_devices(self) -> RLConfig:
+        for service in SERVICES:
+            if "CUDA_VISIBLE_DEVICES" in getattr(self, service).env_vars:
+                how = "runs the orchestrator on none" if service == "orchestrator" else f"takes --{service}-gpu-ids"
+                raise FieldError(
+                    f"{service}.env_vars.CUDA_VISIBLE_DEVICES", f"rl assigns each service its devices: it {how}"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _orchestrator_fits_the_server(self) -> RLConfig:
         """rl starts the server: the orchestrator must reach it, and ask for no longer sequences than it takes."""
         port = self.inference.server.port

@@ -1,13 +1,14 @@
-"""Sections every service shares: the model (and LoRA), logging, checkpoints, weight transfer."""
+"""Sections every service shares: the model (and LoRA), logging, checkpoints, weight transfer, env vars."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from prime_rl.configs.base import Section
+from prime_rl.configs.base import ENV_PREFIX, FieldError, Section
+from prime_rl.configs.fields import FLAG_TABLE
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -46,6 +47,52 @@ def _names_an_env_var(name: str) -> str:
 
 
 EnvVarName = Annotated[str, AfterValidator(_names_an_env_var)]
+
+# A name with one of these words (split at `_`) names a secret: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY.
+SECRET_WORDS = frozenset({"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"})
+
+
+def looks_secret(name: str) -> bool:
+    return not SECRET_WORDS.isdisjoint(name.upper().split("_"))
+
+
+def _numbers_as_text(table: Any) -> Any:
+    """`OMP_NUM_THREADS = 4` in TOML is the env var's text "4" (a bool stays an error: "1"/"true"/"yes"?)."""
+    if not isinstance(table, dict):
+        return table
+    return {k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in table.items()}
+
+
+def _env_vars_are_safe(table: dict[str, str]) -> dict[str, str]:
+    """Names only (the Slurm job script sets them), no config keys (PRIME_*: the config holds those), no secrets
+    (the table is written to OUTPUT_DIR/run/*.toml and into Slurm job scripts)."""
+    for name in table:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise FieldError(name, "not an env var name: letters, digits and _, not starting with a digit")
+        if name.upper().startswith(ENV_PREFIX):
+            raise FieldError(name, f"{ENV_PREFIX}* env vars are config keys: set the key in the config instead")
+        if looks_secret(name):
+            raise FieldError(
+                name,
+                "looks like a secret, and env_vars are written to disk (OUTPUT_DIR/run/*.toml, Slurm job scripts): "
+                "export it in the environment that starts the run instead (every service inherits it)",
+            )
+    return table
+
+
+# Env vars one service runs with (`[inference.env_vars]`, `--env-vars.OMP_NUM_THREADS 4`): `rl` starts the
+# service with them, the service's own entrypoint sets them before it loads anything heavy, Slurm job steps export
+# them. Over the inherited environment.
+EnvVars = Annotated[
+    dict[str, str],
+    FLAG_TABLE,
+    BeforeValidator(_numbers_as_text),
+    AfterValidator(_env_vars_are_safe),
+    Field(
+        description='env vars this service runs with, over the inherited ones (NAME = "value"; never secrets: '
+        "they are written to OUTPUT_DIR/run/ and Slurm job scripts)"
+    ),
+]
 
 
 class ModelConfig(Section):

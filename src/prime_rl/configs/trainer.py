@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import OutputDir, Section, WeightTransferConfig
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, SelfHangTimeout
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, SelfHangTimeout
 from prime_rl.configs.training import TrainingConfig
 
 
@@ -65,6 +65,7 @@ class TrainerConfig(TrainingConfig):
     loss: Annotated[LossConfig, Field(description="RL loss")] = LossConfig()
     data: Annotated[DataConfig, Field(description="reading rollouts")] = DataConfig()
     hang_timeout: SelfHangTimeout = None
+    env_vars: EnvVars = {}
     keep_weights: Annotated[
         int | None, Field(ge=1, description="newest weight steps kept on disk; unset = async_level + 1")
     ] = None

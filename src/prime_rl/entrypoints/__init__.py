@@ -7,13 +7,21 @@ service and runs it under `run_service`: one owner for how a command ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 
 from prime_rl.protocol import DiskFull, RunLocked, WriterDead
 from prime_rl.utils.logging import console_only
 from prime_rl.utils.process import FATAL, PEER_LOST, PREEMPTED, StopRequested
 
 logger = logging.getLogger("prime_rl")
+
+
+def apply_env_vars(env_vars: Mapping[str, str]) -> None:
+    """A service's `env_vars` into its own environment, over the inherited ones, called right after its config is
+    parsed and before anything heavy is imported (torch, vLLM and NCCL read theirs when loaded): so panes get them;
+    `rl` and Slurm job steps start the service with them already set."""
+    os.environ.update(env_vars)
 
 
 def run_service(

@@ -6,8 +6,8 @@ uv run inference --model.name outputs/tiny-qwen3 --server.port 8000
 from __future__ import annotations
 
 from prime_rl.configs import parse_config
-from prime_rl.configs.inference import InferenceConfig, StartupError
-from prime_rl.entrypoints import run_service
+from prime_rl.configs.inference import BadVllmFlag, InferenceConfig, StartupError
+from prime_rl.entrypoints import apply_env_vars, run_service
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import ignore_usr1
 from prime_rl.utils.run_record import write_run_config
@@ -15,12 +15,13 @@ from prime_rl.utils.run_record import write_run_config
 
 def main() -> None:
     config = parse_config(InferenceConfig, prog="inference")
+    apply_env_vars(config.env_vars)
     setup_logging("inference", config.output_dir, config.log.level, config.log.file)
     write_run_config(config, "inference", config.output_dir)
     ignore_usr1()  # a job's stop signal is for the trainer and orchestrator; the engine's processes inherit this
     from prime_rl.inference.server import run
 
-    run_service(lambda: run(config), (StartupError,))
+    run_service(lambda: run(config), (StartupError,), fatal=(BadVllmFlag,))
 
 
 if __name__ == "__main__":

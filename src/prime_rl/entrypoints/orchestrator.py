@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prime_rl.configs import parse_config
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.entrypoints import run_service
+from prime_rl.entrypoints import apply_env_vars, run_service
 from prime_rl.protocol import RunLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import ignore_usr1
@@ -14,6 +14,7 @@ from prime_rl.utils.run_record import write_run_config
 
 def main() -> None:
     config = parse_config(OrchestratorConfig, prog="orchestrator")
+    apply_env_vars(config.env_vars)
     setup_logging("orchestrator", config.output_dir, config.log.level, config.log.file)
     ignore_usr1()  # until orchestrate() catches the stop signals (with checkpoints on)
     from prime_rl.envs import EnvError

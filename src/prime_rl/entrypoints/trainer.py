@@ -10,7 +10,7 @@ import signal
 
 from prime_rl.configs import parse_config
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.entrypoints import run_service
+from prime_rl.entrypoints import apply_env_vars, run_service
 from prime_rl.utils.process import die_with_parent
 
 
@@ -23,6 +23,7 @@ def torchrun_worker() -> None:
 def main() -> None:
     torchrun_worker()
     config = parse_config(TrainerConfig, prog="trainer")
+    apply_env_vars(config.env_vars)
     from prime_rl.trainer import service
     from prime_rl.trainer.rl.train import run
 

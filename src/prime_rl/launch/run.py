@@ -70,8 +70,11 @@ def check_environments(config: RLConfig) -> None:
 
 
 def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, str]], int]:
-    """Per-service env additions (devices, the lock token, the API key) and the trainer world size."""
+    """Per-service env additions (each service's `env_vars`, then devices, the lock token, the API key) and the
+    trainer world size."""
     env, trainer_procs = assign_devices(config, count_gpus())
+    for name in SERVICES:
+        env[name] = {**getattr(config, name).env_vars, **env[name]}
     for name in ("orchestrator", "trainer"):
         env[name][LOCK_TOKEN_VAR] = lock_token
         env[name][RUN_VAR] = lock_token  # their heartbeats name this run (protocol.liveness)

@@ -180,6 +180,8 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
     layout = f" ({n_train} node(s) x {procs})"
     subs = service_configs(config, n_train * procs, key_in_env=True, layout=layout, host="0.0.0.0", self_watch=True)
     configs = {name: _toml_data(sub, output_dir) for name, sub in subs.items()}
+    # Each step runs with its service's env_vars, set before Python starts (the entrypoint sets them too).
+    env = {name: {**subs[name].env_vars, **env[name]} for name in env}
     key_var, port = config.orchestrator.client.api_key_var, config.inference.server.port
     resumable = config.trainer.ckpt is not None
     commands = _node_commands(config, slurm, procs, n_train, resumable)

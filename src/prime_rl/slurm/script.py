@@ -29,11 +29,12 @@ def sh(*args: object) -> str:
 
 
 def in_step(cmd: list[str], env: dict[str, str] | None = None) -> str:
-    """`cmd` as one srun step's program: its $VARS (SLURM_PROCID too) are expanded on each node by `bash -c`.
-    USR1 starts ignored (inherited through exec): torchrun's agent and the inference server have nothing to
-    save, and the services that do catch it themselves."""
-    prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-    return "bash -c " + shlex.quote('trap "" USR1; exec ' + sh(*prefix, *cmd))
+    """`cmd` as one srun step's program: its $VARS (SLURM_PROCID too) are expanded on each node by `bash -c`;
+    `env` (names, and values taken literally: a user's `env_vars` too) is set for it alone. USR1 starts ignored
+    (inherited through exec): torchrun's agent and the inference server have nothing to save, and the services
+    that do catch it themselves."""
+    prefix = ["env", *(shlex.quote(f"{k}={one_line(f'env var {k}', v)}") for k, v in env.items())] if env else []
+    return "bash -c " + shlex.quote('trap "" USR1; exec ' + " ".join([*prefix, sh(*cmd)]))
 
 
 def sbatch_arg(arg: str) -> str:

@@ -24,7 +24,7 @@ KEY, OTHER_KEY, ENV_KEY = "sk-flag-0123456789", "sk-inline-9876543210", "sk-env-
 LAYOUTS = {
     "rl": ("rl", []),
     "rl-nodes-ckpt": ("rl", ["--slurm.inference-nodes", "1", "--slurm.trainer-nodes", "1", "--ckpt.interval", "5",
-                             "--slurm.requeue"]),
+                             "--slurm.requeue", "--inference.env-vars.HOSTILE_VALUE", HOSTILE]),
     "sft": ("sft", ["--slurm.nodes", "2", "--ckpt.interval", "5"]),
 }  # fmt: skip
 
