@@ -9,7 +9,7 @@ still run, and the exit status is 1):
 1. `tiny-model --preset qwen3-0.6b`: Qwen3-0.6B's exact shape, random bf16 weights, an offline tokenizer;
 2. `pytest -m gpu`: the tests marked gpu;
 3. `rl` on the reverse-text example (configs/examples/reverse_text/rl.toml) with that model: vLLM, a bf16
-   FSDP2 trainer on the same GPU, `weight_transfer = broadcast` (nccl, the trainer being on CUDA);
+   FSDP2 trainer on the same GPU, `weight_transfer = broadcast` (nccl; gloo when both share one GPU);
 4. the same with `weight_transfer = filesystem`, fewer steps;
 5. `trainer --bench` alone on generated 16k-token rows with activation checkpointing: upstream's setting.
 The rl runs are synchronous (async_level 0): every step samples from the weights the trainer has, so the
@@ -55,10 +55,11 @@ RL_GPU = ["--async-level", "0", "--inference.backend", "vllm", "--inference.gpu-
 FAKE_LEN = (16, 512)  # the bench's generated samples: lengths uniform in this range, packed into 16k-token rows
 BENCH_ROWS = ["--data.fake-seq-len", "16384", "--data.fake-micro-batches", "2", "--data.fake-min-len",
               str(FAKE_LEN[0]), "--data.fake-max-len", str(FAKE_LEN[1])]  # fmt: skip
-# Not seen yet (nothing has run on a GPU), but NCCL has refused since 2.5 what step 3 asks of it on one GPU.
+# NCCL refuses two ranks of one group on one GPU ('Duplicate GPU detected'), where rl puts both on a 1-GPU node.
 ONE_GPU = (
-    "with one GPU, rl puts the trainer and vLLM on GPU 0, and NCCL refuses two ranks of one group on one GPU "
-    "('Duplicate GPU detected'): step 3 is then expected to fail; with two GPUs the trainer gets GPU 1"
+    "with one GPU, rl puts the trainer and vLLM on GPU 0 and sends the broadcast over gloo (weight_transfer.backend "
+    "auto; NCCL refuses two ranks of one group on one GPU): tensors still land on the GPU, through host memory; "
+    "with two GPUs the trainer gets GPU 1 and the broadcast is nccl"
 )
 # Every step's environment: no hub look-ups (the machine has no internet), no vLLM usage reports, logs as they come.
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}

@@ -38,6 +38,8 @@ READY = {
     "vllm": re.compile(r"Starting vLLM server on http://(\S+):(\d+)"),
 }
 TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+# More vLLM flags, through `[inference.vllm]`, whose effects a client sees (no other test asks for logprobs > 1).
+VLLM_FLAGS = ["--vllm.max-logprobs", "3", "--vllm.enable-prompt-tokens-details"]
 
 
 class Server:
@@ -57,6 +59,7 @@ class Server:
         cmd += ["--weight-transfer", "broadcast"]  # accepts both transfers
         if backend == "vllm":
             cmd += ["--max-model-len", "512", "--enforce-eager"]  # a shorter start: smaller warm-up, no compile
+            cmd += VLLM_FLAGS  # [inference.vllm]: passed through (test_vllm_flags_pass_through_to_vllm)
         cmd += [*args, *(["--api-key", api_key, "--server.host", "127.0.0.1"] if api_key else [])]
         self.log = open(self.log_path, "w")
         env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB; plenty for 512-token sequences
@@ -350,6 +353,71 @@ def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_k
     assert greedy_logprobs(client, str(tiny_model)) == base
 
 
+@pytest.fixture(scope="module")
+def streaming(tiny_model, tmp_path_factory, vllm_installed) -> Server:
+    """A vLLM server that loads broadcast steps into the model as they arrive (no staged copy)."""
+    started = Server(tiny_model, tmp_path_factory.mktemp("streaming") / "serve", "vllm", "--weight-staging", "stream")
+    try:
+        started.wait_ready()
+        yield started
+    finally:
+        print(f"--- streaming server log ---\n{started.new_output()}")
+        started.stop()
+
+
+def test_vllm_streams_a_broadcast_through_its_weight_transfer_phases_exactly(streaming, tiny_model):
+    from safetensors.torch import load_file
+
+    client = openai.OpenAI(base_url=f"{streaming.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    step_dir = write_perturbed_weights(tiny_model, streaming.output_dir, step=11)
+    assert streaming.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    from_files = greedy_logprobs(client, str(tiny_model))
+    assert streaming.post("/reload_weights").status_code == 200
+    response = BroadcastingTrainer(streaming, "g-stream").send(11, load_file(step_dir / "model.safetensors"))
+    assert response.status_code == 200, response.text
+    assert greedy_logprobs(client, str(tiny_model)) == from_files  # exactly
+    log = streaming.output()
+    for how in ("weight dir", "broadcast, streamed"):
+        phases = f"weights step 11 ({how}) through vLLM's weight transfer: start_weight_update"
+        assert phases in log and "update_weights" in log and "finish_weight_update" in log
+
+
+def test_a_stream_broken_half_way_refuses_requests_until_the_next_good_step(streaming, tiny_model):
+    """The layers a broken stream reached hold the new step, the rest the old: the server says so and serves
+    nothing (503) rather than a mix, until an update succeeds."""
+    import concurrent.futures
+
+    client = openai.OpenAI(base_url=f"{streaming.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    step = streaming.health()["step"] + 1
+    weights = write_perturbed_weights(tiny_model, streaming.output_dir, step=21) / "model.safetensors"
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(port), str(step), str(weights)],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": "g-stall", "world_size": 2, "rank": 1,
+                          "step": step, "timeout": 30.0}}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        time.sleep(1.0)
+        answer = pool.submit(streaming.post, "/update_weights", json=body)
+        assert trainer.stdout.readline().strip() == "stalled"  # header and 3 tensors sent (and loaded)
+        trainer.kill()
+        response = answer.result()
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert f"the update to weight step {step} failed half-way" in message, message
+    assert "serves again after the next successful weight update" in message
+    assert "failed half-way" in streaming.health()["unservable"]
+    refused = streaming.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert refused.status_code == 503, refused.text
+    assert "no complete weights to serve" in refused.json()["error"]["message"]
+    good = write_perturbed_weights(tiny_model, streaming.output_dir, step=22)
+    assert streaming.post("/update_weights", json={"weight_dir": str(good)}).status_code == 200
+    assert "unservable" not in streaming.health()
+    served = greedy_logprobs(client, str(tiny_model))
+    assert streaming.post("/reload_weights").status_code == 200
+    assert streaming.post("/update_weights", json={"weight_dir": str(good)}).status_code == 200
+    assert greedy_logprobs(client, str(tiny_model)) == served  # the step whole, nothing of the broken one
+
+
 def test_broadcast_weights_of_another_shape_are_a_400_and_the_sender_hears_of_it_at_once(server, client, tiny_model):
     from safetensors.torch import load_file
 
@@ -638,6 +706,19 @@ def test_completions_carry_the_weight_step_that_computed_them(server, tiny_model
         assert r.headers["x-weight-step"] == "11"
     assert server.post("/reload_weights").json()["step"] == 0
     assert server.post("/v1/completions", json=body).headers["x-weight-step"] == "0"
+
+
+def test_vllm_flags_pass_through_to_vllm(server):
+    """`--vllm.max-logprobs 3 --vllm.enable-prompt-tokens-details` reach vLLM: a 4th logprob is refused, and usage
+    details the prompt's tokens."""
+    if server.backend != "vllm":
+        pytest.skip("vLLM flags ([inference.vllm]) are vLLM's")
+    body = {"prompt": PROMPT, "max_tokens": 2, "logprobs": 3}
+    answer = server.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens_details"] is not None  # --enable-prompt-tokens-details
+    refused = server.post("/v1/completions", json=body | {"logprobs": 4})  # --max-logprobs 3
+    assert refused.status_code == 400 and "3" in refused.json()["error"]["message"], refused.text
 
 
 @pytest.fixture(scope="module")

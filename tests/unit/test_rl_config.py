@@ -4,7 +4,7 @@ import pytest
 
 from prime_rl.configs import ConfigError, load_config
 from prime_rl.configs.rl import RLConfig
-from prime_rl.launch.services import assign_devices
+from prime_rl.launch.services import assign_devices, service_configs
 
 
 def test_shared_keys_reach_every_sub_config():
@@ -67,6 +67,17 @@ def test_device_assignment():
         assign_devices(config, num_gpus=0)
     with pytest.raises(ValueError, match=r"GPU ids \[2, 3\] do not exist"):
         assign_devices(config, num_gpus=2)
+
+
+def test_a_broadcast_between_services_on_one_gpu_goes_over_gloo():
+    """NCCL refuses two ranks of one group on one GPU, which is where `rl` puts both services on a 1-GPU node."""
+    config = load_config(RLConfig, ["--weight-transfer", "broadcast"])
+    for gpus, backend in [(1, "gloo"), (2, "auto"), (0, "auto")]:
+        env, ranks = assign_devices(config, num_gpus=gpus)
+        assert service_configs(config, ranks, key_in_env=False, env=env)["trainer"].weight_transfer.backend == backend
+    nccl = load_config(RLConfig, ["--weight-transfer.type", "broadcast", "--weight-transfer.backend", "nccl"])
+    env, ranks = assign_devices(nccl, num_gpus=1)
+    assert service_configs(nccl, ranks, key_in_env=False, env=env)["trainer"].weight_transfer.backend == "nccl"
 
 
 def test_ckpt_switched_on_anywhere_is_shared_leaf_by_leaf():

@@ -133,6 +133,13 @@ class WeightTransferConfig(Section):
             "(nccl on CUDA, gloo on CPU; weights/step_n only at checkpoint steps and the last)"
         ),
     ] = "filesystem"
+    backend: Annotated[
+        Literal["auto", "nccl", "gloo"],
+        Field(
+            description='type = "broadcast": the process group\'s transport; auto = nccl on CUDA, gloo on CPU, and '
+            "gloo where `rl` puts the trainer and a server on one GPU (NCCL refuses two ranks of a group on one GPU)"
+        ),
+    ] = "auto"
     host: Annotated[
         str, Field(description='type = "broadcast": address of trainer rank 0 that inference workers can reach')
     ] = "127.0.0.1"

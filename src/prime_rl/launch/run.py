@@ -29,7 +29,8 @@ def _run(config: RLConfig, lock_token: str) -> None:
     output_dir = config.orchestrator.output_dir
     check_environments(config)
     env, trainer_procs = service_env(config, lock_token)
-    config = config.model_copy(update=service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key)))
+    subs = service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key), env=env)
+    config = config.model_copy(update=subs)
     for name in SERVICES:
         write_run_config(getattr(config, name), name, output_dir)
     write_run_config(config, "rl", output_dir)

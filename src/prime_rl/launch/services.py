@@ -3,11 +3,14 @@ adjusts it. One place for `rl` (one node) and the Slurm renderer (`prime_rl.slur
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from prime_rl.configs.base import BaseConfig
 from prime_rl.configs.rl import SERVICES, RLConfig
+
+logger = logging.getLogger("prime_rl")
 
 
 def count_gpus() -> int:
@@ -56,6 +59,7 @@ def service_configs(
     layout: str = "",
     host: str | None = None,
     self_watch: bool = False,
+    env: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, BaseConfig]:
     """The inference, orchestrator and trainer configs as the launcher runs them; `config` is left as it is.
 
@@ -67,6 +71,7 @@ def service_configs(
     - `host`: where the server listens, when the layout needs another address than the config's.
     - `self_watch`: no `rl` watches the services (multi-node Slurm): the orchestrator and the trainer exit
       when hung themselves, after `rl`'s --hang-timeout (`protocol.liveness.Heartbeat`).
+    - `env` (assign_devices'): a weight broadcast between a trainer and a server on one GPU goes over gloo.
     Copies, not re-validated: the server's key is only in the environment where the services run.
     """
     orchestrator, inference = config.orchestrator, config.inference
@@ -80,6 +85,11 @@ def service_configs(
         updates["inference"]["api_key_var"] = orchestrator.client.api_key_var
     if host is not None:
         updates["inference"]["server"] = inference.server.model_copy(update={"host": host})
+    shared = shared_gpus(env or {})
+    transfer = config.trainer.weight_transfer
+    if shared and transfer.type == "broadcast" and transfer.backend == "auto":
+        updates["trainer"]["weight_transfer"] = transfer.model_copy(update={"backend": "gloo"})
+        logger.info(f"the trainer and the inference server share GPU {','.join(shared)}: weights travel over gloo")
     if self_watch:
         for name in ("orchestrator", "trainer"):
             if getattr(config, name).hang_timeout is None:
@@ -89,6 +99,14 @@ def service_configs(
         sub = getattr(config, name)
         configs[name] = sub.model_copy(update={"log": sub.log.model_copy(update={"file": False}), **updates[name]})
     return configs
+
+
+def shared_gpus(env: dict[str, dict[str, str]]) -> list[str]:
+    """The GPUs both the trainer and the inference server see (assign_devices' CUDA_VISIBLE_DEVICES)."""
+    seen = [
+        set(filter(None, env.get(s, {}).get("CUDA_VISIBLE_DEVICES", "").split(","))) for s in ("inference", "trainer")
+    ]
+    return sorted(seen[0] & seen[1])
 
 
 def resume_step(config: RLConfig) -> int | None:

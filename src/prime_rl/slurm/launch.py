@@ -178,7 +178,9 @@ def _render_rl_nodes(config, slurm: SlurmConfig, output_dir: Path, argv: list[st
         env, procs = {s: {} for s in env}, slurm.gpus_per_node
     # The job puts a fresh API key in the steps' environment; the servers listen on every interface.
     layout = f" ({n_train} node(s) x {procs})"
-    subs = service_configs(config, n_train * procs, key_in_env=True, layout=layout, host="0.0.0.0", self_watch=True)
+    subs = service_configs(
+        config, n_train * procs, key_in_env=True, layout=layout, host="0.0.0.0", self_watch=True, env=env
+    )
     configs = {name: _toml_data(sub, output_dir) for name, sub in subs.items()}
     # Each step runs with its service's env_vars, set before Python starts (the entrypoint sets them too).
     env = {name: {**subs[name].env_vars, **env[name]} for name in env}

@@ -37,7 +37,7 @@ class WeightSender:
     def __init__(self, config, model: torch.nn.Module, files: ModelFiles, d):
         self.config, self.d = config, d
         b = config.weight_transfer
-        backend = "nccl" if d.device.type == "cuda" else "gloo"
+        backend = b.backend if b.backend != "auto" else "nccl" if d.device.type == "cuda" else "gloo"
         # A fresh group per trainer start: servers still in an earlier one (a restarted trainer) rejoin.
         self.rdv = Rendezvous(b.host, b.port, "", 0, backend, b.timeout)  # the receivers tell the world size
         try:
