@@ -2,8 +2,9 @@
 
     uv run python benchmarks/rl.py                                   # both models, sync and async_level 1
     uv run python benchmarks/rl.py --models tiny --modes sync --transfers filesystem,broadcast
+    uv run python benchmarks/rl.py --models 10m --modes sync --backends builtin,vllm   # vLLM: its CPU build
 
-Each case is one real `rl` run (built-in engine, orchestrator, 1-rank trainer on this machine's CPU, fp32)
+Each case is one real `rl` run (inference server, orchestrator, 1-rank trainer on this machine's CPU, fp32)
 on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the services' own metrics files:
 - generate: the orchestrator's generation requests (and scoring, which overlaps them);
 - train: the trainer's forward/backward/optimizer step;
@@ -23,6 +24,7 @@ Medians over the steps after `--warmup`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -47,7 +49,9 @@ ORCH_WORK = ("generate", "pack", "write", "update_weights")
 TRAINER_WORK = ("load_data", "train", "save_weights")
 
 
-def config_text(model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int) -> str:
+def config_text(
+    model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int, backend: str
+) -> str:
     return f"""
 output_dir = "{output_dir}"
 max_steps = {steps}
@@ -58,6 +62,8 @@ weight_transfer = "{transfer}"
 name = "{model}"
 
 [inference]
+backend = "{backend}"
+enforce_eager = true
 server.port = {port}
 max_model_len = 256
 
@@ -74,10 +80,10 @@ optim.lr = 1e-4
 """
 
 
-def run_case(model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int) -> dict:
-    output_dir = work / f"{model.name}-a{async_level}-{transfer}"
+def run_case(model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int, backend: str) -> dict:
+    output_dir = work / f"{model.name}-a{async_level}-{transfer}-{backend}"
     cfg = work / f"{output_dir.name}.toml"
-    cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port))
+    cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port, backend))
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(cfg)], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
@@ -109,6 +115,7 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,10m")
     parser.add_argument("--modes", default="sync,async", help="sync = async_level 0, async = async_level 1")
     parser.add_argument("--transfers", default="filesystem,broadcast")
+    parser.add_argument("--backends", default="builtin", help="inference backends: builtin, vllm")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--port", type=int, default=8791)
@@ -121,22 +128,23 @@ def main() -> None:
         for name in args.models.split(","):
             hidden, layers = MODELS[name]
             model = create_tiny_model(work / name, hidden_size=hidden, num_layers=layers, tokenizer_vocab_size=259)
-            for mode in args.modes.split(","):
-                for transfer in args.transfers.split(","):
-                    level = {"sync": 0, "async": 1}[mode]
-                    case = run_case(model, work, args.steps + args.warmup + 1, level, transfer, args.port)
-                    rows = case["rows"][args.warmup :]
-                    results[f"{name}/{mode}/{transfer}"] = rows
-                    print(f"{name:>5} {mode:>5} {transfer:>10}: {len(rows)} steps measured, run {case['seconds']:.0f}s",
-                          file=sys.stderr)  # fmt: skip
+            split = [getattr(args, k).split(",") for k in ("backends", "modes", "transfers")]
+            for backend, mode, transfer in itertools.product(*split):
+                level = {"sync": 0, "async": 1}[mode]
+                case = run_case(model, work, args.steps + args.warmup + 1, level, transfer, args.port, backend)
+                rows = case["rows"][args.warmup :]
+                results[f"{name}/{backend}/{mode}/{transfer}"] = rows
+                print(f"{name:>5} {backend:>7} {mode:>5} {transfer:>10}: {len(rows)} steps measured, "
+                      f"run {case['seconds']:.0f}s", file=sys.stderr)  # fmt: skip
 
-    print("| model | mode | transfer | generate | train | transfer | to served | step | hand-offs | share |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | backend | mode | transfer | generate | train | transfer | to served | step | hand-offs | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, rows in results.items():
-        name, mode, transfer = key.split("/")
+        name, backend, mode, transfer = key.split("/")
         step, handoffs = median(rows, "step"), median(rows, "handoffs")
         cells = [f"{median(rows, k):.3f} s" for k in ("generate", "train", "transfer", "to_served", "step")]
-        print(f"| {name} | {mode} | {transfer} | {' | '.join(cells)} | {handoffs:.3f} s | {handoffs / step:.1%} |")
+        print(f"| {name} | {backend} | {mode} | {transfer} | {' | '.join(cells)} | {handoffs:.3f} s | "
+              f"{handoffs / step:.1%} |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
