@@ -252,11 +252,11 @@ class BroadcastingTrainer:
     """Plays trainer rank 0 of a weight broadcast group with `server` as its one receiver (the real trainer's
     side, which gathers from FSDP shards, runs in test_rl and test_weight_broadcast)."""
 
-    def __init__(self, server: Server, group: str):
+    def __init__(self, server: Server, group: str, backend: str = "gloo", device: str = "cpu"):
         from prime_rl.protocol.broadcast import Rendezvous, connect_store
 
-        self.server = server
-        self.rdv = Rendezvous("127.0.0.1", free_port(), group, 2, "gloo", 30.0)
+        self.server, self.device = server, torch.device(device)
+        self.rdv = Rendezvous("127.0.0.1", free_port(), group, 2, backend, 30.0)
         self.store = connect_store(self.rdv, master=True)
         self.pg = None
 
@@ -268,7 +268,7 @@ class BroadcastingTrainer:
 
         r = self.rdv
         body = {"broadcast": {"host": r.host, "port": r.port, "group": r.group, "world_size": 2, "rank": 1,
-                              "step": step, "timeout": r.timeout}}  # fmt: skip
+                              "step": step, "timeout": r.timeout, "backend": r.backend}}  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             self.answer = answer = pool.submit(self.server.post, "/update_weights", json=body)
             deadline = time.monotonic() + 30
@@ -277,7 +277,7 @@ class BroadcastingTrainer:
                 time.sleep(0.01)
             self.pg = self.pg or join_group(self.store, r, 0)
             specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-            send_step(self.pg, step, specs, tensors.values(), torch.device("cpu"))
+            send_step(self.pg, step, specs, tensors.values(), self.device)
             return answer.result()
 
 
@@ -753,3 +753,75 @@ def test_the_trainers_moe_export_is_served_with_the_trainers_logprobs(moe_server
     choice = server.post("/v1/completions", json=body | {"return_token_ids": True}).json()["choices"][0]
     served = choice["logprobs"]["token_logprobs"]
     assert served == pytest.approx(trainer_logprobs(model, PROMPT, choice["token_ids"], 0.7), abs=1e-4)
+
+
+# ---- on a CUDA machine (`pytest -m gpu`, scripts/gpu_check.sh): vLLM's CUDA build, weights onto the GPU ----
+
+
+@pytest.fixture(scope="module")
+def cuda_vllm(tiny_model, tmp_path_factory):
+    """vLLM on GPU 0 in float32 (the trainer's precision), both staging modes: `device` and `stream`."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm", reason="needs vLLM (uv sync --extra vllm)")
+    root = tmp_path_factory.mktemp("cuda-vllm")
+    args = ["--engine.dtype", "float32", "--gpu-memory-utilization", "0.2"]
+    started = {
+        mode: Server(tiny_model, root / mode, "vllm", *args, "--weight-staging", mode) for mode in ("device", "stream")
+    }
+    try:
+        for s in started.values():
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started.values():
+            print(f"--- {s.output_dir.name} server log ---\n{s.new_output()}")
+            s.stop()
+
+
+@pytest.mark.gpu
+def test_vllm_on_cuda_samples_with_the_trainers_logprobs(cuda_vllm, tiny_model):
+    server = cuda_vllm["device"]
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.7, "seed": 5, "logprobs": 0, "ignore_eos": True}
+    choice = server.post("/v1/completions", json=body | {"return_token_ids": True}).json()["choices"][0]
+    served = choice["logprobs"]["token_logprobs"]
+    assert served == pytest.approx(trainer_logprobs(tiny_model, PROMPT, choice["token_ids"], 0.7), abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["device", "stream"])
+def test_vllm_on_cuda_serves_a_broadcast_exactly_as_the_same_dir(cuda_vllm, tiny_model, mode):
+    """A broadcast (gloo: the test process and the server share GPU 0) lands on the GPU through the
+    weight-transfer phases, staged or streamed, and serves exactly what a dir update of the same step does."""
+    from safetensors.torch import load_file
+
+    server = cuda_vllm[mode]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
+    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    from_files = greedy_logprobs(client, str(tiny_model))
+    assert server.post("/reload_weights").status_code == 200
+    response = BroadcastingTrainer(server, f"g-cuda-{mode}").send(11, load_file(step_dir / "model.safetensors"))
+    assert response.status_code == 200, response.text
+    assert greedy_logprobs(client, str(tiny_model)) == from_files
+    how = "staged on the device" if mode == "device" else "streamed"
+    assert f"weights step 11 (broadcast, {how}" in server.output()
+
+
+@pytest.mark.gpu
+def test_vllm_on_cuda_takes_an_nccl_broadcast_from_another_gpu(cuda_vllm, tiny_model):
+    """NCCL between two GPUs (it refuses two ranks of one group on one GPU): the test process sends from GPU 1."""
+    from safetensors.torch import load_file
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: NCCL refuses two ranks of one group on one GPU")
+    server = cuda_vllm["device"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=12)
+    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    from_files = greedy_logprobs(client, str(tiny_model))
+    assert server.post("/reload_weights").status_code == 200
+    trainer = BroadcastingTrainer(server, "g-nccl", backend="nccl", device="cuda:1")
+    response = trainer.send(12, {n: t.to("cuda:1") for n, t in load_file(step_dir / "model.safetensors").items()})
+    assert response.status_code == 200, response.text
+    assert greedy_logprobs(client, str(tiny_model)) == from_files
