@@ -233,14 +233,22 @@ def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
     vllm_installed, tiny_qwen3_hd32, tmp_path, free_port, monkeypatch
 ):
     """`rl --inference.backend vllm` (vLLM's CPU build) with weight_transfer = broadcast: every step reaches
-    vLLM's worker over the gloo group (the filesystem route to vLLM is tested in test_inference_server)."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for vLLM's KV cache on CPU
+    vLLM's worker over the gloo group through vLLM's weight-transfer phases (the filesystem route to vLLM is
+    tested in test_inference_server). vLLM sizes its KV cache from the run, so it starts beside the trainer."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a share of host RAM would not fit beside a trainer
     out = tmp_path / "out"
     extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512", "--inference.enforce-eager"]
     result = run_rl(on_policy_broadcast_run(tiny_qwen3_hd32, out, free_port, *extra), timeout=900)
     assert result.returncode == 0, result.stderr + show_logs(out)
     assert_on_policy_over_broadcast(out)
-    assert "backend vllm" in (out / "logs" / "inference.log").read_text()
+    log = (out / "logs" / "inference.log").read_text()
+    assert "backend vllm" in log and "vLLM KV cache: " in log
+    phases = re.findall(
+        r"weights step (\d+) \(broadcast, staged on the device in [\d.]+ s\) through vLLM's weight transfer: "
+        r"start_weight_update [\d.]+ s, update_weights [\d.]+ s, finish_weight_update",
+        log,
+    )
+    assert phases and phases == sorted(phases, key=int), log[-3000:]
 
 
 MIXED_WITH_EVAL = """
