@@ -325,11 +325,11 @@ send_step(pg, step, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], 
 """
 
 
-def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_keep_serving(server, client, tiny_model):
+def broadcast_from_a_trainer_killed_mid_way(server: Server, tiny_model, step: int) -> tuple[httpx.Response, float, int]:
+    """The server's answer to a broadcast whose trainer is killed after the header and 3 tensors, when it was
+    killed, and the trainer's rendezvous port."""
     import concurrent.futures
 
-    before, step = server.health()["step"], server.health()["step"] + 1
-    base = greedy_logprobs(client, str(tiny_model))
     weights = write_perturbed_weights(tiny_model, server.output_dir, step=21) / "model.safetensors"
     port = free_port()
     trainer = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(port), str(step), str(weights)],
@@ -342,7 +342,13 @@ def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_k
         assert trainer.stdout.readline().strip() == "stalled"  # header and 3 tensors sent
         trainer.kill()
         killed = time.monotonic()
-        response = answer.result()
+        return answer.result(), killed, port
+
+
+def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_keep_serving(server, client, tiny_model):
+    before, step = server.health()["step"], server.health()["step"] + 1
+    base = greedy_logprobs(client, str(tiny_model))
+    response, killed, port = broadcast_from_a_trainer_killed_mid_way(server, tiny_model, step)
     assert response.status_code == 400, response.text
     print(f"{server.backend}: trainer killed -> 400 after {time.monotonic() - killed:.2f}s")
     assert time.monotonic() - killed < 10  # a dead peer is noticed at once, not at the 30 s timeout
@@ -385,22 +391,9 @@ def test_vllm_streams_a_broadcast_through_its_weight_transfer_phases_exactly(str
 def test_a_stream_broken_half_way_refuses_requests_until_the_next_good_step(streaming, tiny_model):
     """The layers a broken stream reached hold the new step, the rest the old: the server says so and serves
     nothing (503) rather than a mix, until an update succeeds."""
-    import concurrent.futures
-
     client = openai.OpenAI(base_url=f"{streaming.url}/v1", api_key="unused", max_retries=0, timeout=60)
     step = streaming.health()["step"] + 1
-    weights = write_perturbed_weights(tiny_model, streaming.output_dir, step=21) / "model.safetensors"
-    port = free_port()
-    trainer = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(port), str(step), str(weights)],
-                               stdout=subprocess.PIPE, text=True)  # fmt: skip
-    body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": "g-stall", "world_size": 2, "rank": 1,
-                          "step": step, "timeout": 30.0}}  # fmt: skip
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        time.sleep(1.0)
-        answer = pool.submit(streaming.post, "/update_weights", json=body)
-        assert trainer.stdout.readline().strip() == "stalled"  # header and 3 tensors sent (and loaded)
-        trainer.kill()
-        response = answer.result()
+    response, _, _ = broadcast_from_a_trainer_killed_mid_way(streaming, tiny_model, step)  # 3 tensors loaded
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert f"the update to weight step {step} failed half-way" in message, message
