@@ -18,6 +18,7 @@ Runs inside vLLM's worker processes; the worker extension (worker.py) registers 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ from prime_rl.inference.control import BroadcastRequest
 from prime_rl.utils.hf_layout import iter_safetensors
 
 NAME = "prime"  # args.TRANSFER_ENGINE
+
+
+def _not_rotary(record: logging.LogRecord) -> bool:
+    """Layerwise reload warns "RotaryEmbedding: Failed to load weights" at every update: the layer holds only a
+    computed cos/sin cache (no checkpoint tensor), which it keeps, as it should. Other layers' warnings stay."""
+    return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_not_rotary)
 
 
 @dataclass
