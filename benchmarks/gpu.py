@@ -65,7 +65,7 @@ ONE_GPU = (
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
 WARMUP = 2  # steps left out of the medians (the rl runs; the bench leaves out its first, as its own table does)
 SERVICES = {"inference": "prime_rl.entrypoints.inference", "trainer": "prime_rl.entrypoints.trainer"}
-COLUMNS = ["rl, broadcast (nccl)", "rl, filesystem", "trainer --bench (16k rows, AC)", "upstream prime-rl, 1xH100"]
+COLUMNS = ["rl, broadcast", "rl, filesystem", "trainer --bench (16k rows, AC)", "upstream prime-rl, 1xH100"]
 ROWS = ["status", "trainer tokens/s (median)", "trainer MFU", "vLLM generated tokens/s (median)",
         "time to served per update (median)", "mismatch KL per step (median / max)",
         "peak GPU memory: inference (nvidia-smi)", "peak GPU memory: trainer (nvidia-smi / torch allocated)",
@@ -97,7 +97,7 @@ def plan(out: Path, steps: int, fs_steps: int) -> list[Step]:
                "-m", "prime_rl.entrypoints.trainer"]  # fmt: skip
     runs = []
     for transfer, n, timeout, column in (
-        ("broadcast (nccl)", steps, 720, COLUMNS[0]),
+        ("broadcast", steps, 720, COLUMNS[0]),
         ("filesystem", fs_steps, 480, COLUMNS[1]),
     ):
         d = out / f"rl-{transfer.split()[0]}"
