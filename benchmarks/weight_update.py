@@ -1,0 +1,181 @@
+"""One weight update at a real model size: how long until the server answers with the new step, and how much
+memory the server takes on the way.
+
+    uv run python benchmarks/weight_update.py                                  # qwen3-0.6b, vLLM (CPU build)
+    uv run python benchmarks/weight_update.py --preset qwen3-micro --backend builtin --repeats 3
+    uv run python benchmarks/weight_update.py --python OTHER/.venv/bin/python --stagings -   # another checkout's server
+
+Builds the preset's model offline (`tiny-model --preset`: random bf16 weights of the real shapes), starts one
+real `inference` server per weight staging (`--weight-staging device` and `stream`; vLLM only, the built-in
+engine swaps whole), and times, `--repeats` times each: a filesystem update (POST /update_weights of a
+`weights/step_n` dir written beforehand) and a broadcast update (this process plays trainer rank 0 over gloo,
+as the trainer does on CPU, sending the same tensors). "seconds" is the request until the server answered
+(serving the step); "peak +RSS" the server's process tree's resident memory above its idle level while it
+took the update, sampled every 20 ms. Medians over the repeats. `--python` runs the servers with another
+environment's interpreter (an older checkout's, to compare; `--stagings -` passes no staging flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prime_rl.protocol import mark_stable, weights_dir  # noqa: E402
+from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step  # noqa: E402
+from prime_rl.utils.hf_layout import iter_safetensors  # noqa: E402
+from prime_rl.utils.net import free_port  # noqa: E402
+from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
+
+
+class Server:
+    def __init__(self, python: str, model: Path, out: Path, backend: str, staging: str | None):
+        self.port = free_port()
+        cmd = [python, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
+               "--backend", backend, "--server.port", str(self.port), "--output-dir", str(out), "--no-log.file",
+               "--weight-transfer", "broadcast", "--max-model-len", "512"]  # fmt: skip
+        if backend == "vllm":
+            cmd += ["--enforce-eager", *(["--weight-staging", staging] if staging else [])]
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / "server.out", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"inference exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        sys.exit(f"inference not healthy after {timeout:.0f} s; see {self.log.name}")
+
+    def rss(self) -> int:
+        procs = [psutil.Process(self.proc.pid)]
+        procs += procs[0].children(recursive=True)
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def measured(self, update) -> tuple[float, int]:
+        """(seconds until `update()` returned, peak RSS above the level before it)."""
+        base, peak, done = self.rss(), [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], self.rss())
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        start = time.perf_counter()
+        update()
+        seconds = time.perf_counter() - start
+        done.set()
+        sampler.join()
+        return seconds, max(0, peak[0] - base)
+
+    def post(self, body: dict | None, route: str = "/update_weights") -> None:
+        response = httpx.post(f"{self.url}{route}", json=body, timeout=900)
+        if response.status_code != 200:
+            sys.exit(f"{route}: HTTP {response.status_code}: {response.text[:500]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def broadcast(server: Server, tensors: dict, step: int) -> None:
+    """Trainer rank 0 of a fresh gloo group of two: the server's request, then the step's tensors."""
+    rdv = Rendezvous("127.0.0.1", free_port(), f"bench-{step}", 2, "gloo", 600.0)
+    store = connect_store(rdv, master=True)
+    body = {"broadcast": {"host": rdv.host, "port": rdv.port, "group": rdv.group, "world_size": 2, "rank": 1,
+                          "step": step, "timeout": rdv.timeout}}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(server.post, body)
+        while store.add(ready_key(rdv, step), 0) < 1:
+            if answer.done():
+                answer.result()
+            time.sleep(0.005)
+        pg = join_group(store, rdv, 0)
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+        send_step(pg, step, specs, tensors.values(), torch.device("cpu"))
+        answer.result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "builtin"])
+    parser.add_argument("--stagings", default="device,stream", help="vLLM --weight-staging values to run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the servers")
+    args = parser.parse_args()
+    stagings = [None if s == "-" else s for s in args.stagings.split(",")] if args.backend == "vllm" else [None]
+
+    with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
+        work = Path(tmp)
+        model = create_tiny_model(work / args.preset, preset=args.preset)
+        step_dirs = []
+        for step in (1, 2):  # the model's own tensors, as two steps
+            d = weights_dir(work / "out", step)
+            d.mkdir(parents=True)
+            for f in model.iterdir():
+                if f.is_file():
+                    (d / f.name).write_bytes(f.read_bytes())
+            mark_stable(d)
+            step_dirs.append(d)
+        tensors = dict(iter_safetensors(model))
+        gib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
+        print(f"{args.preset}: {len(tensors)} tensors, {gib:.2f} GiB as sent", file=sys.stderr)
+        rows = []
+        for staging in stagings:
+            server = Server(args.python, model, work / f"serve-{staging}", args.backend, staging)
+            try:
+                server.wait_ready()
+                times: dict[str, list] = {"filesystem": [], "broadcast": []}
+                for i in range(args.repeats):
+                    body = {"weight_dir": str(step_dirs[i % 2])}
+                    times["filesystem"].append(server.measured(lambda b=body, s=server: s.post(b)))
+                    times["broadcast"].append(server.measured(lambda n=i + 10, s=server: broadcast(s, tensors, n)))
+                for transfer, measured in times.items():
+                    seconds = statistics.median(s for s, _ in measured)
+                    rss = statistics.median(r for _, r in measured) / 2**30
+                    rows.append((staging or "-", transfer, seconds, rss))
+                    print(f"{staging} {transfer}: {[round(s, 2) for s, _ in measured]} s", file=sys.stderr)
+            finally:
+                server.stop()
+
+    print(f"| model | backend | staging | transfer | seconds (median of {args.repeats}) | peak +RSS |")
+    print("|---|---|---|---|---|---|")
+    for staging, transfer, seconds, rss in rows:
+        print(f"| {args.preset} | {args.backend} | {staging} | {transfer} | {seconds:.2f} s | {rss:.2f} GiB |")
+
+
+if __name__ == "__main__":
+    main()
