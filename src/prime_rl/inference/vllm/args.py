@@ -30,7 +30,7 @@ from prime_rl.configs.vllm_flags import FROM_CONFIG, OWNED
 
 logger = logging.getLogger("prime_rl")
 
-# `--max-lora-rank` values vLLM 0.26 accepts (vllm.config.lora.MaxLoRARanks).
+# `--max-lora-rank` values vLLM accepts (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 WORKER_EXTENSION = "prime_rl.inference.vllm.worker.WeightUpdateExtension"
 CONTROL_PLANE = "prime_rl.inference.vllm.server.VllmControlPlane"
@@ -93,15 +93,21 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True, parse
 # [vllm]: more flags, passed through
 
 
+def vllm_cli_args() -> Any:
+    """vLLM's module of `vllm serve` arguments (`make_arg_parser`, `validate_parsed_serve_args`), which moved
+    between the supported releases (imports vLLM: call it only where vLLM runs)."""
+    try:
+        from vllm.entrypoints.common import cli_args  # vLLM 0.33
+    except ImportError:
+        from vllm.entrypoints.launchers import cli_args  # vLLM 0.32
+    return cli_args
+
+
 def vllm_parser() -> Any:
     """vLLM's `vllm serve` argument parser (imports vLLM: call it only where vLLM runs)."""
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # vLLM 0.32
-    except ImportError:
-        from vllm.entrypoints.common.cli_args import make_arg_parser  # vLLM 0.33
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    return vllm_cli_args().make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
 
 def render_flag(name: str, value: Any, parser: Any = None) -> list[str]:

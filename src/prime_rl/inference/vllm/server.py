@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse
 from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.openai.protocol import chat_messages_problem
-from prime_rl.inference.vllm.args import vllm_serve_args
+from prime_rl.inference.vllm.args import vllm_cli_args, vllm_parser, vllm_serve_args
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
@@ -61,15 +61,15 @@ def check_vllm_version(version: str) -> None:
 
 def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
     import vllm
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     check_vllm_version(vllm.__version__)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
     global _config
     _config = config
-    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(vllm_serve_args(config, host, cuda))
-    validate_parsed_serve_args(args)
+    parser = vllm_parser()
+    args = parser.parse_args(vllm_serve_args(config, host, cuda, parser))
+    vllm_cli_args().validate_parsed_serve_args(args)
     logger.info(f"starting vLLM for {config.model.name} on http://{host}:{config.server.port} (backend vllm)")
     ServeSubcommand.cmd(args)
 
