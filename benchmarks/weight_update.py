@@ -170,6 +170,8 @@ def main() -> None:
                     print(f"{staging} {transfer}: {[round(s, 2) for s, _ in measured]} s", file=sys.stderr)
             finally:
                 server.stop()
+                phases = [line for line in Path(server.log.name).read_text().splitlines() if "weights step" in line]
+                print("\n".join(phases), file=sys.stderr)  # the server's own account of each update
 
     print(f"| model | backend | staging | transfer | seconds (median of {args.repeats}) | peak +RSS |")
     print("|---|---|---|---|---|---|")
