@@ -207,7 +207,10 @@ class VllmModel:
         try:
             await self.client.update_weights(WeightTransferUpdateRequest(update_info=update.info))
         except Exception as e:
-            await self.client.collective_rpc("abandon_weight_update")
+            try:
+                await self.client.collective_rpc("abandon_weight_update")
+            except Exception as cleanup:  # the layers stay as they are: still unservable, still one line
+                logger.error(f"ending the failed weight update: {worker_error(cleanup)}")
             self.unservable = (
                 f"the update to weight step {update.step} failed half-way ({worker_error(e)}); this server serves "
                 "again after the next successful weight update"
