@@ -184,3 +184,38 @@ def test_bad_weight_dirs_are_refused_before_touching_the_engine(vllm_like, tiny_
         assert response.status_code == 400 and message in response.json()["error"]["message"]
     assert engine.calls == []
     assert http.get("/health").json()["step"] == 0
+
+
+@pytest.mark.parametrize("cleanup_fails", [False, True])
+def test_an_update_failing_half_way_is_a_400_then_503s_until_a_good_one(vllm_like, tiny_model, tmp_path, cleanup_fails):
+    """Some layers may hold the new step: the server serves nothing rather than a mix, and says why."""
+    http, engine = vllm_like
+    auth = {"Authorization": "Bearer k"}
+    recorded_rpc = engine.collective_rpc
+
+    async def failing_update(request):
+        raise RuntimeError("worker 0: lost the trainer")
+
+    async def rpc(method, timeout=None, args=(), kwargs=None):
+        if method == "abandon_weight_update" and cleanup_fails:
+            raise RuntimeError("worker 0: finalize failed")
+        return await recorded_rpc(method, timeout, args, kwargs)
+
+    engine.update_weights, engine.collective_rpc = failing_update, rpc
+    response = http.post("/update_weights", json={"weight_dir": str(perturbed(tiny_model, tmp_path, 3))}, headers=auth)
+    assert response.status_code == 400
+    assert "the update to weight step 3 failed half-way (worker 0: lost the trainer)" in response.text
+    assert ("rpc", "abandon_weight_update", ()) in engine.calls or cleanup_fails
+    assert engine.calls[-1] == ("resume",)  # the scheduler runs again: requests get their 503, not a hang
+    refused = http.post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+    assert refused.status_code == 503 and "no complete weights to serve" in refused.text
+    assert "failed half-way" in http.get("/health").json()["unservable"]
+    del engine.update_weights  # the recorder's own again
+    engine.collective_rpc = recorded_rpc
+    assert (
+        http.post(
+            "/update_weights", json={"weight_dir": str(perturbed(tiny_model, tmp_path, 4))}, headers=auth
+        ).status_code
+        == 200
+    )
+    assert "unservable" not in http.get("/health").json()
