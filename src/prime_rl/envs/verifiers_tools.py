@@ -54,11 +54,9 @@ def list_tools(toolsets: list[Any], env_id: str) -> tuple[list[dict[str, Any]], 
     with them, each name's (toolset index, tool name on its server) and the toolsets' MCP servers."""
     if not toolsets:
         return [], {}, []
-    from mcp.server.mcpserver import MCPServer
-
     servers = []
     for toolset in toolsets:
-        server = MCPServer(toolset.server_name or type(toolset).__name__)
+        server = _tool_server_class()(toolset.server_name or type(toolset).__name__)
         toolset.register(server)
         servers.append(server)
 
@@ -78,6 +76,23 @@ def list_tools(toolsets: list[Any], env_id: str) -> tuple[list[dict[str, Any]], 
                                                   "parameters": parameters}}
             )  # fmt: skip
     return schemas, dispatch, servers
+
+
+def _tool_server_class() -> type:
+    """mcp's MCPServer, answering a tool that raised with the exception's text, as mcp 2.0 (which verifiers 0.4
+    pins) did: mcp >= 2.2 (vLLM 0.33 needs it) keeps only "Error executing tool <name>" for anything but a
+    ToolError, and the model could no longer read why its call failed (a bad argument, a division by zero)."""
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+
+    class ToolServer(MCPServer):
+        async def call_tool(self, name, arguments, context=None):
+            try:
+                return await super().call_tool(name, arguments, context)
+            except UnexpectedToolError as e:
+                raise ToolError(f"{e}: {e.__cause__}" if e.__cause__ is not None else str(e)) from e.__cause__
+
+    return ToolServer
 
 
 class ToolServers:
