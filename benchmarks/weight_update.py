@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from prime_rl.launch.supervise import Service, ServiceFailed, stop_all, wait_for_inference  # noqa: E402
 from prime_rl.protocol import mark_stable, weights_dir  # noqa: E402
 from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step  # noqa: E402
 from prime_rl.utils.hf_layout import iter_safetensors  # noqa: E402
@@ -42,33 +42,26 @@ from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
 
 
 class Server:
+    """One real `inference` process, started, awaited and stopped as `rl` does (launch.supervise)."""
+
     def __init__(self, python: str, model: Path, out: Path, backend: str, staging: str | None):
-        self.port = free_port()
+        port = free_port()
         cmd = [python, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
-               "--backend", backend, "--server.port", str(self.port), "--output-dir", str(out), "--no-log.file",
+               "--backend", backend, "--server.port", str(port), "--output-dir", str(out), "--no-log.file",
                "--weight-transfer", "broadcast", "--max-model-len", "512"]  # fmt: skip
         if backend == "vllm":
             cmd += ["--enforce-eager", *(["--weight-staging", staging] if staging else [])]
-        out.mkdir(parents=True, exist_ok=True)
-        self.log = open(out / "server.out", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.service = Service("inference", cmd, out / "server.out", {})
+        self.url = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                sys.exit(f"inference exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        sys.exit(f"inference not healthy after {timeout:.0f} s; see {self.log.name}")
+        try:
+            wait_for_inference([self.service], f"{self.url}/health", timeout)
+        except (ServiceFailed, TimeoutError) as e:
+            sys.exit(str(e))
 
     def rss(self) -> int:
-        procs = [psutil.Process(self.proc.pid)]
+        procs = [psutil.Process(self.service.proc.pid)]
         procs += procs[0].children(recursive=True)
         total = 0
         for p in procs:
@@ -102,12 +95,7 @@ class Server:
             sys.exit(f"{route}: HTTP {response.status_code}: {response.text[:500]}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_all([self.service], timeout=30)
 
 
 def broadcast(server: Server, tensors: dict, step: int) -> None:
@@ -170,7 +158,7 @@ def main() -> None:
                     print(f"{staging} {transfer}: {[round(s, 2) for s, _ in measured]} s", file=sys.stderr)
             finally:
                 server.stop()
-                phases = [line for line in Path(server.log.name).read_text().splitlines() if "weights step" in line]
+                phases = [line for line in server.service.log_path.read_text().splitlines() if "weights step" in line]
                 print("\n".join(phases), file=sys.stderr)  # the server's own account of each update
 
     print(f"| model | backend | staging | transfer | seconds (median of {args.repeats}) | peak +RSS |")

@@ -53,13 +53,14 @@ def broadcast_refusal(model: torch.nn.Module) -> str | None:
 def checkpoint_files(name: str) -> list[Path] | None:
     """The safetensors files of `name`'s checkpoint (a local dir, or a hub id already in the local cache),
     following its index when sharded; None when it has no (complete) safetensors checkpoint."""
-    index = _checkpoint_file(name, "model.safetensors.index.json")
+    index = checkpoint_file(name, "model.safetensors.index.json")
     filenames = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
-    files = [_checkpoint_file(name, filename) for filename in filenames]
+    files = [checkpoint_file(name, filename) for filename in filenames]
     return files if all(files) else None
 
 
-def _checkpoint_file(name: str, filename: str) -> Path | None:
+def checkpoint_file(name: str, filename: str) -> Path | None:
+    """`filename` of `name`'s checkpoint: in a local dir, or a hub id's cached copy (never downloaded)."""
     if Path(name).is_dir():
         path = Path(name) / filename
         return path if path.is_file() else None

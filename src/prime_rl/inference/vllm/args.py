@@ -239,16 +239,14 @@ def kv_cache_size(config: InferenceConfig, model_config: dict | None, memory: in
 
 def read_model_config(name: str) -> dict | None:
     """The model's config.json (a local dir, or the hub's cached copy: no download), or None."""
-    path: Any = Path(name) / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
+    from prime_rl.utils.hf_layout import checkpoint_file
 
-            path = try_to_load_from_cache(name, "config.json")
-        except Exception:  # not a hub id
-            return None
     try:
-        return json.loads(Path(path).read_text()) if isinstance(path, str | Path) else None
+        path = checkpoint_file(name, "config.json")
+    except Exception:  # not a hub id
+        return None
+    try:
+        return json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return None
 

@@ -34,8 +34,6 @@ from prime_rl.inference.broadcast import BroadcastReceiver
 from prime_rl.inference.control import BroadcastRequest
 from prime_rl.utils.hf_layout import iter_safetensors
 
-NAME = "prime"  # args.TRANSFER_ENGINE
-
 
 def _not_rotary(record: logging.LogRecord) -> bool:
     """Layerwise reload warns "RotaryEmbedding: Failed to load weights" at every update: the layer holds only a

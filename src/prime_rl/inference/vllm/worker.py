@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from prime_rl.inference.vllm.transfer import NAME
+from prime_rl.inference.vllm.args import TRANSFER_ENGINE
 
 try:
-    WeightTransferEngineFactory.register_engine(NAME, "prime_rl.inference.vllm.transfer", "PrimeTransferEngine")
+    WeightTransferEngineFactory.register_engine(
+        TRANSFER_ENGINE, "prime_rl.inference.vllm.transfer", "PrimeTransferEngine"
+    )
 except ValueError:  # registered already (this module imported again in the same process)
     pass
 
