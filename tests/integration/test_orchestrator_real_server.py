@@ -165,9 +165,12 @@ def _cmdline(pid: str) -> str:
 
 def test_eval_serve_with_a_model_that_cannot_load_fails_at_once_naming_it(tmp_path):
     """It used to wait client.health_timeout (600 s) for a server that had already died."""
+    broken = tmp_path / "broken"  # a model dir (a missing one is refused at parse) whose config cannot load
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.entrypoints.eval", "--model.name", str(tmp_path / "missing"), "--serve",
+        [sys.executable, "-m", "prime_rl.entrypoints.eval", "--model.name", str(broken), "--serve",
          "--output-dir", str(tmp_path / "o")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -23,7 +23,13 @@ FILES = {
     "lr.toml": "[optim]\nlr = inf\n",
     "opt.toml": "[optim]\nlr = 1e-5\n",
     "trainer.toml": "max_steps = 3\n",
+    "sub.toml": "[trainer]\nmax_steps = 0\n",
+    "seq.toml": '[orchestrator]\nseq_len = "x"\n',
+    "top.toml": "max_steps = 5\n",
+    "assets/tiny-qwen3/config.json": "{}",
+    "assets/empty/README": "",
 }
+NOT_LOCAL = "(a local model path; a Hugging Face id looks like org/name)"
 
 # (command, argv, env, the one line after "<command>: config error: ")
 CASES = [
@@ -69,12 +75,37 @@ CASES = [
     ("trainer", ["--env-vars.WANDB_API_KEY", "k"], {}, "env_vars.WANDB_API_KEY: looks like a secret, and env_vars "
      "are written to disk (OUTPUT_DIR/run/*.toml, Slurm job scripts): export it in the environment that starts the "
      "run instead (every service inherits it) [flag --env-vars.WANDB_API_KEY]"),
+    # A local-looking model path that is not there: it was taken for a hub id (37 s of retries, or "Repo id must
+    # be in the form ...").
+    ("rl", ["--model.name", "assets/tiny-qwen"], {}, f"model.name: no such directory: assets/tiny-qwen {NOT_LOCAL}; "
+     "did you mean assets/tiny-qwen3? [flag --model.name]"),
+    ("eval", ["--model.name", "outputs/debug/weights/step_99", "--serve", "--env-ids", "reverse-text"], {},
+     f"model.name: no such directory: outputs/debug/weights/step_99 {NOT_LOCAL} [flag --model.name]"),
+    ("sft", ["--model.name", "./nope"], {}, f"model.name: no such directory: ./nope {NOT_LOCAL} [flag --model.name]"),
+    ("inference", [], {"PRIME_MODEL__NAME": "assets/empty"}, "model.name: assets/empty is a directory without a "
+     "config.json: not a model (a Hugging Face checkpoint dir has one) [env PRIME_MODEL__NAME]"),
+    # Shared keys of `rl` set in a sub-section, a file under a flag, an env var: once, at the true source.
+    ("rl", ["@", "sub.toml"], {}, "trainer.max_steps: Input should be greater than or equal to 1 (got 0) [sub.toml]"),
+    ("rl", ["@", "seq.toml"], {}, "orchestrator.seq_len: Input should be a valid integer, unable to parse string as "
+     "an integer (got 'x') [seq.toml]"),
+    ("rl", ["@", "top.toml", "--max-steps", "0"], {}, "max_steps: Input should be greater than or equal to 1 "
+     "(got '0') [flag --max-steps]"),
+    ("rl", [], {"PRIME_TRAINER__MAX_STEPS": "0"}, "trainer.max_steps: Input should be greater than or equal to 1 "
+     "(got '0') [env PRIME_TRAINER__MAX_STEPS]"),
+    # The flag is above the env var: it was "max_steps is '0' but trainer.max_steps is '7'", both blamed on the flag.
+    ("rl", ["--max-steps", "0"], {"PRIME_TRAINER__MAX_STEPS": "7"}, "max_steps: Input should be greater than or "
+     "equal to 1 (got '0') [flag --max-steps]"),
+    ("rl", ["--async-level", "99999999999999999999"], {}, "async_level: 99999999999999999999 is too large (at most "
+     "2**63 - 1) [flag --async-level]"),
+    ("trainer", [], {"PRIME_MAX_STEPS": "99999999999999999999"}, "max_steps: 99999999999999999999 is too large "
+     "(at most 2**63 - 1) [env PRIME_MAX_STEPS]"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("command", "argv", "env", "line"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_a_bad_config_exits_2_with_one_line_naming_its_source(tmp_path, command, argv, env, line):
     for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     result = run(command, *argv, "--output-dir", str(tmp_path / "out"), cwd=tmp_path, env=env)
     assert "Traceback" not in result.stderr
@@ -110,3 +141,18 @@ def test_a_start_refused_by_a_live_runs_lock_writes_nothing_into_its_logs(tmp_pa
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_help_shows_the_default_an_unset_shared_key_takes(tmp_path):
+    """`rl --help` said `(default: None)` for keys whose value comes from the services' defaults."""
+    result = run("rl", "--help", cwd=tmp_path)
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert (
+        "  --max-steps VALUE  training steps (orchestrator and trainer) (default: 20, from orchestrator/trainer)"
+        in lines
+    )
+    assert any(line.startswith("  --async-level VALUE") and line.endswith("(default: 1, from orchestrator/trainer)")
+               for line in lines)  # fmt: skip
+    assert "(default: None)" not in result.stdout
+    assert "  --inference-gpu-ids VALUE  GPUs for inference; default [0]" in lines  # says it: no "(default: unset)"

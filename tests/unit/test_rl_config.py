@@ -213,3 +213,24 @@ def test_weight_transfer_is_one_section_with_a_type_and_a_string_shorthand(tmp_p
             parse_config(RLConfig, argv, prog="rl")
         assert exit_.value.code == 2
         assert capsys.readouterr().err.splitlines() == [f"rl: config error: {line}"]
+
+
+def test_a_missing_local_model_path_is_checked_where_the_command_runs_not_at_slurm_submission(tmp_path):
+    """The job's node checks it (a shared FS, or weights an earlier step writes); Python callers don't either."""
+    from prime_rl.configs.cli import parse_config
+
+    missing = str(tmp_path / "weights" / "final")
+    assert parse_config(RLConfig, ["--model.name", missing, "--slurm"], prog="rl").trainer.model.name == missing
+    assert load_config(RLConfig, ["--model.name", missing]).inference.model.name == missing
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(RLConfig, ["--model.name", missing], prog="rl")
+    assert exit_.value.code == 2
+
+
+def test_a_shared_key_set_at_the_top_wins_over_a_services_env_var(monkeypatch, tmp_path):
+    """A file or flag is above an env var: it was refused as a conflict, blamed on the file."""
+    monkeypatch.setenv("PRIME_TRAINER__MAX_STEPS", "0")
+    (tmp_path / "rl.toml").write_text("max_steps = 4\n")
+    for argv in (["@", str(tmp_path / "rl.toml")], ["--max-steps", "4"]):
+        config = load_config(RLConfig, argv)
+        assert (config.trainer.max_steps, config.orchestrator.max_steps) == (4, 4)

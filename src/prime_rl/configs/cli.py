@@ -25,13 +25,18 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
 from prime_rl.configs.argv import MAX_DEPTH, _depth, deep_merge, parse_args
 from prime_rl.configs.base import ENV_PREFIX, C, ConfigError, FieldError
-from prime_rl.configs.fields import did_you_mean, env_json_kind, flag_table, is_model, shorthand, unwrap
+from prime_rl.configs.fields import did_you_mean, env_json_kind, field_info, flag_table, is_model, shorthand, unwrap
+from prime_rl.configs.shared import CHECK_MODEL_PATHS, ShowsValue
+
+INT64_MAX = 2**63 - 1
 
 __all__ = ["ConfigError", "deep_merge", "format_validation_error", "help_text", "load_config", "parse_args",
            "parse_config"]  # fmt: skip
@@ -119,7 +124,7 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
                 hint = did_you_mean(cls, list(loc), as_flag=source.startswith("flag "))
             elif e["type"] == "missing":
                 msg = "too few items" if isinstance(e["loc"][-1], int) else "required but not set"
-            elif "input" in e and not isinstance(e["input"], dict):
+            elif "input" in e and not isinstance(e["input"], dict) and not isinstance(error, ShowsValue):
                 msg = f"{msg} (got {e['input']!r})"
             line = f"{'.'.join(loc)}: {msg} [{source}]{hint}"
         if line not in lines:  # a shared key of `rl` fails once, not once per service it was copied to
@@ -127,23 +132,52 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
     return lines
 
 
-def load_config(cls: type[C], argv: Sequence[str]) -> C:
-    """Build `cls` from argv and the environment; raises ConfigError with readable lines."""
+def load_config(cls: type[C], argv: Sequence[str], check_paths: bool = False) -> C:
+    """Build `cls` from argv and the environment; raises ConfigError with readable lines. `check_paths`: a local
+    model path must exist now (the command runs here), unless the config submits to Slurm (its job checks)."""
     values, sources, errors = parse_args(cls, argv)
     if env_errors := _env_errors(cls):
         raise ConfigError(errors + env_errors)
     prepare = getattr(cls, "prepare_args", None)
     if prepare is not None:
         values = prepare(values, sources)
+    submits = values.get("slurm") is not None or any(k.startswith(f"{ENV_PREFIX}SLURM") for k in os.environ)
+    token = CHECK_MODEL_PATHS.set(check_paths and not submits)
     try:
         config = cls(**values)
     except ValidationError as err:
         raise ConfigError(errors + format_validation_error(err, sources, cls)) from None
     except SettingsError as err:  # an env var `_env_errors` did not foresee: still one line, no traceback
         raise ConfigError([*errors, f"environment: {err}"]) from None
+    finally:
+        CHECK_MODEL_PATHS.reset(token)
+    for loc, value in _too_large(config, ()):
+        key, source = _source_of(loc, sources, cls)  # a shared key of `rl`: once, under the key the user set
+        line = f"{'.'.join(key)}: {value} is too large (at most 2**63 - 1) [{source}]"
+        if line not in errors:
+            errors.append(line)
     if errors:
         raise ConfigError(errors)
     return config
+
+
+def _too_large(model: BaseModel, loc: tuple) -> list[tuple[tuple, int]]:
+    """Integers past int64 (`--async-level 99999999999999999999`): Python takes them, torch and the step
+    records would not."""
+    found = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            found += _too_large(value, (*loc, name))
+        elif isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, BaseModel):
+                    found += _too_large(item, (*loc, name))
+                elif isinstance(item, int) and abs(item) > INT64_MAX:
+                    found.append(((*loc, name), item))
+        elif isinstance(value, int) and abs(value) > INT64_MAX:
+            found.append(((*loc, name), value))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,12 +201,11 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
             if is_model(annotation):
                 continue
             flag = prefix + name.replace("_", "-")
-            default = field.default_factory() if field.default_factory is not None else field.default
-            default = str(default) if isinstance(default, Path) else default
             kind = "--" + flag if annotation is bool else f"--{flag} VALUE"
             if flag_table(field) is not None:  # one flag per entry; the table in TOML is [flag]
                 kind = f"--{flag}.KEY VALUE"
-            lines.append(f"  {kind}  {field.description or ''} (default: {default!r})")
+            default = _help_default(cls, (*flag.replace("-", "_").split(".")[:-1], name), field)
+            lines.append(f"  {kind}  {field.description or ''}{default}")
         for name, field in sections:
             flag = prefix + name.replace("_", "-")
             extra = f" (off unless --{flag} is given)" if field.default is None else ""
@@ -183,6 +216,26 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
 
     walk(cls, "")
     return "\n".join(lines)
+
+
+def _default(field: FieldInfo) -> Any:
+    default = field.default_factory() if field.default_factory is not None else field.default
+    return str(default) if isinstance(default, Path) else default
+
+
+def _help_default(cls: type[BaseModel], path: tuple, field: FieldInfo) -> str:
+    """` (default: X)`. An unset key of `rl` that the services share takes their default: that one is shown, and
+    where from; an unset key whose description says what unset means shows nothing more."""
+    default = _default(field)
+    if default is not None:
+        return f" (default: {default!r})"
+    copies = getattr(cls, "shared_copies", lambda loc: [])(path)
+    taken = {copy[0]: _default(info) for copy in copies if (info := field_info(cls, list(copy))) is not None}
+    if taken and len({repr(v) for v in taken.values()}) == 1 and (value := next(iter(taken.values()))) is not None:
+        return f" (default: {value!r}, from {'/'.join(taken)})"
+    if "unset" in (field.description or "") or "default" in (field.description or ""):
+        return ""
+    return " (default: unset)"
 
 
 def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | None = None) -> C:
@@ -196,7 +249,7 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | No
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     try:
-        return load_config(cls, argv)
+        return load_config(cls, argv, check_paths=True)
     except ConfigError as err:
         for line in err.lines:
             print(f"{prog}: config error: {line}", file=sys.stderr)

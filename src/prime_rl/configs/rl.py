@@ -7,6 +7,7 @@ sub-configs, the values must agree. The launcher (`prime_rl.launch`) and the Slu
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 from urllib.parse import urlsplit
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
-from prime_rl.configs.base import BaseConfig, FieldError, Section
+from prime_rl.configs.base import ENV_PREFIX, BaseConfig, FieldError, Section
 from prime_rl.configs.fields import expand_shorthands
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.orchestrator import OrchestratorConfig
@@ -103,14 +104,18 @@ class RLConfig(BaseConfig):
     def prepare_args(cls, values: dict, sources: dict) -> dict:
         """A shared key given as a top-level flag (in a shared section: each key of it the flags set) overrides
         what the sub-config files say."""
-        flagged = [path for path, source in sources.items() if str(source).startswith("flag")]
         for key, services in SHARED_KEYS.items():
-            for path in (p for p in flagged if p[: len(key)] == key):
+            for path, source in [(p, str(s)) for p, s in sources.items() if p[: len(key)] == key]:
                 for service in services:
                     node = _get(values, (service, *path[:-1]))
+                    sub_source = str(sources.get((service, *path), ""))
                     # A sub-config flag is kept, so two flags that disagree are refused as inconsistent.
-                    if isinstance(node, dict) and not str(sources.get((service, *path), "")).startswith("flag"):
+                    if source.startswith("flag") and isinstance(node, dict) and not sub_source.startswith("flag"):
                         node.pop(path[-1], None)
+                    # A sub-config env var is below any file or flag: the top value wins (it was a conflict, blamed
+                    # on the file). pydantic-settings puts these values over the env var's.
+                    if not sub_source and ENV_PREFIX + "__".join((service, *path)).upper() in os.environ:
+                        _put(values, (service, *path), _get(values, path))
         # An orchestrator file (the split form `--orchestrator @ orch.toml`) names the server a lone orchestrator
         # talks to; under `rl` a local server is the one rl starts, so its URL is left to `propagate_shared`,
         # which points it at that server's port. A local URL given as a flag is kept: a different port is refused.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from contextvars import ContextVar
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
@@ -29,9 +32,46 @@ class LoraConfig(Section):
     name: Annotated[str, Field(min_length=1, description="name the servers serve the adapter under")] = "policy-lora"
 
 
+# Set while a command parses its own config (`parse_config`), unless it submits to Slurm (the job checks on its
+# node): only then must a local model path exist. A Python caller may name a path an earlier step writes.
+CHECK_MODEL_PATHS: ContextVar[bool] = ContextVar("CHECK_MODEL_PATHS", default=False)
+
+
+class ShowsValue(ValueError):
+    """A validator's message that already names the value: the error line adds no "(got ...)"."""
+
+
+def looks_local(name: str) -> bool:
+    """A model name that means a local path rather than a hub id (`name` or `org/name`): it starts like a path,
+    has more than one `/`, its first component is a local directory (`assets/...`, `outputs/...`), or it exists.
+    Relative paths are the cwd's."""
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        return True
+    return Path(name.split("/")[0]).is_dir() or Path(name).exists()
+
+
+def local_model_problem(name: str) -> str | None:
+    """Why the local model path `name` cannot be loaded (no such directory, no config.json), else None."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        return f"{name} is a directory without a config.json: not a model (a Hugging Face checkpoint dir has one)"
+    problem = f"no such directory: {name} (a local model path; a Hugging Face id looks like org/name)"
+    parent = path.parent
+    if parent.is_dir():
+        siblings = [p.name for p in parent.iterdir() if p.is_dir()]
+        if close := difflib.get_close_matches(path.name, siblings, n=1):
+            problem += f"; did you mean {Path(name).parent / close[0] if '/' in name else close[0]}?"
+    return problem
+
+
 def _names_a_model(name: str) -> str:
     if not name.strip():  # `--model.name ""` got as far as loading the model: the hub's "Repo id must use ..."
         raise ValueError("must name a model: a Hugging Face hub id or a local path")
+    # A local path that is not there was taken for a hub id: minutes of retries, then "Repo id must be ...".
+    if CHECK_MODEL_PATHS.get() and looks_local(name) and (problem := local_model_problem(name)):
+        raise ShowsValue(problem)
     return name
 
 

@@ -9,11 +9,13 @@ import importlib.util
 import logging
 
 from prime_rl.configs.inference import InferenceConfig, StartupError
+from prime_rl.utils.hub import check_model_source
 
 logger = logging.getLogger("prime_rl")
 
 
 def run(config: InferenceConfig) -> None:
+    check_model_source(config.model.name, StartupError)  # no network: one line now, not after retries (or torch)
     import torch
 
     cuda = torch.cuda.is_available()

@@ -14,6 +14,7 @@ from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inf
 from prime_rl.launch.watchdog import Watchdog
 from prime_rl.protocol import RUN_VAR, log_file, prepare_output_dir, run_dir, run_locks
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
+from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import logger
 from prime_rl.utils.run_record import write_run_config
 
@@ -28,6 +29,7 @@ def run(config: RLConfig) -> None:
 def _run(config: RLConfig, lock_token: str) -> None:
     output_dir = config.orchestrator.output_dir
     check_environments(config)
+    check_model_source(config.inference.model.name, ValueError)  # no network: one line now, not after 56 s
     env, trainer_procs = service_env(config, lock_token)
     subs = service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key), env=env)
     config = config.model_copy(update=subs)

@@ -32,6 +32,7 @@ from typing import Any
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, load_environment, max_turns, split_score
 from prime_rl.orchestrator.client import Completion, InferenceClient
+from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.tool_calls import parse_tool_calls
 
 SENTINEL = "\u2063PRIME_RL_TURN\u2063"  # an assistant message placeholder that no template alters
@@ -251,4 +252,5 @@ def _tokenizer(model_name: str) -> Any:
     """Loaded once per process: every multi-turn training and eval env of a run shares it."""
     from transformers import AutoTokenizer
 
+    check_model_source(model_name, EnvError)  # no network: one line now, not transformers' retries
     return AutoTokenizer.from_pretrained(model_name)

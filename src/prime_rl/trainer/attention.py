@@ -59,23 +59,35 @@ LONG_FROM = 3072
 def cpu_kernel():
     """The compiled CPU kernel module, or None where it cannot be built (no C++ compiler, no BLAS symbols)."""
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns "no CUDA"
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-ffast-math", "-fopenmp"]  # fast-math: a vectorised exp; no inf or NaN is ever formed
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
-    logger.info("loading the CPU attention kernel (its first use on a machine compiles it, ~40 s)")
+    name = f"prime_rl_causal_attention_{capability.lower()}"
+    source = Path(__file__).parent / "csrc" / "causal_attention.cpp"
+    if kernel_built(Path(_get_build_directory(name, verbose=False)), name, source):
+        logger.debug("loading the CPU attention kernel (built before)")
+    else:
+        logger.info("compiling the CPU attention kernel (once per machine and kernel source, ~40 s)")
     try:
         return load(
-            f"prime_rl_causal_attention_{capability.lower()}",
-            [str(Path(__file__).parent / "csrc" / "causal_attention.cpp")],
+            name,
+            [str(source)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # a failed build or load of any kind: fall back rather than fail training
         logger.warning(f"CPU attention kernel unavailable, using torch's slower per-sample kernel: {e}")
         return None
+
+
+def kernel_built(build_dir: Path, name: str, source: Path) -> bool:
+    """Whether torch's extension build dir holds a module of `name` built after `source` last changed (else
+    `load` compiles: a changed source gets a new `name_vN` module)."""
+    built = [so.stat().st_mtime for so in build_dir.glob(f"{name}*.so")]
+    return bool(built) and max(built) >= source.stat().st_mtime
 
 
 def _our_kernel(q: torch.Tensor, cu_seqlens: torch.Tensor):

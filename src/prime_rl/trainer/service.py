@@ -35,6 +35,7 @@ from prime_rl.protocol import (
     trainer_checkpoint_dir,
 )
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import (
     PREEMPTED,
@@ -71,6 +72,7 @@ def start(config: TrainingConfig, service: str, run: Callable[[Any], None]) -> N
         if rank == 0:
             write_run_config(config, service, config.output_dir)
             stopped_file(config.output_dir, service).unlink(missing_ok=True)
+        check_model_source(config.model.name, TrainerError)  # no network: one line now, not transformers' retries
         run(config)
 
 

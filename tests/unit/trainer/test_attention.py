@@ -1,6 +1,9 @@
 """The CPU packed attention op: same values and gradients as causal SDPA on each sample alone, with our
 compiled kernel and with torch's per-sample fallback."""
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,3 +109,22 @@ def test_packed_attention_mask_is_causal_within_samples_and_blocks_across():
     )
     assert mask.shape == (1, 1, 5, 5)
     assert torch.equal(mask[0, 0], expected)
+
+
+def test_the_compile_note_is_said_only_when_torch_will_compile_the_kernel(tmp_path):
+    """It printed "its first use on a machine compiles it, ~40 s" on every run, built or not."""
+
+    def write(path, at):
+        path.write_text("x")
+        os.utime(path, (at, at))
+
+    now = time.time()
+    source = tmp_path / "k.cpp"
+    write(source, now - 100)
+    assert not attention.kernel_built(tmp_path, "k_avx2", source)  # nothing built yet
+    write(tmp_path / "k_avx2.so", now - 50)
+    assert attention.kernel_built(tmp_path, "k_avx2", source)
+    write(source, now - 10)  # a changed source is rebuilt (as k_avx2_v1)
+    assert not attention.kernel_built(tmp_path, "k_avx2", source)
+    write(tmp_path / "k_avx2_v1.so", now)
+    assert attention.kernel_built(tmp_path, "k_avx2", source)
