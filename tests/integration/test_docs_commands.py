@@ -205,7 +205,7 @@ def why_not_run(line: Line) -> str | None:
     if "--weight-transfer" in c:
         return "the debug run again over a gloo group (tests/integration/test_rl.py runs it)"
     if "--model.lora" in c:
-        return "the debug run again with LoRA (tests/integration/test_rl.py, test_sft.py run it)"
+        return "the debug run again with LoRA (tests/integration/test_rl.py runs LoRA)"
     if "--bench" in c:
         return "a trainer benchmark (benchmarks/trainer.py times it)"
     if re.match(r"uv run (inference|orchestrator|trainer) ", c):
