@@ -16,7 +16,7 @@ from prime_rl.configs import (
     Section,
     WeightTransferConfig,
 )
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName, EnvVars, SelfHangTimeout
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName, EnvVars, SelfHangTimeout, WandbConfig
 
 
 class ClientConfig(Section):
@@ -90,13 +90,6 @@ class AdvantageConfig(Section):
         int,
         Field(ge=1, description="most sampling rounds per step when refilling skipped groups (then keep them)"),
     ] = 8
-
-
-class WandbConfig(Section):
-    project: Annotated[str, Field(description="W&B project")] = "prime-rl"
-    name: Annotated[str | None, Field(description="W&B run name; unset = W&B's default")] = None
-    entity: Annotated[str | None, Field(description="W&B entity (team or user); unset = your default")] = None
-    offline: Annotated[bool, Field(description="log offline (sync later with `wandb sync`)")] = False
 
 
 class EnvConfig(Section):
@@ -198,7 +191,11 @@ class OrchestratorConfig(BaseConfig):
     ] = WeightTransferConfig()
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
     wandb: Annotated[
-        WandbConfig | None, Field(description="also log metrics to W&B (needs `uv sync --extra wandb`)")
+        WandbConfig | None,
+        Field(
+            description="also log to W&B (needs `uv sync --extra wandb`): one run with the orchestrator's, the "
+            "trainer's, the evals' and the inference servers' numbers"
+        ),
     ] = None
     progress: Annotated[
         bool | None, Field(description="live progress line on the terminal; unset = only when stderr is a tty")

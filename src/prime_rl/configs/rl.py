@@ -25,6 +25,7 @@ from prime_rl.configs.shared import (
     LogConfig,
     LoraConfig,
     ModelName,
+    WandbConfig,
     WeightTransferConfig,
 )
 from prime_rl.configs.slurm import SlurmConfig
@@ -41,6 +42,7 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("async_level",): ("orchestrator", "trainer"),
     ("ckpt",): ("orchestrator", "trainer"),
     ("weight_transfer",): SERVICES,  # a server reads its `type` only
+    ("wandb",): ("orchestrator",),  # the one W&B run of the rl run is the orchestrator's
 }
 
 
@@ -68,6 +70,13 @@ class RLConfig(BaseConfig):
     max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
     async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing of trainer and orchestrator")] = None
+    wandb: Annotated[
+        WandbConfig | None,
+        Field(
+            description="log to W&B (needs `uv sync --extra wandb`): one run for the whole rl run, with the "
+            "orchestrator's, trainer's, evals' and inference servers' numbers (the orchestrator logs them all)"
+        ),
+    ] = None
     weight_transfer: Annotated[
         WeightTransferConfig,
         NoDecode,

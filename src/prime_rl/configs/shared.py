@@ -223,3 +223,14 @@ SelfHangTimeout = Annotated[
         "in long work): for panes and multi-node Slurm; under `rl` its --hang-timeout watches instead",
     ),
 ]
+
+
+class WandbConfig(Section):
+    """A W&B run (`uv sync --extra wandb`): the orchestrator's, one for a whole `rl` run, or `sft`'s."""
+
+    project: Annotated[str, Field(description="W&B project")] = "prime-rl"
+    name: Annotated[str | None, Field(description="W&B run name; unset = W&B's default")] = None
+    entity: Annotated[str | None, Field(description="W&B entity (team or user); unset = your default")] = None
+    offline: Annotated[
+        bool, Field(description="log offline, into OUTPUT_DIR/wandb/ (upload later with `wandb sync`)")
+    ] = False

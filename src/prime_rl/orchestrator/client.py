@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.pool import InferenceError, Server, ServerDown, ServerPool
+from prime_rl.orchestrator.pool import InferenceError, Server, ServerDown, ServerPool, server_root
 from prime_rl.orchestrator.weight_control import WeightControl
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 from prime_rl.protocol.http import weight_step as weight_step_of
@@ -272,6 +272,13 @@ class InferenceClient:
         """From now on, completions sampled by a policy older than `step` are thrown away and asked again
         (their server gets the pool's weights first). Set at each step's start by policy.wait_for_policy."""
         self._floor = step
+
+    async def read_metrics(self, server: Server, timeout: float) -> str:
+        """One quick GET of a server's Prometheus `/metrics` (no retries, no slot: it must never hold up
+        generation); raises httpx.HTTPError when it does not answer 200."""
+        response = await self._http.get(f"{server_root(server.base)}/metrics", timeout=timeout)
+        response.raise_for_status()
+        return response.text
 
     # ---- pool health and weight control -----------------------------------------------------------
 

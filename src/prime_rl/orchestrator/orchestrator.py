@@ -8,7 +8,7 @@ For each step n (`run_step`):
    `RolloutStream.take` (continuous mode, `max_inflight` set).
 4. `build_samples` + `pack_micro_batches` + `write_rank_files`: one atomic `rollouts/step_n/rank_r.pt`
    per trainer rank.
-5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B), one INFO line.
+5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B, with the servers' numbers), one INFO line.
 Evals (`[[eval]]`, evaluation.Evals) run at steps 0, interval, ... beside training on the same servers, and
 on the trainer's final weights at the end; results in metrics/eval.jsonl.
 """
@@ -38,6 +38,7 @@ from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.evaluation import Evals
 from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
+from prime_rl.orchestrator.server_metrics import ServerMetrics
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
 from prime_rl.protocol import (
     DiskFull,
@@ -144,6 +145,8 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
             for sink in (wandb, progress, evals):
                 stack.enter_context(closing(sink))
             await client.wait_for_servers(config.client.health_timeout)
+            if isinstance(wandb, WandbSink):  # the servers' own numbers (inference/*), read in the background
+                wandb.servers = await stack.enter_async_context(ServerMetrics(client))
             if resumed is None:
                 checkpoint(config, state, 0, mix, rng)
             loop = Loop(config, state, client, mix, rng, stream, evals, progress, heartbeat, metrics, wandb)

@@ -1,10 +1,10 @@
 """Where the orchestrator's per-step numbers go besides metrics/orchestrator.jsonl: W&B and the terminal.
 
-W&B is an optional extra (`uv sync --extra wandb`), imported only when `[wandb]` is configured; asking for
-it without the package installed is a clear error at start, not a crash at the first step. The run is the
-whole RL run's: with its own metrics the orchestrator forwards the trainer's (metrics/trainer.jsonl) and the
-evals' (eval/summary.jsonl, metrics/eval.jsonl) as they appear, each series on its own step axis
-(`trainer/step`, ...), so one process owns the W&B run and the trainer ranks never talk to W&B.
+W&B (utils.wandb owns the run: the extra's import check, the id kept for resumes, offline mode): the run is the
+whole RL run's. With its own metrics the orchestrator logs the inference servers' (their /metrics, read in the
+background by server_metrics.ServerMetrics) and forwards the trainer's (metrics/trainer.jsonl) and the evals'
+(eval/summary.jsonl, metrics/eval.jsonl) as they appear, each series on its own step axis (`trainer/step`, ...),
+so one process owns the W&B run and neither the trainer ranks nor the servers talk to W&B.
 The progress line is a single self-overwriting terminal line (`step 3/20 | groups 12/32 | 41.2 groups/s`)
 shown only on a terminal, so log files and CI output stay clean.
 """
@@ -12,8 +12,6 @@ shown only on a terminal, so log files and CI output stay clean.
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import sys
 import time
 from collections.abc import Awaitable
@@ -21,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.protocol import atomic_write_json, wandb_run_file
+from prime_rl.orchestrator.server_metrics import ServerMetrics
+from prime_rl.utils.wandb import WandbError, WandbRun, open_run
 
-
-class SinkError(RuntimeError):
-    """A metrics sink was asked for but cannot work (e.g. wandb is not installed)."""
+SinkError = WandbError  # a metrics sink was asked for but cannot work (e.g. wandb is not installed)
+SERIES = ("orchestrator", "trainer", "eval", "inference")
 
 
 class NoSink:
@@ -37,15 +35,15 @@ class NoSink:
 
 
 class WandbSink:
-    def __init__(self, run: Any, output_dir: Path):
+    def __init__(self, run: WandbRun, output_dir: Path):
         self.run, self.output_dir = run, output_dir
+        self.servers: ServerMetrics | None = None  # set once the servers are up: their numbers as inference/*
         self.logged = {"trainer": -1, "eval": -1}  # newest step forwarded per series
-        for series in ("orchestrator", "trainer", "eval"):
-            run.define_metric(f"{series}/step")
-            run.define_metric(f"{series}/*", step_metric=f"{series}/step")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.run.log({"orchestrator/step": step, **{f"orchestrator/{k}": v for k, v in metrics.items()}})
+        self.run.log("orchestrator", step, metrics)
+        if self.servers is not None and (numbers := self.servers.take()):
+            self.run.log("inference", step, numbers)
         self.forward()
 
     def forward(self) -> None:
@@ -56,12 +54,11 @@ class WandbSink:
         for record in tail_metrics(self.output_dir, "trainer"):
             step = record.get("step")
             if isinstance(step, int) and step > self.logged["trainer"]:
-                values = {f"trainer/{k}": v for k, v in record.items() if k not in ("step", "time")}
-                self.run.log({"trainer/step": step, **values})
+                self.run.log("trainer", step, {k: v for k, v in record.items() if k not in ("step", "time")})
                 self.logged["trainer"] = step
         for step, reward in eval_rewards(self.output_dir):
             if step > self.logged["eval"]:
-                self.run.log({"eval/step": step, "eval/reward_mean": reward})
+                self.run.log("eval", step, {"reward_mean": reward})
                 self.logged["eval"] = step
 
     def close(self) -> None:
@@ -70,30 +67,10 @@ class WandbSink:
 
 
 def build_wandb(config: OrchestratorConfig, resumed: bool = False) -> NoSink | WandbSink:
-    """A fresh run starts a W&B run and records its id in run/wandb.json; a resumed one (a restart by
-    `rl --restart`, a Slurm requeue, `--ckpt.resume-step`) continues that W&B run instead of starting another."""
-    if config.wandb is None:
-        return NoSink()
-    try:
-        import wandb
-    except ImportError:
-        raise SinkError(
-            "wandb logging is on ([wandb] / --wandb) but the wandb package is not installed; "
-            "run `uv sync --extra wandb` or drop the [wandb] section"
-        ) from None
-    w = config.wandb
-    record = wandb_run_file(config.output_dir)
-    try:
-        run_id = json.loads(record.read_text())["id"] if resumed else None
-    except (OSError, ValueError, KeyError, TypeError):
-        run_id = None
-    run_id = run_id or secrets.token_hex(6)
-    run = wandb.init(
-        project=w.project, name=w.name, entity=w.entity, mode="offline" if w.offline else "online",
-        config=config.model_dump(mode="json"), dir=str(config.output_dir), id=run_id, resume="allow",
-    )  # fmt: skip
-    atomic_write_json(record, {"id": run_id})
-    return WandbSink(run, config.output_dir)
+    """A fresh run starts a W&B run; a resumed one (a restart by `rl --restart`, a Slurm requeue,
+    `--ckpt.resume-step`) continues that W&B run instead of starting another."""
+    run = open_run(config.wandb, config.output_dir, config.model_dump(mode="json"), resumed, SERIES)
+    return NoSink() if run is None else WandbSink(run, config.output_dir)
 
 
 class ProgressLine:

@@ -115,12 +115,13 @@ class RecordingRun:
 def test_one_wandb_run_carries_orchestrator_trainer_and_eval_metrics_each_on_its_own_axis(tmp_path):
     import json
 
-    from prime_rl.orchestrator.sinks import WandbSink
+    from prime_rl.orchestrator.sinks import SERIES, WandbSink
     from prime_rl.protocol import eval_summary_file
     from prime_rl.utils.metrics import MetricsWriter
+    from prime_rl.utils.wandb import WandbRun
 
     run = RecordingRun()
-    sink = WandbSink(run, tmp_path)
+    sink = WandbSink(WandbRun(run, SERIES), tmp_path)
     assert run.metrics["trainer/*"] == "trainer/step" and run.metrics["orchestrator/*"] == "orchestrator/step"
     trainer = MetricsWriter(tmp_path, "trainer")
     sink.log(0, {"reward_mean": 0.1})
