@@ -94,6 +94,16 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     for suffix in ("png", "svg"):
         assert (out / "plots" / f"run.{suffix}").stat().st_size > 10_000
     assert f"plots of the run: {out}/plots/run.png" in result.stderr
+    # ... and its summary, last: what happened, where everything is, how to go on.
+    summary = result.stderr[result.stderr.index(" rl INFO run summary") :].splitlines()
+    said = [line.split(" rl INFO ", 1)[1] for line in summary]
+    assert said[2:4] == ["  steps        4/4", f"  reward       {reward_trend(orch)}"], said
+    assert said[4:] == [
+        f"  weights      {out}/weights/step_4",
+        "  checkpoints  no checkpoints (add --ckpt)",
+        f"  plots        {out}/plots/run.png, {out}/plots/run.svg",
+        "  resume       not possible without checkpoints: add --ckpt (or --ckpt.interval N) to the command",
+    ], said
 
     # The same command again, as if typed minutes later, starts fresh: the first run's rollouts and weights
     # are removed up front (kept, they were served as this run's policy, and their newer step numbers got
@@ -106,6 +116,12 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     assert "removed rollouts/step_2..3, weights/step_3..4 left in" in (out / "logs" / "rl.log").read_text()
     assert list_steps(weights_root(out)) == [3, 4]
     assert all((weights_dir(out, s) / "model.safetensors").stat().st_mtime_ns > t for s, t in first.items())
+
+
+def reward_trend(orchestrator: list[dict]) -> str:
+    """The summary's reward line of a 4-step run, from the metrics the plot draws."""
+    first, last = orchestrator[0]["reward_mean"], orchestrator[-1]["reward_mean"]
+    return f"{first:.3f} -> {last:.3f} (mean reward of the first 1 and the last 1 of 4 steps)"
 
 
 def no_traceback(stderr: str, output_dir) -> None:

@@ -5,6 +5,8 @@ data order, position in the epoch and lr schedule resume too). A malformed row f
 """
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +32,12 @@ def _sft(out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
 
+def summary(output: str) -> dict[str, str]:
+    """The rows of the summary sft ends with: {"steps": "4/4", ...}."""
+    rows = output[output.index(" sft INFO run summary") :].splitlines()[1:]
+    return dict(re.fullmatch(r"\S+ sft INFO   (.+?)  +(.*)", row).groups() for row in rows)
+
+
 def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -46,7 +54,7 @@ def runs(tmp_path_factory):
     bad = root / "bad.jsonl"
     bad.write_text('{"prompt": "ab", "completion": "ba"}\n{"prompt": "ab"}\n')
     procs = {
-        "straight": _sft(root / "straight"),
+        "straight": _sft(root / "straight", "--log.interval", "3"),
         "first_half": _sft(root / "resumed", "--ckpt.interval", "2", "--weights-interval", "2"),
         "bad": _sft(root / "bad", "--data.path", str(bad)),
     }
@@ -62,12 +70,27 @@ def test_sft_resume_matches_an_uninterrupted_run(runs):
     rc, output = _finish(procs["first_half"])
     assert rc == 0, output[-6000:]
     resumed = root / "resumed"
+    # The summary ends with the command that goes on from the newest checkpoint: the user's own arguments.
+    said = summary(output)
+    assert said["checkpoints"] == f"{resumed}/checkpoints/step_4 (newest of 2)"
+    command, note = said["resume"].split("  ")
+    assert shlex.split(command) == ["uv", "run", "sft", *procs["first_half"].args[1:], "--ckpt.resume-step", "latest"]
+    assert note == "(raise --max-steps to train further)"
     assert checkpoint_steps(resumed, ("trainer",)) == [2, 4]
     # Restart from step 2 as if the run had stopped there (the step-4 checkpoint is ignored); it overlaps
     # the straight run, which is still going.
     second_half = _sft(resumed, "--ckpt.resume-step", "2")
     rc, output = _finish(procs["straight"])
     assert rc == 0, output[-6000:]
+    # --log.interval 3: the step lines of steps 0 (the first), 2 and 3 (the last); the metrics get every step.
+    assert re.findall(r" sft INFO step (\d+) \|", output) == ["0", "2", "3"]
+    straight = root / "straight"
+    assert (straight / "plots" / "run.png").stat().st_size > 10_000
+    said = summary(output)
+    assert said["steps"] == "4/4" and said["weights"] == f"{straight}/weights/final (-> step_4)", said
+    assert said["checkpoints"] == "no checkpoints (add --ckpt)", said
+    assert said["plots"] == f"{straight}/plots/run.png, {straight}/plots/run.svg", said
+    assert re.fullmatch(r"\d\.\d{3} -> \d\.\d{3} \(mean loss of the first 1 and the last 1 of 4 steps\)", said["loss"])
     rc, output = _finish(second_half)
     assert rc == 0, output[-6000:]
     a = load_file(weights_dir(root / "straight", 4) / "model.safetensors")
@@ -77,6 +100,7 @@ def test_sft_resume_matches_an_uninterrupted_run(runs):
     assert is_stable(weights_dir(resumed, 2))  # weights_interval 2
     straight, again = read_metrics(root / "straight", "sft"), read_metrics(resumed, "sft")
     assert [m["step"] for m in again] == [0, 1, 2, 3]  # steps 2-3 once: the resumed run's records replace them
+    assert [m["epoch"] for m in straight] == [1, 1, 1, 1]  # 4 x 12 of 48 rows: all from the first epoch
     for x, y in zip(straight[2:], again[2:], strict=True):
         for key in ("loss", "lr", "num_tokens", "progress/samples"):
             assert x[key] == pytest.approx(y[key], rel=1e-5), key
@@ -161,6 +185,9 @@ def test_held_out_loss_ends_the_run_at_its_target_and_final_names_that_step(tmp_
     rc, output = _finish(_sft(out, *held_out, "--val.stop-below", "1000"))
     assert rc == 0, output[-6000:]
     assert "< val.stop-below 1000: stopping" in output
+    said = summary(output)
+    assert re.fullmatch(r"2/4 \(stopped early: held-out loss [\d.]+ < val.stop-below 1000\)", said["steps"]), said
+    assert re.fullmatch(r"best [\d.]+ after 2 steps, last [\d.]+", said["held-out loss"]), said
     metrics = read_metrics(out, "sft")
     assert [m["step"] for m in metrics] == [0, 1] and "val/loss" in metrics[1] and "val/loss" not in metrics[0]
     final = out / "weights" / "final"

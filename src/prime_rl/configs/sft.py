@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from prime_rl.configs import Section
+from prime_rl.configs.shared import StepLogConfig, WandbConfig
 from prime_rl.configs.slurm import SlurmConfig
 from prime_rl.configs.training import OptimConfig, TrainingConfig
 
@@ -80,4 +81,9 @@ class SFTConfig(TrainingConfig):
     ] = None
     keep_weights: Annotated[int | None, Field(ge=1, description="newest weight steps kept on disk; unset = all")] = None
     val: Annotated[SFTValConfig | None, Field(description="held-out loss and early stopping; off unless [val]")] = None
+    log: Annotated[StepLogConfig, Field(description="logging")] = StepLogConfig()
+    wandb: Annotated[
+        WandbConfig | None,
+        Field(description="also log each step's metrics and the config to W&B (needs `uv sync --extra wandb`)"),
+    ] = None
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None

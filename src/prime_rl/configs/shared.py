@@ -152,6 +152,18 @@ class LogConfig(Section):
     ] = True
 
 
+class StepLogConfig(LogConfig):
+    """Logging of a trainer, which prints a line per step it logs (metrics/*.jsonl still gets every step)."""
+
+    interval: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="print the step line every n steps (and always the first, held-out-loss and last steps)",
+        ),
+    ] = 10
+
+
 class WeightTransferConfig(Section):
     """How new weights reach inference, and the trainer's broadcast rendezvous (trainer rank 0 hosts it; the
     orchestrator sends it to the servers with each broadcast request, so a server reads `type` only). The group's

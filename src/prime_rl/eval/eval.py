@@ -5,6 +5,10 @@ POST /update_weights, step 0 = POST /reload_weights), every environment draws `n
 (the same ones at every step) and samples each `rollouts_per_example` times with the orchestrator's
 rollout code. Results: `eval/step_n/<env>.jsonl` (one line per sample), `eval/summary.jsonl` and a table.
 
+Without `--weights-dir` the server's current weights are filed under the step it reports, else the step of the
+`weights/step_n` (or an SFT run's `weights/final`) that model.name names, else step 0; each summary row says
+what was evaluated (`weights`: "step 5", "the server's weights (<model name>)").
+
 This module is the CLI; sampling, scoring and the summary (reward, pass@k when rewards are 0/1) are the
 orchestrator's evaluation core (prime_rl.orchestrator.evaluation), which `[[eval]]` during training uses too.
 """
@@ -19,13 +23,22 @@ import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 from prime_rl.configs.eval import EvalConfig
 from prime_rl.envs import EnvError, load_environment
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.evaluation import EnvResult, sample_and_score
 from prime_rl.orchestrator.rollout import RolloutSource, load_tokenizer
-from prime_rl.protocol import DiskFull, atomic_write_text, eval_samples_file, eval_summary_file, stable_steps, step_dir
+from prime_rl.protocol import (
+    DiskFull,
+    atomic_write_text,
+    eval_samples_file,
+    eval_summary_file,
+    stable_steps,
+    step_dir,
+    step_of,
+)
 
 logger = logging.getLogger("prime_rl")
 
@@ -63,6 +76,18 @@ async def load_step(client: InferenceClient, config: EvalConfig, step: int) -> N
     logger.info(f"servers now serve weights step {step}")
 
 
+def served_weights(config: EvalConfig, server_step: int) -> tuple[int, str]:
+    """The step to file the server's current weights under, and what to call them: the step the servers report
+    (weights loaded since they started), else that of the weights dir they started from (model.name names a
+    `weights/step_n`, or `weights/final` linking to one), else 0, called the server's weights."""
+    if server_step > 0:
+        return server_step, f"step {server_step}"
+    path = Path(config.model.name).expanduser()
+    if path.is_dir() and (step := step_of(path.resolve())) is not None:
+        return step, f"step {step} ({config.model.name})"
+    return 0, f"the server's weights ({config.model.name})"
+
+
 async def evaluate_env(client: InferenceClient, config: EvalConfig, env_id: str, step: int) -> EnvResult:
     env = load_environment(env_id, **config.env_args.get(env_id, {}))
     tokenizer = load_tokenizer(env, config.model.name)
@@ -77,10 +102,10 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="eval")
-    keys = ["step", "env", "samples", "reward_mean", "reward_std"]
+    keys = ["weights", "env", "samples", "reward_mean", "reward_std"]
     keys += sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
     for key in keys:
-        table.add_column(key, justify="left" if key == "env" else "right")
+        table.add_column(key, justify="left" if key in ("weights", "env") else "right")
     for r in rows:
         table.add_row(*(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
     Console(width=max(shutil.get_terminal_size().columns, 120)).print(table)
@@ -91,15 +116,19 @@ async def evaluate(config: EvalConfig) -> list[dict]:
     rows = []
     async with InferenceClient(config.client, config.model.name, adapter=config.model.adapter) as client:
         await client.wait_for_servers(config.client.health_timeout)
-        for step in steps if steps is not None else [await client.server_step()]:
+        if steps is None:
+            labelled = [served_weights(config, await client.server_step())]
+        else:
+            labelled = [(step, f"step {step}") for step in steps]
+        for step, label in labelled:
             if steps is not None:
                 await load_step(client, config, step)
             for env_id in config.env_ids:
                 result = await evaluate_env(client, config, env_id, step)
                 path = eval_samples_file(config.output_dir, step, env_file_name(env_id))
                 atomic_write_text(path, result.sample_lines())
-                rows.append(result.summary())
-                logger.info(f"step {step} | {env_id} | reward {rows[-1]['reward_mean']:.3f}")
+                rows.append(result.summary() | {"weights": label})
+                logger.info(f"{label} | {env_id} | reward {rows[-1]['reward_mean']:.3f}")
     summary = eval_summary_file(config.output_dir)
     summary.parent.mkdir(parents=True, exist_ok=True)
     with open(summary, "a") as f:
@@ -137,4 +166,8 @@ ERRORS = (EvalError, EnvError, InferenceError, DiskFull)
 
 def run(config: EvalConfig) -> None:
     with local_server(config) if config.serve else nullcontext():
-        print_table(asyncio.run(evaluate(config)))
+        rows = asyncio.run(evaluate(config))
+        print_table(rows)
+    summary = eval_summary_file(config.output_dir)
+    samples = ", ".join(f"{step_dir(summary.parent, s)}/" for s in sorted({r["step"] for r in rows}))
+    logger.info(f"results: {summary} (a line per step and environment); samples in {samples}")

@@ -1,5 +1,5 @@
 """The launcher's console: the services' step lines and problems echoed while they run, under a live status
-line (step, reward, eval reward, tokens/s, ETA) read from the newest metrics records."""
+line (step, reward, eval reward, tokens/s, ETA) read from this run's newest metrics records."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.launch.supervise import Service
+from prime_rl.utils.console import LiveLine, eta, this_run
 
 
 def follow_logs(services: list[Service], stop: threading.Event, status: StatusLine) -> None:
@@ -29,61 +30,45 @@ def follow_logs(services: list[Service], stop: threading.Event, status: StatusLi
         f.close()
 
 
-class StatusLine:
-    """On a terminal, one live line under the scrolling log lines: step, reward, eval reward, tokens/s, ETA."""
+class StatusLine(LiveLine):
+    """On a terminal, one live line under the scrolling log lines: step, reward, eval reward, tokens/s, ETA of
+    the run started at `since` (unix seconds)."""
 
-    def __init__(self, output_dir: Path, max_steps: int):
-        from rich.console import Console
-        from rich.live import Live
-
-        self.output_dir, self.max_steps = output_dir, max_steps
-        self.console = Console()
-        terminal = self.console.is_terminal
-        self.live = Live(console=self.console, refresh_per_second=2, transient=True) if terminal else None
-
-    def __enter__(self) -> StatusLine:
-        if self.live is not None:
-            self.live.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.live is not None:
-            self.live.stop()
-
-    def print(self, line: str) -> None:
-        if self.live is None:
-            print(line, flush=True)
-        else:
-            self.live.console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-    def update(self) -> None:
-        if self.live is not None:
-            from rich.text import Text
-
-            self.live.update(Text(status_text(self.output_dir, self.max_steps), style="bold"))
+    def __init__(self, output_dir: Path, max_steps: int, since: float | None = None):
+        super().__init__(lambda: status_text(output_dir, max_steps, since))
 
 
-def status_text(output_dir: Path, max_steps: int) -> str:
-    """'step 7/20 | reward 0.412 | eval 0.380 | 5,120 tok/s | ETA 1m05s' from the newest metrics records."""
+def status_text(output_dir: Path, max_steps: int, since: float | None = None) -> str:
+    """'step 7/20 | reward 0.412 | eval 0.380 | 5,120 tok/s | ETA 1m05s' from the newest metrics records written
+    since `since` (a re-used output dir holds an earlier run's records until each service starts)."""
     from prime_rl.utils.metrics import tail_metrics
 
-    orchestrator, trainer = tail_metrics(output_dir, "orchestrator"), tail_metrics(output_dir, "trainer")
+    orchestrator = this_run(tail_metrics(output_dir, "orchestrator"), since)
+    trainer = this_run(tail_metrics(output_dir, "trainer"), since)
     if not orchestrator:
         return f"step 0/{max_steps} | starting"
     step = max(r["step"] for r in trainer) + 1 if trainer else 0
     parts = [f"step {step}/{max_steps}", f"reward {orchestrator[-1].get('reward_mean', 0.0):.3f}"]
-    if (eval_reward := last_eval_reward(output_dir)) is not None:
+    if (eval_reward := last_eval_reward(output_dir, since)) is not None:
         parts.append(f"eval {eval_reward:.3f}")
     parts.append(f"{orchestrator[-1].get('tokens_per_s', 0.0):,.0f} tok/s")
-    times = sorted(r["time/step"] for r in trainer[-10:] if "time/step" in r)
-    if times:
-        left = times[len(times) // 2] * (max_steps - step)
-        parts.append(f"ETA {int(left // 60)}m{int(left % 60):02d}s")
+    if left := eta(trainer, max_steps - step):
+        parts.append(left)
     return " | ".join(parts)
 
 
-def last_eval_reward(output_dir: Path) -> float | None:
-    from prime_rl.utils.plot import eval_rewards
+def last_eval_reward(output_dir: Path, since: float | None = None) -> float | None:
+    """The newest eval step's reward (averaged over environments, as the plot does): without `since` as the
+    plot reads it; with it, from this run's metrics/eval.jsonl records only."""
+    if since is None:
+        from prime_rl.utils.plot_data import eval_rewards
 
-    rewards = eval_rewards(output_dir)
-    return rewards[-1][1] if rewards else None
+        rewards = eval_rewards(output_dir)
+        return rewards[-1][1] if rewards else None
+    from prime_rl.utils.metrics import tail_metrics
+
+    records = [r for r in this_run(tail_metrics(output_dir, "eval"), since) if "reward_mean" in r]
+    if not records:
+        return None
+    newest = [r["reward_mean"] for r in records if r["step"] == records[-1]["step"]]
+    return sum(newest) / len(newest)

@@ -4,6 +4,7 @@ healthy, follow them on the console, and stop them all at the end (finished, fai
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -27,6 +28,7 @@ def run(config: RLConfig) -> None:
 
 
 def _run(config: RLConfig, lock_token: str) -> None:
+    started = time.time()  # the status line counts only metrics records written from now: not an earlier run's
     output_dir = config.orchestrator.output_dir
     check_environments(config)
     check_model_source(config.inference.model.name, ValueError)  # no network: one line now, not after 56 s
@@ -42,7 +44,7 @@ def _run(config: RLConfig, lock_token: str) -> None:
     commands = service_commands(run_dir(output_dir), trainer_procs)
     services: list[Service] = []
     stop_following = threading.Event()
-    status = StatusLine(output_dir, config.trainer.max_steps)
+    status = StatusLine(output_dir, config.trainer.max_steps, since=started)
     follower = threading.Thread(target=follow_logs, args=(services, stop_following, status), daemon=True)
     follower.start()
     health = f"http://127.0.0.1:{config.inference.server.port}/health"
@@ -61,6 +63,11 @@ def _run(config: RLConfig, lock_token: str) -> None:
         time.sleep(0.6)  # let the follower print the last lines
         stop_following.set()
         follower.join(timeout=2)
+    from prime_rl.utils.summary import rl_summary
+
+    # Last, below the services' last lines; the user's own arguments make the resume command.
+    for line in rl_summary(output_dir, config.trainer.max_steps, time.time() - started, sys.argv[1:], plots):
+        logger.info(line)
 
 
 def check_environments(config: RLConfig) -> None:

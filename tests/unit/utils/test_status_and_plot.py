@@ -47,3 +47,21 @@ def test_plot_overlays_runs_into_png_and_svg(tmp_path):
     assert "reward" in svg and "mismatch KL" in svg and "SFT loss" not in svg  # only panels with data
     empty = subprocess.run([sys.executable, "-m", "prime_rl.utils.plot", str(tmp_path)], capture_output=True, text=True)
     assert empty.returncode == 1 and "no metrics under" in empty.stderr
+
+
+def test_status_line_of_a_reused_output_dir_shows_only_this_runs_records(tmp_path):
+    """The metrics files hold the previous run's records until each service starts and truncates its own."""
+    import time
+
+    from prime_rl.utils.metrics import MetricsWriter
+
+    write_run(tmp_path, 7)
+    eval_writer = MetricsWriter(tmp_path, "eval")
+    eval_writer.log(5, {"reward_mean": 0.9})
+    eval_writer.close()
+    since = time.time()
+    assert status_text(tmp_path, 20, since) == "step 0/20 | starting"  # not "step 7/20 | reward 0.600 | ..."
+    orchestrator = MetricsWriter(tmp_path, "orchestrator")  # the trainer's file is still the old run's
+    orchestrator.log(0, {"reward_mean": 0.25, "tokens_per_s": 1000.0})
+    orchestrator.close()
+    assert status_text(tmp_path, 20, since) == "step 0/20 | reward 0.250 | 1,000 tok/s"

@@ -247,6 +247,15 @@ def next_batch(num: int, batch_size: int, epoch: int, position: int, seed: int, 
     return indices, epoch, position
 
 
+def batch_epoch(epoch: int, position: int) -> int:
+    """The epoch, counted from 1, of the last sample of a batch, from the (epoch, position) `next_batch` gives
+    after it: a batch that ends an epoch leaves (epoch + 1, 0), and its samples are still the epoch before's.
+
+    Example (4 samples, batch 2): (0, 2) → 1, (1, 0) → 1, (1, 2) → 2.
+    """
+    return epoch if position == 0 else epoch + 1
+
+
 def pack_rank_rows(mine: list[Sample], seq_len: int, dist: Dist) -> list[MicroBatch]:
     """This rank's samples packed first-fit-decreasing into rows (advantages and μ unused by SFT: zeros), padded
     to the most rows any rank has (collective): FSDP's collectives need every rank to run as many forwards."""

@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.protocol import checkpoint_due, final_weights_dir, link_final_weights
 from prime_rl.trainer import service
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.utils.metrics import MetricsWriter
+from prime_rl.utils.console import LiveLine, eta, this_run
+from prime_rl.utils.metrics import MetricsWriter, tail_metrics
 from prime_rl.utils.timer import timer
 
 # The training modules import torch: under TYPE_CHECKING here, inside the functions at run time, so that
@@ -44,12 +48,11 @@ logger = logging.getLogger("prime_rl")
 
 
 def run(config: SFTConfig) -> None:
+    started = time.time()
     from transformers import AutoTokenizer
 
-    from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.sft.data import build_samples
-    from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
-    from prime_rl.trainer.step import step_metrics, train_step
+    from prime_rl.trainer.sft.val import build_val_rows
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.model.name)
@@ -62,47 +65,115 @@ def run(config: SFTConfig) -> None:
         val_rows = build_val_rows(config, tokenizer, dist) if config.val else None
         progress = resume(config, state)
         metrics = MetricsWriter(config.output_dir, "sft", progress.step) if dist.is_main else None
+        if dist.is_main and config.wandb is not None:  # each record to W&B too (a resumed run: the same W&B run)
+            metrics = wandb_metrics(config, metrics, resumed=progress.step > 0)
         logger.info(
             f"sft of {config.model.name} on {len(samples)} samples ({truncated} truncated to {config.seq_len} "
             f"tokens), {max_steps} steps, {dist.world_size} rank(s), device {dist.device.type}"
         )
-        val: dict[str, float] = {}
-        for step in range(progress.step, max_steps):
-            if service.stop_agreed(dist):
-                service.stop_on_signal("sft", config, state, progress, max_steps)
-            times: dict[str, float] = {}
-            start = time.perf_counter()
-            with timer(times, "data"):
-                batch, epoch, position = step_batch(samples, progress, config, dist)
-            with timer(times, "train"):
-                stats = train_step(state.model, state.optimizer, batch, dist, nll_loss, config.optim.max_norm)
-                lr = state.scheduler.get_last_lr()[0]
-                state.scheduler.step()
-            progress = Progress(
-                step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
-            )
-            val = evaluate_if_due(config, state.model, val_rows, dist, progress.step, max_steps, times)
-            stop_early = target_reached(config, val)
-            publish(config, progress.step if stop_early else max_steps, state, progress, times)
-            times["step"] = time.perf_counter() - start
-            if dist.is_main:
-                record = step_metrics(stats, times, lr, progress) | {"epoch": epoch} | val
-                metrics.log(step, record)
-                log_step(step, record)
-            if stop_early:
-                logger.info(f"held-out loss {val['val/loss']:.4g} < val.stop-below {config.val.stop_below:g}: stopping")
-                break
-        else:
-            if val and config.val.stop_below is not None:
-                logger.warning(
-                    f"held-out loss {val['val/loss']:.4g} never went below val.stop-below "
-                    f"{config.val.stop_below:g} in {max_steps} steps: the weights are the last step's"
-                )
+        # The progress line, on rank 0's terminal only, from this run's newest metrics records.
+        live = LiveLine(lambda: status_text(config.output_dir, max_steps, started)) if dist.is_main else None
+        with live or nullcontext():
+            progress, stopped = train(config, state, samples, val_rows, progress, max_steps, metrics, live)
         if metrics is not None:
             metrics.close()
         if dist.is_main:
             link_final_weights(config.output_dir, progress.step)
         logger.info(f"done: {progress.step} steps, weights in {final_weights_dir(config.output_dir)}")
+        if dist.is_main:
+            report(config.output_dir, max_steps, started, stopped)
+
+
+def train(
+    config: SFTConfig,
+    state: service.Training,
+    samples: list[Sample],
+    val_rows: list[MicroBatch] | None,
+    progress: Progress,
+    max_steps: int,
+    metrics: MetricsWriter | None,
+    live: LiveLine | None,
+) -> tuple[Progress, str | None]:
+    """The steps from `progress` on: the progress they end at, and why they ended early (None: all done)."""
+    from prime_rl.trainer.ckpt import Progress
+    from prime_rl.trainer.sft.data import batch_epoch
+    from prime_rl.trainer.sft.val import evaluate_if_due, target_reached
+    from prime_rl.trainer.step import step_metrics, train_step
+
+    dist, first_step, val = state.dist, progress.step, {}
+    for step in range(progress.step, max_steps):
+        if service.stop_agreed(dist):
+            service.stop_on_signal("sft", config, state, progress, max_steps)
+        times: dict[str, float] = {}
+        start = time.perf_counter()
+        with timer(times, "data"):
+            batch, epoch, position = step_batch(samples, progress, config, dist)
+        with timer(times, "train"):
+            stats = train_step(state.model, state.optimizer, batch, dist, nll_loss, config.optim.max_norm)
+            lr = state.scheduler.get_last_lr()[0]
+            state.scheduler.step()
+        progress = Progress(
+            step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
+        )
+        val = evaluate_if_due(config, state.model, val_rows, dist, progress.step, max_steps, times)
+        stop_early = target_reached(config, val)
+        last_step = progress.step if stop_early else max_steps
+        publish(config, last_step, state, progress, times)
+        times["step"] = time.perf_counter() - start
+        if dist.is_main:
+            record = step_metrics(stats, times, lr, progress) | {"epoch": batch_epoch(epoch, position)} | val
+            metrics.log(step, record)
+            if step == first_step or (step + 1) % config.log.interval == 0 or step + 1 == last_step or val:
+                log_step(step, record)
+            live.update()
+        if stop_early:
+            reached = f"held-out loss {val['val/loss']:.4g} < val.stop-below {config.val.stop_below:g}"
+            logger.info(f"{reached}: stopping")
+            return progress, f"stopped early: {reached}"
+    if val and config.val.stop_below is not None:
+        logger.warning(
+            f"held-out loss {val['val/loss']:.4g} never went below val.stop-below "
+            f"{config.val.stop_below:g} in {max_steps} steps: the weights are the last step's"
+        )
+    return progress, None
+
+
+def report(output_dir: Path, max_steps: int, started: float, stopped: str | None) -> None:
+    """The run's plots (OUTPUT_DIR/plots/run.png, .svg) and its summary, from its metrics files."""
+    from prime_rl.utils.plot import plot_runs
+    from prime_rl.utils.summary import sft_summary
+
+    plots = plot_runs([output_dir], output_dir / "plots" / "run")
+    logger.info(f"plots of the run: {', '.join(map(str, plots))} (uv run plot DIR [DIR ...] to compare runs)")
+    for line in sft_summary(output_dir, max_steps, time.time() - started, sys.argv[1:], plots, stopped):
+        logger.info(line)
+
+
+def status_text(output_dir: Path, max_steps: int, since: float | None = None) -> str:
+    """'step 120/340 | loss 1.23 | val 0.45 | 2,100 tok/s | ETA 1m05s' from the newest metrics records written
+    since `since` (a re-used output dir holds an earlier run's records until this run's first step)."""
+    records = this_run(tail_metrics(output_dir, "sft"), since)
+    if not records:
+        return f"step 0/{max_steps} | starting"
+    step = records[-1]["step"] + 1
+    parts = [f"step {step}/{max_steps}", f"loss {records[-1]['loss']:.3g}"]
+    if held_out := [r["val/loss"] for r in records if "val/loss" in r]:
+        parts.append(f"val {held_out[-1]:.3g}")
+    parts.append(f"{records[-1].get('tokens_per_s', 0.0):,.0f} tok/s")
+    if left := eta(records, max_steps - step):
+        parts.append(left)
+    return " | ".join(parts)
+
+
+def wandb_metrics(config: SFTConfig, metrics: MetricsWriter, resumed: bool):
+    """`metrics`, whose records (`val/loss` too) also go to the W&B run of the output dir, series `sft`."""
+    from prime_rl.utils.wandb import MirroredMetrics, WandbError, open_run
+
+    try:
+        run = open_run(config.wandb, config.output_dir, config.model_dump(mode="json"), resumed, ("sft",))
+    except WandbError as e:
+        raise TrainerError(str(e)) from None
+    return MirroredMetrics(metrics, run, "sft")
 
 
 def resume(config: SFTConfig, state: service.Training) -> Progress:
@@ -113,7 +184,7 @@ def resume(config: SFTConfig, state: service.Training) -> Progress:
     if step is None:
         return Progress()
     progress = service.load(config, state, step)
-    logger.info(f"resumed from checkpoints/step_{step} (epoch {progress.epoch})")
+    logger.info(f"resumed from checkpoints/step_{step} (going on in epoch {progress.epoch + 1})")
     return progress
 
 
@@ -155,5 +226,5 @@ def log_step(step: int, m: dict) -> None:
     held_out = f" | val/loss {m['val/loss']:.4g}" if "val/loss" in m else ""
     logger.info(
         f"step {step} | loss {m['loss']:.4g}{held_out} | grad_norm {m['grad_norm']:.3g} | "
-        f"epoch {m['epoch']} | {m['tokens_per_s']:.0f} tok/s | {m['time/step']:.2f}s"
+        f"epoch {m['epoch']} | {m['tokens_per_s']:,.0f} tok/s | {m['time/step']:.2f}s"
     )
