@@ -53,11 +53,9 @@ def _run(config: RLConfig, lock_token: str) -> None:
         start_services(config, services, commands, env, trainer_procs, restart)
         with Watchdog(output_dir, lock_token, config.hang_timeout, health, trainer_procs) as watchdog:
             watch(services, restart, watchdog, config)
-        logger.info(f"done: {config.max_steps or config.trainer.max_steps} steps; outputs in {output_dir}")
         from prime_rl.utils.plot import plot_runs
 
-        plots = plot_runs([output_dir], output_dir / "plots" / "run")
-        logger.info(f"plots of the run: {', '.join(map(str, plots))} (uv run plot DIR [DIR ...] to compare runs)")
+        plots = plot_runs([output_dir], output_dir / "plots" / "run")  # the summary says where
     finally:
         stop_all(services)
         time.sleep(0.6)  # let the follower print the last lines

@@ -10,7 +10,7 @@ are the ones the plots show:
       best eval    0.120 at step 4
       weights      outputs/debug/weights/step_5
       checkpoints  no checkpoints (add --ckpt)
-      plots        outputs/debug/plots/run.png, outputs/debug/plots/run.svg
+      plots        outputs/debug/plots/run.png, outputs/debug/plots/run.svg (uv run plot DIR [DIR ...] to ...)
       resume       not possible without checkpoints: add --ckpt (or --ckpt.interval N) to the command
 """
 
@@ -55,7 +55,8 @@ def _where(
 ) -> list[tuple[str, str]]:
     """The checkpoints, plots and resume rows."""
     steps = checkpoint_steps(output_dir, parts)
-    plotted = ("plots", ", ".join(map(str, plots)) if plots else "none")
+    compare = "(uv run plot DIR [DIR ...] to compare runs)"
+    plotted = ("plots", f"{', '.join(map(str, plots))} {compare}" if plots else "none")
     if not steps:
         return [
             ("checkpoints", "no checkpoints (add --ckpt)"),

@@ -47,7 +47,7 @@ def test_rl_summary_of_a_run_without_checkpoints(tmp_path):
         "  best eval    0.600 at step 1 (mean reward over the eval environments)",  # (0.5 + 0.7) / 2, as plotted
         f"  weights      {tmp_path}/weights/step_20",
         "  checkpoints  no checkpoints (add --ckpt)",
-        f"  plots        {tmp_path}/plots/run.png",
+        f"  plots        {tmp_path}/plots/run.png (uv run plot DIR [DIR ...] to compare runs)",
         "  resume       not possible without checkpoints: add --ckpt (or --ckpt.interval N) to the command",
     ]
 

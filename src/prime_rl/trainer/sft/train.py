@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_rl.configs.sft import SFTConfig
-from prime_rl.protocol import checkpoint_due, final_weights_dir, link_final_weights
+from prime_rl.protocol import checkpoint_due, link_final_weights
 from prime_rl.trainer import service
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.console import LiveLine, eta, this_run
@@ -79,7 +79,6 @@ def run(config: SFTConfig) -> None:
             metrics.close()
         if dist.is_main:
             link_final_weights(config.output_dir, progress.step)
-        logger.info(f"done: {progress.step} steps, weights in {final_weights_dir(config.output_dir)}")
         if dist.is_main:
             report(config.output_dir, max_steps, started, stopped)
 
@@ -144,7 +143,6 @@ def report(output_dir: Path, max_steps: int, started: float, stopped: str | None
     from prime_rl.utils.summary import sft_summary
 
     plots = plot_runs([output_dir], output_dir / "plots" / "run")
-    logger.info(f"plots of the run: {', '.join(map(str, plots))} (uv run plot DIR [DIR ...] to compare runs)")
     for line in sft_summary(output_dir, max_steps, time.time() - started, sys.argv[1:], plots, stopped):
         logger.info(line)
 
