@@ -396,15 +396,26 @@ def test_rl_trains_on_a_verifiers_tool_env_and_a_single_turn_env_on_policy(tmp_p
     assert tool_turns > 0
 
 
-def test_rl_with_an_api_key_keeps_it_off_the_disk(tiny_model, tmp_path, free_port):
+def test_rl_with_an_api_key_keeps_it_off_the_disk_and_logs_every_service_to_one_wandb_run(
+    tiny_model, tmp_path, free_port
+):
     out = tmp_path / "out"
     args = small_run(tiny_model, out, free_port, max_steps=2) + ["--inference.api-key", "s3cr3t-key"]
+    args += ["--wandb.project", "test", "--wandb.offline"]  # the W&B run's files hold no key either
     result = run_rl(args)
     assert result.returncode == 0, result.stderr + show_logs(out)
     # The server had the key (it binds all interfaces only then) and the orchestrator sent it.
     assert "on http://0.0.0.0:" in (out / "logs" / "inference.log").read_text()
     leaks = [p for p in out.rglob("*") if p.is_file() and b"s3cr3t-key" in p.read_bytes()]
     assert leaks == []
+    # One W&B run for the whole rl run, with every service's numbers in it.
+    from prime_rl.utils.wandb import read_offline
+
+    [run_dir] = (out / "wandb").glob("offline-run-*")
+    keys = {key for row in read_offline(run_dir)[1] for key in row}
+    for series in ("orchestrator", "trainer", "inference"):
+        assert {f"{series}/step"} < {k for k in keys if k.startswith(f"{series}/")}, sorted(keys)
+    assert "inference/generated_tokens" in keys and "trainer/loss" in keys and "orchestrator/reward_mean" in keys
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -1,10 +1,12 @@
 """The real `sft` entrypoint on the shipped debug config and dataset (tiny model from assets/).
 
 4 straight steps == 2 steps with --ckpt + --ckpt.resume-step 2 for 2 more (same weights within 1e-6; the
-data order, position in the epoch and lr schedule resume too). A malformed row fails with file:line.
+data order, position in the epoch and lr schedule resume too), and the two halves log to one W&B run (offline,
+read back from W&B's own record files). A malformed row fails with file:line.
 """
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -15,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prime_rl.protocol import checkpoint_steps, is_stable, weights_dir
+from prime_rl.protocol import checkpoint_steps, is_stable, wandb_run_file, weights_dir
 from prime_rl.utils.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -24,12 +26,19 @@ ROOT = Path(__file__).parents[2]
 SFT = Path(sys.executable).parent / "sft"
 
 
-def _sft(out: Path, *extra: str) -> subprocess.Popen:
+def _sft(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     # batch 12 of 48 rows, 4 steps = one epoch; shuffled order and the cosine schedule must both resume.
     cmd = [str(SFT), "@", str(ROOT / "configs/sft/debug.toml"), "--output-dir", str(out), "--batch-size", "12",
            "--optim.scheduler", "cosine", "--max-steps", "4", "--data.path", str(ROOT / "configs/sft/debug/data.jsonl"),
            "--model.name", str(ROOT / "assets/tiny-qwen3"), *extra]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+
+
+def _wandb(tmp: Path) -> tuple[list[str], dict]:
+    """Flags and environment of an offline W&B run whose settings and cache stay in `tmp` (no network, no login)."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed (uv sync --extra wandb)")
+    env = os.environ | {"WANDB_DIR": str(tmp), "WANDB_CONFIG_DIR": str(tmp), "WANDB_CACHE_DIR": str(tmp)}
+    return ["--wandb.project", "sft-test", "--wandb.offline"], env
 
 
 def summary(output: str) -> dict[str, str]:
@@ -53,9 +62,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     bad = root / "bad.jsonl"
     bad.write_text('{"prompt": "ab", "completion": "ba"}\n{"prompt": "ab"}\n')
+    wandb, env = _wandb(root)
     procs = {
         "straight": _sft(root / "straight", "--log.interval", "3"),
-        "first_half": _sft(root / "resumed", "--ckpt.interval", "2", "--weights-interval", "2"),
+        "first_half": _sft(root / "resumed", "--ckpt.interval", "2", "--weights-interval", "2", *wandb, env=env),
         "bad": _sft(root / "bad", "--data.path", str(bad)),
     }
     yield procs, root
@@ -79,7 +89,8 @@ def test_sft_resume_matches_an_uninterrupted_run(runs):
     assert checkpoint_steps(resumed, ("trainer",)) == [2, 4]
     # Restart from step 2 as if the run had stopped there (the step-4 checkpoint is ignored); it overlaps
     # the straight run, which is still going.
-    second_half = _sft(resumed, "--ckpt.resume-step", "2")
+    run_id = json.loads(wandb_run_file(resumed).read_text())["id"]
+    second_half = _sft(resumed, "--ckpt.resume-step", "2", *_wandb(root)[0], env=_wandb(root)[1])
     rc, output = _finish(procs["straight"])
     assert rc == 0, output[-6000:]
     # --log.interval 3: the step lines of steps 0 (the first), 2 and 3 (the last); the metrics get every step.
@@ -89,7 +100,7 @@ def test_sft_resume_matches_an_uninterrupted_run(runs):
     said = summary(output)
     assert said["steps"] == "4/4" and said["weights"] == f"{straight}/weights/final (-> step_4)", said
     assert said["checkpoints"] == "no checkpoints (add --ckpt)", said
-    assert said["plots"] == f"{straight}/plots/run.png, {straight}/plots/run.svg", said
+    assert said["plots"].startswith(f"{straight}/plots/run.png, {straight}/plots/run.svg "), said
     assert re.fullmatch(r"\d\.\d{3} -> \d\.\d{3} \(mean loss of the first 1 and the last 1 of 4 steps\)", said["loss"])
     rc, output = _finish(second_half)
     assert rc == 0, output[-6000:]
@@ -106,6 +117,18 @@ def test_sft_resume_matches_an_uninterrupted_run(runs):
             assert x[key] == pytest.approx(y[key], rel=1e-5), key
     assert straight[-1]["loss"] < straight[0]["loss"]  # it learns
     assert (resumed / "logs" / "sft.log").is_file()
+    # W&B: the resumed half went on in the first half's run; every step's record is there once per sitting.
+    from prime_rl.utils.wandb import read_offline
+
+    assert json.loads(wandb_run_file(resumed).read_text())["id"] == run_id
+    run_dirs = sorted((resumed / "wandb").glob("offline-run-*"))
+    assert [d.name.rsplit("-", 1)[1] for d in run_dirs] == [run_id, run_id]  # one W&B run, in two sittings
+    (config, first_rows), (_, second_rows) = (read_offline(d) for d in run_dirs)
+    rows = [row for row in first_rows + second_rows if "sft/step" in row]
+    assert [row["sft/step"] for row in rows] == [0, 1, 2, 3, 2, 3]  # steps 2-3 again after the resume from 2
+    for row, record in zip(rows[:2] + rows[-2:], again, strict=True):
+        assert row["sft/loss"] == pytest.approx(record["loss"]) and row["sft/epoch"] == record["epoch"]
+    assert config["model"]["name"] == str(ROOT / "assets/tiny-qwen3") and config["wandb"]["offline"] is True
 
 
 def test_malformed_row_names_file_and_line(runs):

@@ -15,13 +15,13 @@ logger = logging.getLogger("prime_rl")
 
 
 def run(config: InferenceConfig) -> None:
-    check_model_source(config.model.name, StartupError)  # no network: one line now, not after retries (or torch)
     import torch
 
     cuda = torch.cuda.is_available()
     # Importing vLLM takes seconds (and its CPU build sets up its own runtime): only when it could be chosen.
     could_use_vllm = config.backend == "vllm" or (config.backend == "auto" and cuda)
     backend = resolve_backend(config.backend, could_use_vllm and vllm_importable(), cuda)
+    check_model_source(config.model.name, StartupError)  # no network: one line now, not after the hub's retries
     model_config = load_model_config(config.model.name)
     config = fit_max_model_len(config, model_config)
     if backend == "vllm":

@@ -156,7 +156,7 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
             finally:
                 if stream is not None:
                     await stream.close()
-            await finish(client, config, evals)
+            await finish(client, config, evals, wandb)
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
 
 
@@ -178,9 +178,12 @@ async def run_step(loop: Loop, step: int) -> None:
     m = step_metrics(batch, times, step)
     state.total_samples += m["samples"]
     state.total_tokens += m["tokens"]
-    # At once: a restart must not redo a step whose rollouts the trainer may have read.
-    checkpoint(config, state, step + 1, loop.mix, loop.rng)
     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}
+    # The record before the checkpoint: a kill between the two must not leave a checkpoint past a step whose
+    # record is lost (the restart starts after it); then the checkpoint at once: a restart must not redo a step
+    # whose rollouts the trainer may have read.
+    loop.metrics.log(step, m)
+    checkpoint(config, state, step + 1, loop.mix, loop.rng)
     log_step(loop, step, m, times)
     loop.heartbeat.finished(step)
 
@@ -199,7 +202,6 @@ def write_batch(config: OrchestratorConfig, step: int, batch: Batch, times: dict
 
 
 def log_step(loop: Loop, step: int, m: dict, times: dict[str, float]) -> None:
-    loop.metrics.log(step, m)
     loop.wandb.log(step, m)
     loop.progress.clear()
     logger.info(
@@ -211,12 +213,15 @@ def log_step(loop: Loop, step: int, m: dict, times: dict[str, float]) -> None:
     logger.debug(f"step {step} metrics: {m}")
 
 
-async def finish(client: InferenceClient, config: OrchestratorConfig, evals: Evals) -> None:
-    """After the last step: the trainer's remaining weight broadcasts, then the evaluation of its final weights."""
+async def finish(client: InferenceClient, config: OrchestratorConfig, evals: Evals, wandb: NoSink | WandbSink) -> None:
+    """After the last step: the trainer's remaining weight broadcasts, then the evaluation of its final weights,
+    and the trainer's last records into the W&B run."""
     if config.weight_transfer.type == "broadcast":  # the trainer sends up to max_steps - 1: take them all
         await relay_broadcasts(client, config, await client.server_step(), config.max_steps - 1, {})
     if config.eval:
         await evals.final(client, config)
+    if isinstance(wandb, WandbSink):
+        await wandb.last_trainer_steps(config)
 
 
 def run(config: OrchestratorConfig) -> None:

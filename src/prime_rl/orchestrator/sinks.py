@@ -4,7 +4,8 @@ W&B (utils.wandb owns the run: the extra's import check, the id kept for resumes
 whole RL run's. With its own metrics the orchestrator logs the inference servers' (their /metrics, read in the
 background by server_metrics.ServerMetrics) and forwards the trainer's (metrics/trainer.jsonl) and the evals'
 (eval/summary.jsonl, metrics/eval.jsonl) as they appear, each series on its own step axis (`trainer/step`, ...),
-so one process owns the W&B run and neither the trainer ranks nor the servers talk to W&B.
+so one process owns the W&B run and neither the trainer ranks nor the servers talk to W&B. After its last step
+the orchestrator waits for the trainer's last records (the trainer is up to async_level + 1 steps behind).
 The progress line is a single self-overwriting terminal line (`step 3/20 | groups 12/32 | 41.2 groups/s`)
 shown only on a terminal, so log files and CI output stay clean.
 """
@@ -12,6 +13,7 @@ shown only on a terminal, so log files and CI output stay clean.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from collections.abc import Awaitable
@@ -21,6 +23,8 @@ from typing import Any
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.server_metrics import ServerMetrics
 from prime_rl.utils.wandb import WandbError, WandbRun, open_run
+
+logger = logging.getLogger("prime_rl")
 
 SinkError = WandbError  # a metrics sink was asked for but cannot work (e.g. wandb is not installed)
 SERIES = ("orchestrator", "trainer", "eval", "inference")
@@ -60,6 +64,27 @@ class WandbSink:
             if step > self.logged["eval"]:
                 self.run.log("eval", step, {"reward_mean": reward})
                 self.logged["eval"] = step
+
+    async def last_trainer_steps(self, config: OrchestratorConfig) -> None:
+        """After our last step: the trainer's records of the steps it still trains (up to async_level + 1 of
+        them come after ours), so that the W&B run ends with the trainer's last step. A trainer that died
+        (its heartbeat) or never gets there costs a warning, not the run."""
+        from prime_rl.protocol import WaitTimeout, WriterDead, wait_until_async
+
+        last = config.max_steps - 1
+
+        def forwarded() -> bool:
+            self.forward()
+            return self.logged["trainer"] >= last
+
+        try:
+            await wait_until_async(
+                forwarded, f"the trainer's metrics of step {last} (for W&B)", config.weights_timeout,
+                output_dir=self.output_dir, writer="trainer-rank0", heartbeat_timeout=config.heartbeat_timeout,
+                poll=0.5,
+            )  # fmt: skip
+        except (WaitTimeout, WriterDead) as e:
+            logger.warning(f"{e}; the W&B run has the trainer's steps up to {self.logged['trainer']} only")
 
     def close(self) -> None:
         self.forward()

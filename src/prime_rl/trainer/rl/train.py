@@ -71,8 +71,9 @@ def run(config: TrainerConfig) -> None:
         logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
         history = []
+        carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
         for step in range(progress.step, config.max_steps):
-            times: dict[str, float] = {}
+            times, carried = carried, {}
             start = time.perf_counter()
             micro_batches = load_micro_batches(config, step, dist, times)
             if micro_batches is None:
@@ -92,6 +93,8 @@ def run(config: TrainerConfig) -> None:
             if dist.is_main:
                 metrics.log(step, record)
                 log_step(step, record)
+            if not config.bench:  # after the record: see `checkpoint`
+                checkpoint(config, state, progress, carried)
         if metrics is not None:
             metrics.close()
         if config.bench and dist.is_main:
@@ -118,7 +121,7 @@ def resume(config: TrainerConfig, state: service.Training) -> Progress | None:
 def publish(
     config: TrainerConfig, state: service.Training, progress: Progress, times: dict, sender: WeightSender | None
 ) -> None:
-    """After a step: weights for inference, a checkpoint when due, and pruning of what nobody needs any more.
+    """After a step: weights for inference.
 
     With a broadcast `sender` the weights go over the process group, and `weights/step_n` is written only
     with a checkpoint (a resumed orchestrator loads it) and at the last step (for eval; never broadcast)."""
@@ -133,6 +136,12 @@ def publish(
     if sender is None or due or last:
         with timer(times, "save_weights"):
             save_weights(state.model, state.files, config.output_dir, progress.step)
+
+
+def checkpoint(config: TrainerConfig, state: service.Training, progress: Progress, times: dict) -> None:
+    """After the step's metrics record: a checkpoint when due, and pruning of what nobody needs any more. Never
+    before the record: a kill between the two would leave a checkpoint past a step whose record is lost (the
+    restart starts after it). Its time (`time/save_ckpt`) is in the next step's record."""
     service.checkpoint_if_due(config, state, progress, config.max_steps, times)
     if state.dist.is_main:
         prune_old_steps(config, progress.step - 1)

@@ -100,10 +100,11 @@ def train(
     from prime_rl.trainer.step import step_metrics, train_step
 
     dist, first_step, val = state.dist, progress.step, {}
+    carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
     for step in range(progress.step, max_steps):
         if service.stop_agreed(dist):
             service.stop_on_signal("sft", config, state, progress, max_steps)
-        times: dict[str, float] = {}
+        times, carried = carried, {}
         start = time.perf_counter()
         with timer(times, "data"):
             batch, epoch, position = step_batch(samples, progress, config, dist)
@@ -125,6 +126,8 @@ def train(
             if step == first_step or (step + 1) % config.log.interval == 0 or step + 1 == last_step or val:
                 log_step(step, record)
             live.update()
+        # After the record: a kill between the two must not leave a checkpoint past a step whose record is lost.
+        service.checkpoint_if_due(config, state, progress, last_step, carried)
         if stop_early:
             reached = f"held-out loss {val['val/loss']:.4g} < val.stop-below {config.val.stop_below:g}"
             logger.info(f"{reached}: stopping")
@@ -209,7 +212,7 @@ def nll_loss(out, mb, mask, scale):
 
 def publish(config: SFTConfig, last_step: int, state: service.Training, progress: Progress, times: dict) -> None:
     """Weights every `weights_interval` steps and at the run's last step (`last_step`: max_steps, or this step
-    when the run stops early); checkpoints per `ckpt`; pruning of both."""
+    when the run stops early), and their pruning (checkpoints: after the step's metrics record)."""
     from prime_rl.trainer.weights import prune_weights, save_weights
 
     if checkpoint_due(progress.step, last_step, config.weights_interval):
@@ -217,7 +220,6 @@ def publish(config: SFTConfig, last_step: int, state: service.Training, progress
             save_weights(state.model, state.files, config.output_dir, progress.step)
         if state.dist.is_main and config.keep_weights:
             prune_weights(config.output_dir, config.keep_weights)
-    service.checkpoint_if_due(config, state, progress, last_step, times)
 
 
 def log_step(step: int, m: dict) -> None:
