@@ -138,12 +138,14 @@ def _draw_eval(ax: Axes, points: list, color: str, prefix: str) -> list[float]:
 
 def _widen(ax: Axes, span: float, values: list[float]) -> None:
     lo, hi = ax.get_ylim()
-    if hi - lo >= span:
-        return
-    mid = (lo + hi) / 2
-    lo, hi = mid - span / 2, mid + span / 2
+    if hi - lo < span:
+        mid = (lo + hi) / 2
+        lo, hi = mid - span / 2, mid + span / 2
     if values and 0.0 <= min(values) and max(values) <= 1.0:
-        shift = max(0.0, -lo) - max(0.0, hi - 1.0)
+        # Values in [0, 1] (a reward, a fraction): the axis stays inside it, but for a sliver of margin so markers
+        # on 0 or 1 show (an all-zero truncated fraction drew from -0.05 otherwise).
+        margin = 0.02 * (hi - lo)
+        shift = max(0.0, -margin - lo) - max(0.0, hi - 1.0 - margin)
         lo, hi = lo + shift, hi + shift
     ax.set_ylim(lo, hi)
 

@@ -67,7 +67,13 @@ def test_eval_points_carry_one_standard_error_and_the_axis_spans_it(tmp_path):
 def test_reward_axis_is_at_least_a_tenth_wide_and_stays_in_0_1(tmp_path):
     write(tmp_path, "orchestrator", [{"step": s, "reward_mean": 0.99 + 0.001 * (s % 2)} for s in range(5)])
     lo, hi = panel(draw_runs([tmp_path]), "reward").get_ylim()
-    assert hi - lo == pytest.approx(0.1) and hi == pytest.approx(1.0)
+    assert hi - lo == pytest.approx(0.1) and hi == pytest.approx(1.0, abs=0.005)
+
+
+def test_an_all_zero_fraction_is_drawn_from_zero_not_below(tmp_path):
+    write(tmp_path, "orchestrator", [{"step": s, "truncated_fraction": 0.0} for s in range(20)])
+    lo, hi = panel(draw_runs([tmp_path]), "truncated fraction").get_ylim()
+    assert -0.005 < lo <= 0.0 and hi - lo >= 0.1
 
 
 def test_noisy_series_get_a_moving_average_over_the_raw_line(tmp_path):
