@@ -84,6 +84,10 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
     assert [m["step"] for m in orch] == [0, 1, 2, 3]
     assert [m["step"] for m in trainer] == [0, 1, 2, 3]
+    # Each service's memory is known per step: the host process's peak resident memory, never shrinking.
+    for records in (orch, trainer):
+        rss = [m["peak_rss_gib"] for m in records]
+        assert 0.05 < rss[0] <= rss[-1] < 64, rss
     weight_steps = [m["weight_step"] for m in orch]
     assert all(step - 1 <= w <= step for step, w in zip(range(4), weight_steps, strict=True)), weight_steps
     assert weight_steps[-1] >= 2

@@ -31,6 +31,7 @@ from prime_rl.orchestrator.policy import oldest_policy
 from prime_rl.orchestrator.pool import SmoothRoundRobin
 from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source, derive_seed
 from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.utils.memory import peak_rss_gib
 from prime_rl.utils.timer import timer
 
 logger = logging.getLogger("prime_rl")
@@ -267,6 +268,7 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
         "skipped_groups": batch.skipped,
         "stale_groups": batch.stale,
         "mixed_policy_fraction": statistics.fmean(r.weight_step_max != r.weight_step for r in rollouts),
+        "peak_rss_gib": peak_rss_gib(),  # the orchestrator's own (rollouts, environments, tokenizers)
         "sample_rounds": batch.rounds,
         "samples": len(rollouts),
         "tokens": tokens,

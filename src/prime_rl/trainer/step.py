@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -25,6 +24,7 @@ from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, sample_starts
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
+from prime_rl.utils.memory import peak_rss_gib
 
 if TYPE_CHECKING:
     from prime_rl.trainer.ckpt import Progress
@@ -43,7 +43,8 @@ class StepStats:
     num_tokens: int  # tokens processed (all ranks, padding included)
     num_loss_tokens: int
     num_samples: int  # packed samples with at least one loss token
-    peak_memory_gib: float  # max over ranks
+    peak_memory_gib: float  # max over ranks: the device's (CUDA: allocated by torch; CPU: the process's RSS)
+    peak_rss_gib: float  # max over ranks: the host process's resident memory
     means: dict[str, float] = field(default_factory=dict)  # the loss callback's other sums per loss token
 
 
@@ -92,7 +93,7 @@ def train_step(
 
     keys = sorted(sums)
     totals = dict(zip(keys, all_reduce([float(sums[k]) for k in keys], dist.device), strict=True)) if keys else {}
-    (peak,) = all_reduce([peak_memory_gib(dist.device)], dist.device, op="max")
+    peak, rss = all_reduce([peak_memory_gib(dist.device), peak_rss_gib()], dist.device, op="max")
     per_token = max(num_loss_tokens, 1)
     return StepStats(
         loss=totals.pop("loss", 0.0) / denominator,
@@ -101,6 +102,7 @@ def train_step(
         num_loss_tokens=int(num_loss_tokens),
         num_samples=int(num_samples),
         peak_memory_gib=peak,
+        peak_rss_gib=rss,
         means={k: v / per_token for k, v in totals.items()},
     )
 
@@ -112,7 +114,7 @@ def samples_with_loss(cu_seqlens: torch.Tensor, mask: torch.Tensor) -> int:
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return peak_rss_gib()
 
 
 def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress: Progress) -> dict:
@@ -128,6 +130,7 @@ def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress:
         "num_samples": stats.num_samples,
         "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),
         "peak_memory_gib": stats.peak_memory_gib,
+        "peak_rss_gib": stats.peak_rss_gib,
         "progress/tokens": progress.tokens,
         "progress/samples": progress.samples,
         **{f"time/{k}": v for k, v in times.items()},

@@ -1,7 +1,9 @@
-"""Peak resident memory of this process over a stretch of code (Linux: /proc/self/status VmHWM)."""
+"""Resident memory of this process: its peak since it started (every service's per-step metrics), and over a
+stretch of code (Linux: /proc/self/status VmHWM)."""
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -15,6 +17,11 @@ def _status_mib(key: str) -> float | None:
     except OSError:
         pass
     return None
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory since it started, GiB (what a host's memory limit is checked against)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 class PeakMemory:

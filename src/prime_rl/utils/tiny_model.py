@@ -6,12 +6,13 @@ initialised Qwen3 or Llama of ~0.3M parameters, a Qwen3-MoE / Mixtral with 4 exp
 Gemma2 with attention-logit and final-logit softcapping and sliding-window layers (window 8) alternating with
 full ones. Each is written with `save_pretrained`, so every part of prime-rl loads them exactly like a hub model.
 
-`--preset` writes a real model's exact shape instead (`PRESETS`: Qwen3-0.6B, -1.7B, -4B as their hub
+`--preset` writes a real model's exact shape instead (`PRESETS`: Qwen3-0.6B, -1.7B, -4B, -8B as their hub
 config.json gives them), randomly initialised in bfloat16, with the tokenizer's vocabulary padded to the
 model's so that every id a random model samples decodes: a full-size model for GPU checks without the hub.
 
     uv run tiny-model outputs/tiny-qwen3 --arch qwen3
     uv run tiny-model outputs/qwen3-0.6b --preset qwen3-0.6b     # 596M parameters, 1.2 GB
+    uv run tiny-model outputs/qwen3-8b-2l --preset qwen3-8b --num-layers 2   # 8B's layers, 2 of them: 1.63B parameters, 3.3 GB
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ PRESETS: dict[str, tuple] = {
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),  # 596,049,920 parameters
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128, 151936, True),
     "qwen3-4b": (2560, 9728, 36, 32, 8, 128, 151936, True),
+    "qwen3-8b": (4096, 12288, 36, 32, 8, 128, 151936, False),  # 8,190,735,360 parameters
     "qwen3-micro": (128, 384, 2, 4, 2, 32, 2048, True),
 }
 
@@ -107,13 +109,16 @@ def _padded(tok, size: int):
     return Tokenizer.from_str(json.dumps(data))
 
 
-def preset_config(preset: str):
-    """The `Qwen3Config` of a preset (`PRESETS`), bfloat16; ValueError naming the choices for an unknown one."""
+def preset_config(preset: str, num_layers: int | None = None):
+    """The `Qwen3Config` of a preset (`PRESETS`), bfloat16, cut to `num_layers` layers if given (the real layer
+    shapes, fewer of them); ValueError naming the choices for an unknown one."""
     from transformers import Qwen3Config
 
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny-model preset {preset!r}; choose from {', '.join(PRESETS)}")
     shape = dict(zip(PRESET_FIELDS, PRESETS[preset], strict=True))
+    if num_layers is not None:
+        shape["num_hidden_layers"] = num_layers
     return Qwen3Config(rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6, dtype="bfloat16", **shape)
 
 
@@ -176,7 +181,7 @@ def create_tiny_model(
     arch: str = "qwen3",
     seed: int = 0,
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     vocab_size: int | None = None,
     tokenizer_vocab_size: int = 1024,
     preset: str | None = None,
@@ -186,22 +191,23 @@ def create_tiny_model(
     `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as real models pad theirs; the extra
     rows are never sampled by the tokenizer but cost what a large vocabulary costs in the lm_head and loss.
     `tokenizer_vocab_size` 259 (the 256 bytes + 3 specials) leaves BPE no merges: one token per character.
-    `preset` (`PRESETS`) replaces `arch`, the sizes and `vocab_size`: that shape in bfloat16, the tokenizer
-    padded to its vocabulary.
+    `preset` (`PRESETS`) replaces `arch`, the sizes and `vocab_size`: that shape in bfloat16 (`num_layers`
+    deep if given, else the real depth), the tokenizer padded to its vocabulary. Without a preset, 2 layers
+    unless `num_layers`.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     if preset is not None:
-        config = preset_config(preset)
+        config = preset_config(preset, num_layers)
         tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed, pad_to=config.vocab_size)
         dtype = torch.bfloat16
     else:
         tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed)
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
-        config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers)
+        config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers or 2)
         dtype = torch.float32
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
@@ -257,7 +263,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, help="layers (default 2; with --preset: cut its depth to this)")
     parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="259: one token per character")
     parser.add_argument("--preset", choices=PRESETS, help="a real model's shape (bf16) instead of --arch and the sizes")
     args = parser.parse_args()

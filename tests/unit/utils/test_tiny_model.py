@@ -18,6 +18,19 @@ def test_qwen3_0_6b_preset_has_the_hub_models_shape_and_size():
     assert sum(p.numel() for p in model.parameters()) == 596_049_920  # Qwen3-0.6B, embeddings tied
 
 
+@pytest.mark.parametrize(("preset", "params"), [("qwen3-8b", 8_190_735_360), ("qwen3-4b", 4_022_468_096)])
+def test_larger_presets_have_the_hub_models_size(preset, params):
+    assert sum(p.numel() for p in meta_model(preset_config(preset)).parameters()) == params
+
+
+def test_num_layers_cuts_a_presets_depth_but_keeps_its_layer_shapes():
+    full, cut = meta_model(preset_config("qwen3-8b")), meta_model(preset_config("qwen3-8b", num_layers=2))
+    assert cut.config.num_hidden_layers == 2 and len(cut.model.layers) == 2
+    shapes = lambda m: {n: tuple(p.shape) for n, p in m.model.layers[1].named_parameters()}  # noqa: E731
+    assert shapes(cut) == shapes(full)
+    assert cut.lm_head.weight.shape == full.lm_head.weight.shape == (151936, 4096)
+
+
 def test_small_preset_builds_and_loads(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
