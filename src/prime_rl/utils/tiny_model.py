@@ -12,7 +12,7 @@ model's so that every id a random model samples decodes: a full-size model for G
 
     uv run tiny-model outputs/tiny-qwen3 --arch qwen3
     uv run tiny-model outputs/qwen3-0.6b --preset qwen3-0.6b     # 596M parameters, 1.2 GB
-    uv run tiny-model outputs/qwen3-8b-2l --preset qwen3-8b --num-layers 2   # 8B's layers, 2 of them: 1.63B parameters, 3.3 GB
+    uv run tiny-model outputs/qwen3-8b-2l --preset qwen3-8b --num-layers 2   # 8B's layers, 2 of them: 3.3 GB
 """
 
 from __future__ import annotations
