@@ -58,13 +58,8 @@ def status_text(output_dir: Path, max_steps: int, since: float | None = None) ->
 
 
 def last_eval_reward(output_dir: Path, since: float | None = None) -> float | None:
-    """The newest eval step's reward (averaged over environments, as the plot does): without `since` as the
-    plot reads it; with it, from this run's metrics/eval.jsonl records only."""
-    if since is None:
-        from prime_rl.utils.plot_data import eval_rewards
-
-        rewards = eval_rewards(output_dir)
-        return rewards[-1][1] if rewards else None
+    """The newest eval step's reward during training (metrics/eval.jsonl, averaged over environments as the plot
+    does), from records written since `since` only (None: all)."""
     from prime_rl.utils.metrics import tail_metrics
 
     records = [r for r in this_run(tail_metrics(output_dir, "eval"), since) if "reward_mean" in r]

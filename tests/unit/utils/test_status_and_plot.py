@@ -1,11 +1,9 @@
 """The live status line's text, the metrics tail it reads, and `plot` on made-up metrics."""
 
-import json
 import subprocess
 import sys
 
 from prime_rl.launch.console import status_text
-from prime_rl.protocol import eval_summary_file
 from prime_rl.utils.metrics import MetricsWriter, read_metrics, tail_metrics
 
 
@@ -22,8 +20,9 @@ def write_run(out, steps: int) -> None:
 def test_status_line_says_step_reward_eval_throughput_and_eta(tmp_path):
     assert status_text(tmp_path, 20) == "step 0/20 | starting"
     write_run(tmp_path, 7)
-    eval_summary_file(tmp_path).parent.mkdir(parents=True)
-    eval_summary_file(tmp_path).write_text(json.dumps({"step": 5, "env": "a", "reward_mean": 0.38}) + "\n")
+    evals = MetricsWriter(tmp_path, "eval")  # the evals during training
+    evals.log(5, {"env": "a", "reward_mean": 0.38})
+    evals.close()
     assert status_text(tmp_path, 20) == "step 7/20 | reward 0.600 | eval 0.380 | 5,120 tok/s | ETA 1m05s"
 
 
