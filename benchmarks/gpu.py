@@ -46,12 +46,15 @@ from prime_rl.utils.net import free_port  # noqa: E402
 
 PRESET = "qwen3-0.6b"
 RL_CONFIG = "configs/examples/reverse_text/rl.toml"
-# Over the example: vLLM leaves the trainer ~70% of the GPU and decodes up to 256 sequences at once; more
-# rollouts, longer answers and packed rows of 2k tokens than CPU sizes; a 0.6B model's learning rate.
-RL_GPU = ["--async-level", "0", "--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.3",
-          "--inference.engine.max-batch-size", "256", "--orchestrator.batch-size", "256",
+# Over the example: the server decodes up to 256 sequences at once; more rollouts, longer answers and packed
+# rows of 2k tokens than CPU sizes; a 0.6B model's learning rate.
+RL_GPU = ["--async-level", "0", "--inference.engine.max-batch-size", "256", "--orchestrator.batch-size", "256",
           "--orchestrator.sampling.max-tokens", "128", "--orchestrator.seq-len", "2048",
           "--inference.max-model-len", "2048", "--trainer.dtype", "bfloat16", "--trainer.optim.lr", "1e-6"]  # fmt: skip
+# vLLM leaves the trainer ~70% of the GPU. Without vLLM (a machine where it cannot be installed) the runs use
+# the built-in engine on CUDA, in bfloat16, and the table says so.
+BACKEND_ARGS = {"vllm": ["--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.3"],
+                "builtin": ["--inference.backend", "builtin"]}  # fmt: skip
 FAKE_LEN = (16, 512)  # the bench's generated samples: lengths uniform in this range, packed into 16k-token rows
 BENCH_ROWS = ["--data.fake-seq-len", "16384", "--data.fake-micro-batches", "2", "--data.fake-min-len",
               str(FAKE_LEN[0]), "--data.fake-max-len", str(FAKE_LEN[1])]  # fmt: skip
@@ -66,7 +69,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1
 WARMUP = 2  # steps left out of the medians (the rl runs; the bench leaves out its first, as its own table does)
 SERVICES = {"inference": "prime_rl.entrypoints.inference", "trainer": "prime_rl.entrypoints.trainer"}
 COLUMNS = ["rl, broadcast", "rl, filesystem", "trainer --bench (16k rows, AC)", "upstream prime-rl, 1xH100"]
-ROWS = ["status", "trainer tokens/s (median)", "trainer MFU", "vLLM generated tokens/s (median)",
+ROWS = ["status", "inference backend", "trainer tokens/s (median)", "trainer MFU", "generated tokens/s (median)",
         "time to served per update (median)", "mismatch KL per step (median / max)",
         "peak GPU memory: inference (nvidia-smi)", "peak GPU memory: trainer (nvidia-smi / torch allocated)",
         "peak GPU memory: whole GPU (nvidia-smi)"]  # fmt: skip
@@ -90,9 +93,9 @@ class Outcome:
     peaks: dict[str, float] = field(default_factory=dict)  # MiB per service, from nvidia-smi
 
 
-def plan(out: Path, steps: int, fs_steps: int) -> list[Step]:
+def plan(out: Path, steps: int, fs_steps: int, backend: str) -> list[Step]:
     py, model = sys.executable, out / PRESET
-    rl = [py, "-m", "prime_rl.entrypoints.rl", "@", RL_CONFIG, "--model.name", str(model)]
+    rl = [py, "-m", "prime_rl.entrypoints.rl", "@", RL_CONFIG, "--model.name", str(model), *BACKEND_ARGS[backend]]
     trainer = [py, "-m", "prime_rl.launch.torchrun", "--standalone", "--nproc-per-node", "1",
                "-m", "prime_rl.entrypoints.trainer"]  # fmt: skip
     runs = []
@@ -103,15 +106,17 @@ def plan(out: Path, steps: int, fs_steps: int) -> list[Step]:
         d = out / f"rl-{transfer.split()[0]}"
         cmd = [*rl, "--output-dir", str(d), "--max-steps", str(n), "--weight-transfer", transfer.split()[0],
                "--inference.server.port", str(free_port()), *RL_GPU]  # fmt: skip
-        runs.append(Step(f"rl: vLLM + FSDP2 bf16 trainer, weight transfer {transfer}", cmd, timeout, column, d))
+        engine = "vLLM" if backend == "vllm" else "built-in engine"
+        runs.append(Step(f"rl: {engine} + FSDP2 bf16 trainer, weight transfer {transfer}", cmd, timeout, column, d))
     bench = out / "trainer-bench"
     bench_cmd = [*trainer, "--model.name", str(model), "--output-dir", str(bench), "--bench", "--data.fake",
                  *BENCH_ROWS, "--activation-checkpointing", "--dtype", "bfloat16", "--max-steps", "6"]  # fmt: skip
     return [
         Step(f"build the {PRESET} model", [py, "-m", "prime_rl.utils.tiny_model", str(model), "--preset", PRESET], 300),
         Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600),
-        *runs,
+        runs[0],
         Step("trainer benchmark", bench_cmd, 300, COLUMNS[2], bench),
+        runs[1],
     ]
 
 
@@ -161,9 +166,9 @@ def service_of(pid: int) -> str:
     return "other"
 
 
-def run_step(step: Step, log: Path) -> Outcome:
-    """Run `step` in its own session, output to `log`; at its timeout SIGTERM (rl stops its services), then
-    SIGKILL a minute later. rc 124 = timed out."""
+def run_step(step: Step, log: Path, timeout: float) -> Outcome:
+    """Run `step` in its own session, output to `log`; at `timeout` SIGTERM (rl stops its services), then
+    SIGKILL 20 s later. rc 124 = timed out."""
     sampler = GpuMemory() if step.column else None
     if sampler:
         sampler.start()
@@ -172,7 +177,7 @@ def run_step(step: Step, log: Path) -> Outcome:
         proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=os.environ | ENV)  # fmt: skip
         try:
-            rc = proc.wait(timeout=step.timeout)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = 124
         finally:
@@ -180,7 +185,7 @@ def run_step(step: Step, log: Path) -> Outcome:
                 if proc.poll() is None:
                     os.killpg(proc.pid, sig)
                     try:
-                        proc.wait(timeout=60)
+                        proc.wait(timeout=20)
                     except subprocess.TimeoutExpired:
                         pass
     if sampler:
@@ -203,6 +208,8 @@ def figures(step: Step, outcome: Outcome, flops_per_token, peak_tflops: float | 
     measured = [r for s, r in trainer.items() if s >= warmup] or list(trainer.values())
     status = "ok" if outcome.rc == 0 else ("timed out" if outcome.rc == 124 else f"FAILED (exit {outcome.rc})")
     col = {"status": f"{status}: {len(trainer)} steps, {outcome.seconds:.0f} s"}
+    if not bench:
+        col["inference backend"] = next((a for a in BACKEND_ARGS if a in step.cmd), "?")
     if tps := median(r["tokens_per_s"] for r in measured):
         col["trainer tokens/s (median)"] = f"{tps:,.0f}"
         # Attention's context: half the mean sample length (the bench's samples: uniform min..max).
@@ -211,7 +218,7 @@ def figures(step: Step, outcome: Outcome, flops_per_token, peak_tflops: float | 
             col["trainer MFU"] = f"{100 * tps * flops_per_token(context) / (peak_tflops * 1e12):.1f}%"
     later = [r for s, r in orch.items() if s >= WARMUP]
     if gen := median(r["completion_len_mean"] * r["samples"] / r["time/generate"] for r in later if r["time/generate"]):
-        col["vLLM generated tokens/s (median)"] = f"{gen:,.0f}"
+        col["generated tokens/s (median)"] = f"{gen:,.0f}"
     served = [r["weights_served_at"] - trainer[r["weight_step"] - 1]["optimized_at"] for r in later
               if "weights_served_at" in r and r["weight_step"] - 1 in trainer]  # fmt: skip
     if served:
@@ -262,19 +269,22 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps of the broadcast rl run")
     parser.add_argument("--fs-steps", type=int, default=8, help="steps of the filesystem rl run")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU; unset = known GPUs")
+    parser.add_argument("--budget", type=float, help="seconds for the whole check: a step gets what is left")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = parser.parse_args()
     out = args.out.resolve()
-    if not args.dry_run:
-        import importlib.util
+    import importlib.util
 
+    backend = "vllm" if importlib.util.find_spec("vllm") else "builtin"
+    if not args.dry_run:
         import torch
 
         if not torch.cuda.is_available():
             sys.exit("gpu_check: needs a CUDA GPU (torch sees none); --dry-run prints the plan")
-        if importlib.util.find_spec("vllm") is None:
-            sys.exit("gpu_check: needs vLLM: uv sync --extra vllm")
-    steps = plan(out, args.steps, args.fs_steps)
+    if backend == "builtin":
+        print("gpu_check: vLLM is not installed (uv sync --extra vllm): the rl runs use the built-in engine")
+    steps = plan(out, args.steps, args.fs_steps, backend)
+    deadline = time.monotonic() + (args.budget or sum(s.timeout for s in steps))
     print(f"GPU acceptance: {len(steps)} steps, at most {sum(s.timeout for s in steps) // 60} min; outputs in {out}")
     print(f"environment of every step: {' '.join(f'{k}={v}' for k, v in ENV.items())}; cwd {ROOT}")
     for i, step in enumerate(steps, 1):
@@ -290,7 +300,11 @@ def main() -> int:
     for i, step in enumerate(steps, 1):
         log = out / f"step{i}.log"
         print(f"[{time.strftime('%H:%M:%S')}] {i}/{len(steps)} {step.name} (log: {log})", flush=True)
-        outcome = run_step(step, log)
+        left = deadline - time.monotonic() - 30  # the report's time
+        if left < 30:
+            notes.append(f"{i}. {step.name}: not run (--budget spent)")
+            continue
+        outcome = run_step(step, log, min(step.timeout, left))
         none_marked = step.name == "gpu tests" and outcome.rc == 5  # pytest: nothing selected
         said = "ok" if outcome.rc == 0 else "no test is marked gpu" if none_marked else f"FAILED, exit {outcome.rc}"
         notes.append(f"{i}. {step.name}: {said} ({outcome.seconds:.0f} s; {log})")

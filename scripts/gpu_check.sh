@@ -8,5 +8,10 @@
 # exits 1 at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# --no-sync: run in the environment as it is (a sync without --extra vllm would take vLLM out of it).
-exec uv run --no-sync python benchmarks/gpu.py "$@"
+# --no-sync: run in the environment as it is (a sync without --extra vllm would take vLLM out of it). A machine
+# without uv or the project's environment (an image with torch and the deps on its python3) runs from src/.
+if command -v uv >/dev/null && [ -d .venv ]; then
+    exec uv run --no-sync python benchmarks/gpu.py "$@"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+exec python3 benchmarks/gpu.py "$@"

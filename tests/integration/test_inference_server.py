@@ -34,7 +34,7 @@ from prime_rl.utils.tiny_model import create_tiny_model, write_perturbed_weights
 START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}  # vLLM on 2 cores: imports, then a compiled warm-up pass
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
 READY = {
-    "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device cpu, \w+ forward\)"),
+    "builtin": re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin, device \w+, \w+ forward\)"),
     "vllm": re.compile(r"Starting vLLM server on http://(\S+):(\d+)"),
 }
 TOKEN_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -820,5 +820,45 @@ def test_vllm_on_cuda_takes_an_nccl_broadcast_from_another_gpu(cuda_vllm, tiny_m
     assert server.post("/reload_weights").status_code == 200
     trainer = BroadcastingTrainer(server, "g-nccl", backend="nccl", device="cuda:1")
     response = trainer.send(12, {n: t.to("cuda:1") for n, t in load_file(step_dir / "model.safetensors").items()})
+    assert response.status_code == 200, response.text
+    assert greedy_logprobs(client, str(tiny_model)) == from_files
+
+
+@pytest.fixture(scope="module")
+def cuda_builtin(tiny_model, tmp_path_factory):
+    """The built-in engine on GPU 0 in float32 (the trainer's precision on CPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    server = Server(tiny_model, tmp_path_factory.mktemp("cuda-builtin"), "builtin", "--engine.device", "cuda",
+                    "--engine.dtype", "float32")  # fmt: skip
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        print(f"--- cuda builtin server log ---\n{server.new_output()}")
+        server.stop()
+
+
+@pytest.mark.gpu
+def test_builtin_on_cuda_samples_with_the_trainers_logprobs(cuda_builtin, tiny_model):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.7, "seed": 5, "logprobs": 0, "ignore_eos": True}
+    choice = cuda_builtin.post("/v1/completions", json=body | {"return_token_ids": True}).json()["choices"][0]
+    served = choice["logprobs"]["token_logprobs"]
+    assert served == pytest.approx(trainer_logprobs(tiny_model, PROMPT, choice["token_ids"], 0.7), abs=1e-3)
+
+
+@pytest.mark.gpu
+def test_builtin_on_cuda_serves_a_broadcast_exactly_as_the_same_dir(cuda_builtin, tiny_model):
+    """A gloo broadcast (the test process and the server share GPU 0) lands on the GPU and serves exactly what
+    a dir update of the same step does."""
+    from safetensors.torch import load_file
+
+    server = cuda_builtin
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
+    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    from_files = greedy_logprobs(client, str(tiny_model))
+    assert server.post("/reload_weights").status_code == 200
+    response = BroadcastingTrainer(server, "g-cuda-builtin").send(11, load_file(step_dir / "model.safetensors"))
     assert response.status_code == 200, response.text
     assert greedy_logprobs(client, str(tiny_model)) == from_files

@@ -13,7 +13,10 @@ Rather than materialising that L×L mask, the model gets the sample boundaries (
 - `flash_attention_2` (CUDA with flash-attn installed): transformers' varlen flash-attention path;
 - `packed_attention` (registered here) everywhere else:
   - on CPU, the `prime_rl::packed_causal_attention` op (below);
-  - on other devices, causal SDPA per sample.
+  - on CUDA in 16-bit, torch's own varlen flash attention (`torch.nn.attention.varlen`, torch >= 2.10): one
+    kernel per layer for the whole row, as flash-attn's;
+  - otherwise causal SDPA per sample (a launch per sample and layer: fine for a few samples, slow for rows
+    of many short ones).
   Either way attention costs Σ len² rather than L² (our CPU kernel: Σ len²/2). `packed_attention_mask`
   is the same rule as an explicit mask, kept as the reference the tests compare against.
 
@@ -203,6 +206,8 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
         return torch.cat(outs, dim=1), None
     if query.device.type == "cpu" and not kwargs.get("dropout"):
         return packed_causal_attention(query, key, value, cu_seq_lens_q, scale)[0], None
+    if (varlen := _cuda_varlen(query)) is not None and not kwargs.get("dropout"):
+        return varlen(query, key, value, cu_seq_lens_q, longest, scale), None
     # `split`, not slicing: the backward of n slices zero-fills and adds n full-length [1, heads, L, dim]
     # gradients, while split's backward is one concatenation.
     lengths = cu_seq_lens_q.diff().tolist()
@@ -211,6 +216,46 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
         for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
     ]
     return torch.cat(outs, dim=1), None
+
+
+def _cuda_varlen(query: torch.Tensor):
+    """`varlen_causal` where torch's varlen flash attention serves `query` (CUDA, fp16/bf16), else None."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return varlen_causal if _varlen_params() else None
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword arguments of torch's `varlen_attn` (they changed between releases); empty without it."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    params = frozenset(inspect.signature(varlen_attn).parameters)
+    return params if {"window_size", "is_causal"} & params else frozenset()
+
+
+def varlen_causal(query, key, value, cu_seqlens: torch.Tensor, longest: int | None, scale: float) -> torch.Tensor:
+    """query [1, H, L, D], key/value [1, KV, L, D] → out [1, L, H, D]: causal within each sample, by torch's
+    varlen flash attention on the whole packed row."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    # HF's [1, H, L, D] is a transposed view of [1, L, H, D] memory: [L, H, D] is that memory again.
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    longest = int(longest) if longest is not None else int(cu.diff().max())
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **kwargs)[None]
 
 
 def capped_window_attention(

@@ -127,12 +127,15 @@ def target_logprobs_and_entropy(
     aligned with their targets (no shift).
 
     Same values and gradients as log_softmax + gather + −Σ p log p, but the [K, V] work runs `chunk_rows`
-    rows at a time (default: ~8 MiB of fp32, so each chunk stays in cache) and nothing of size [K, V] is
+    rows at a time (default: ~8 MiB of fp32 on CPU, ~256 MiB on a GPU) and nothing of size [K, V] is
     kept besides the logits themselves: forward and backward read the logits once each and the backward
     writes the gradient once, where autograd's log-softmax makes ~10 passes over [K, V] in memory and
     keeps a second [K, V] tensor (~30% of a CPU step at vocab 32k; 4% at 1k).
     """
-    rows = chunk_rows or max(1, 2**21 // logits.shape[-1])
+    # CPU: ~8 MiB of fp32 per chunk, so it stays in cache. CUDA: ~256 MiB, so a chunk is a few big kernels
+    # (at vocab 152k, 8 MiB is 13 rows: thousands of chunks per row, the step bound by kernel launches).
+    budget = 2**21 if logits.device.type == "cpu" else 2**26
+    rows = chunk_rows or max(1, budget // logits.shape[-1])
     logprobs, entropy = _TargetLogprobs.apply(logits, targets, temperature, entropy_grad, rows)
     return logprobs, entropy if entropy_grad else entropy.detach()
 

@@ -288,7 +288,13 @@ def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, ran
             f.write(safetensors_header(specs))
             for name in names:
                 f.write(
-                    full_tensor(state[name]).to(exported[name][0]).contiguous().reshape(-1).view(torch.uint8).numpy()
+                    full_tensor(state[name])
+                    .to(exported[name][0])
+                    .cpu()
+                    .contiguous()
+                    .reshape(-1)
+                    .view(torch.uint8)
+                    .numpy()
                 )
                 stamp()  # a 70B export takes minutes: each tensor written is progress
 

@@ -128,3 +128,33 @@ def test_the_compile_note_is_said_only_when_torch_will_compile_the_kernel(tmp_pa
     assert not attention.kernel_built(tmp_path, "k_avx2", source)
     write(tmp_path / "k_avx2_v1.so", now)
     assert attention.kernel_built(tmp_path, "k_avx2", source)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cuda_packed_attention_matches_sdpa_per_sample_in_value_and_gradient(kv_heads):
+    """CUDA bf16: the packed path (torch's varlen flash attention where this torch has it) against causal SDPA
+    on each sample alone, forward and gradients; and it is the varlen kernel on a torch that has one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    lengths, heads, dim = [37, 1, 200, 64, 130], 4, 64
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    shape = lambda h: (1, h, sum(lengths), dim)  # noqa: E731
+    # Laid out as HF does: [1, L, H, D] memory seen as [1, H, L, D].
+    q, k, v = (torch.randn(*shape(h), device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    out, _ = attention.packed_attention(None, q, k, v, None, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    group = heads // kv_heads
+    ref = torch.cat([
+        F.scaled_dot_product_attention(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1),
+                                       is_causal=True).transpose(1, 2)
+        for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
+    ], 1)  # fmt: skip
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
+    print(f"torch {torch.__version__}: varlen kernel {'used' if attention._varlen_params() else 'absent'}")
