@@ -64,7 +64,7 @@ def test_dry_run_prints_every_command_with_its_timeout_and_the_table(tmp_path):
     gpu = load_gpu_module()
     header = next(line for line in out.splitlines() if line.startswith("| figure |"))
     assert [c.strip() for c in header.strip("|").split("|")][1:] == gpu.COLUMNS
-    for row in ("trainer tokens/s", "trainer MFU", "vLLM generated tokens/s", "time to served", "mismatch KL",
+    for row in ("trainer tokens/s", "trainer MFU", "generated tokens/s", "time to served", "mismatch KL",
                 "peak GPU memory: inference", "peak GPU memory: trainer"):  # fmt: skip
         assert f"| {row}" in out
     assert "11.9k" in out and "11.1%" in out  # upstream's reference column
@@ -102,7 +102,7 @@ def test_table_reads_the_runs_metrics(tmp_path):
     assert col["status"] == "ok: 6 steps, 60 s"
     assert col["trainer tokens/s (median)"] == "4,500"  # steps 2-5 (after the warm-up)
     assert col["trainer MFU"] == f"{100 * 4500 * (6e9 + 100) / 1e15:.1f}%"
-    assert col["vLLM generated tokens/s (median)"] == "2,000"
+    assert col["generated tokens/s (median)"] == "2,000"
     assert col["time to served per update (median)"] == "0.250 s (n = 4)"
     assert col["mismatch KL per step (median / max)"] == "2.50e-03 / 5.00e-03"
     assert col["peak GPU memory: inference (nvidia-smi)"] == "20.0 GiB"

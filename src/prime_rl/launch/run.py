@@ -10,6 +10,7 @@ import time
 
 from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.launch.console import StatusLine, follow_logs
+from prime_rl.launch.memory_check import memory_warning
 from prime_rl.launch.services import assign_devices, count_gpus, resume_step, service_commands, service_configs
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
 from prime_rl.launch.watchdog import Watchdog
@@ -32,6 +33,8 @@ def _run(config: RLConfig, lock_token: str) -> None:
     output_dir = config.orchestrator.output_dir
     check_environments(config)
     check_model_source(config.inference.model.name, ValueError)  # no network: one line now, not after 56 s
+    if said := memory_warning(config, count_gpus()):
+        logger.warning(said)
     env, trainer_procs = service_env(config, lock_token)
     subs = service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key), env=env)
     config = config.model_copy(update=subs)

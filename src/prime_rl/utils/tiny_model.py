@@ -109,9 +109,10 @@ def _padded(tok, size: int):
     return Tokenizer.from_str(json.dumps(data))
 
 
-def preset_config(preset: str, num_layers: int | None = None):
+def preset_config(preset: str, num_layers: int | None = None, vocab_size: int | None = None):
     """The `Qwen3Config` of a preset (`PRESETS`), bfloat16, cut to `num_layers` layers if given (the real layer
-    shapes, fewer of them); ValueError naming the choices for an unknown one."""
+    shapes, fewer of them) and to a `vocab_size` if given (the embedding is then no longer the real one: a
+    CPU-sized model of the real transformer); ValueError naming the choices for an unknown one."""
     from transformers import Qwen3Config
 
     if preset not in PRESETS:
@@ -119,6 +120,8 @@ def preset_config(preset: str, num_layers: int | None = None):
     shape = dict(zip(PRESET_FIELDS, PRESETS[preset], strict=True))
     if num_layers is not None:
         shape["num_hidden_layers"] = num_layers
+    if vocab_size is not None:
+        shape["vocab_size"] = vocab_size
     return Qwen3Config(rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6, dtype="bfloat16", **shape)
 
 
@@ -191,16 +194,16 @@ def create_tiny_model(
     `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as real models pad theirs; the extra
     rows are never sampled by the tokenizer but cost what a large vocabulary costs in the lm_head and loss.
     `tokenizer_vocab_size` 259 (the 256 bytes + 3 specials) leaves BPE no merges: one token per character.
-    `preset` (`PRESETS`) replaces `arch`, the sizes and `vocab_size`: that shape in bfloat16 (`num_layers`
-    deep if given, else the real depth), the tokenizer padded to its vocabulary. Without a preset, 2 layers
-    unless `num_layers`.
+    `preset` (`PRESETS`) replaces `arch` and the sizes: that shape in bfloat16 (`num_layers` deep if given,
+    else the real depth; its real vocabulary unless `vocab_size`), the tokenizer padded to the vocabulary.
+    Without a preset, 2 layers unless `num_layers`.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     if preset is not None:
-        config = preset_config(preset, num_layers)
+        config = preset_config(preset, num_layers, vocab_size)
         tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed, pad_to=config.vocab_size)
         dtype = torch.bfloat16
     else:
@@ -266,10 +269,11 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, help="layers (default 2; with --preset: cut its depth to this)")
     parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="259: one token per character")
     parser.add_argument("--preset", choices=PRESETS, help="a real model's shape (bf16) instead of --arch and the sizes")
+    parser.add_argument("--vocab-size", type=int, help="the model's vocabulary (with --preset: instead of the real one)")
     args = parser.parse_args()
     vocab = args.tokenizer_vocab_size
-    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, tokenizer_vocab_size=vocab,
-                      preset=args.preset)  # fmt: skip
+    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, args.vocab_size,
+                      tokenizer_vocab_size=vocab, preset=args.preset)  # fmt: skip
     what = args.preset or f"tiny {args.arch}"
     print(f"wrote {what} model to {args.path}")
 

@@ -1,0 +1,37 @@
+"""`rl`'s start-up memory check: a model whose training clearly cannot fit in this node's memory is said, with
+what to change, before any service starts; one that fits is not."""
+
+from pathlib import Path
+
+from prime_rl.configs import load_config
+from prime_rl.configs.rl import RLConfig
+from prime_rl.launch.memory_check import available_gib, memory_warning
+from prime_rl.utils.tiny_model import preset_config
+
+ROOT = Path(__file__).parents[2]
+
+
+def rl(tmp_path, model: Path | str, *flags: str) -> RLConfig:
+    argv = ["@", str(ROOT / "configs/debug/rl.toml"), "--output-dir", str(tmp_path / "out"), "--model.name", str(model)]
+    return load_config(RLConfig, [*argv, *flags])
+
+
+def test_an_8b_model_on_this_cpu_node_is_warned_of_naming_the_settings_to_change(tmp_path):
+    model = tmp_path / "qwen3-8b"
+    preset_config("qwen3-8b").save_pretrained(model)  # the shape is all the check reads: no weights needed
+    free = available_gib()
+    assert free is not None and free < 8.19 * 16  # this machine: far less than fp32 AdamW training of 8 B needs
+    said = memory_warning(rl(tmp_path, model, "--ckpt.interval", "10"), gpus=0)
+    assert said is not None
+    assert "8.19 B parameters" in said and "GiB available" in said
+    assert "trainer 122.1" in said  # 16 bytes per parameter: weights, gradients, AdamW's two moments
+    assert "LoRA (--model.lora.rank N)" in said and "separate nodes" in said
+    # With LoRA the trainer holds only the frozen weights; the advice no longer names LoRA.
+    lora = memory_warning(rl(tmp_path, model, "--model.lora.rank", "8"), gpus=0)
+    assert lora is not None and "trainer 30.5" in lora and "staging" not in lora and "LoRA" not in lora
+    # On a GPU node the model lives in GPU memory: no host-memory warning.
+    assert memory_warning(rl(tmp_path, model), gpus=1) is None
+
+
+def test_the_shipped_tiny_model_fits(tmp_path):
+    assert memory_warning(rl(tmp_path, ROOT / "assets/tiny-qwen3"), gpus=0) is None
