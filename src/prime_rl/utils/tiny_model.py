@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, help="layers (default 2; with --preset: cut its depth to this)")
     parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="259: one token per character")
     parser.add_argument("--preset", choices=PRESETS, help="a real model's shape (bf16) instead of --arch and the sizes")
-    parser.add_argument("--vocab-size", type=int, help="the model's vocabulary (with --preset: instead of the real one)")
+    parser.add_argument("--vocab-size", type=int, help="the vocabulary (with --preset: instead of the real one)")
     args = parser.parse_args()
     vocab = args.tokenizer_vocab_size
     create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, args.vocab_size,
