@@ -224,6 +224,14 @@ class CkptConfig(Section):
         int | Literal["latest"] | None,
         Field(description="resume from checkpoints/step_N (a number or 'latest'); unset = start fresh"),
     ] = None
+    async_save: Annotated[
+        bool,
+        Field(
+            description="trainer: write checkpoints in the background (a step waits only for a copy of the "
+            "state in host memory: 12 B per parameter over all ranks with AdamW); false = write before going on, "
+            "where host memory is short"
+        ),
+    ] = True
 
 
 # The orchestrator's and the trainer's own hang watch (protocol.liveness.Heartbeat), for where no `rl` watches.

@@ -10,6 +10,11 @@ A checkpoint at step n is the trainer's state after n optimizer steps, shared by
                                     and its optimizer state only; the base is the one it names)
     STABLE                          written last by rank 0 after every rank finished: only then it counts
 
+Written in the background by default (`AsyncCheckpointer`, `--ckpt.async-save`): the step waits only while
+DCP copies the state into host memory (staging), a thread writes the copy, and the dir is marked STABLE once
+every rank's write is done, when the next checkpoint starts or the run ends. A kill before that leaves a dir
+without STABLE, which resume never picks. At most one checkpoint is in flight.
+
 DCP reshards on load, so a checkpoint resumes on any world size. `load_hf_state_dict` reads the model
 weights back without a process group (for conversion on any machine).
 
@@ -24,8 +29,10 @@ from __future__ import annotations
 import logging
 import pickle
 import shutil
+import time
 import warnings
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,27 +132,142 @@ def save_checkpoint(
     """Collective: every rank writes its shards; rank 0 adds hf/ (from `files`) and then STABLE."""
     import torch.distributed.checkpoint as dcp
 
-    path = trainer_checkpoint_dir(output_dir, step)
-    if rank == 0 and path.exists():
-        shutil.rmtree(path)  # an incomplete leftover (or an older run's): DCP must not mix its files in
-    dist.barrier()
+    path = _fresh_dir(output_dir, step, rank)
     with writing(path):
         dcp.save(_app_state(model, optimizer, scheduler, progress), checkpoint_id=path)
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        atomic_write(path / f"rng_rank{rank}.pt", lambda f: torch.save(rng, f))
-        if rank == 0:
-            hf = path / HF_FILES_DIR
-            files.config.save_pretrained(hf)
-            files.generation_config.save_pretrained(hf)
-            files.tokenizer.save_pretrained(hf)
-            if files.lora is not None:  # the shards hold the adapter only; this names its base
-                adapter_config(files).save_pretrained(hf)
+        _write_small_files(path, files, rank)
     dist.barrier()
     if rank == 0:
         mark_stable(path)
     return path
+
+
+def _fresh_dir(output_dir: Path, step: int, rank: int) -> Path:
+    """Collective: the empty (or absent) dir of checkpoint `step`."""
+    path = trainer_checkpoint_dir(output_dir, step)
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)  # an incomplete leftover (or an older run's): DCP must not mix its files in
+    dist.barrier()
+    return path
+
+
+def _write_small_files(path: Path, files, rank: int) -> None:
+    """This rank's RNG state; on rank 0 also hf/ (config, generation config, tokenizer, adapter config)."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    atomic_write(path / f"rng_rank{rank}.pt", lambda f: torch.save(rng, f))
+    if rank == 0:
+        hf = path / HF_FILES_DIR
+        files.config.save_pretrained(hf)
+        files.generation_config.save_pretrained(hf)
+        files.tokenizer.save_pretrained(hf)
+        if files.lora is not None:  # the shards hold the adapter only; this names its base
+            adapter_config(files).save_pretrained(hf)
+
+
+@dataclass
+class InFlight:
+    """A checkpoint being written in the background."""
+
+    path: Path
+    step: int
+    future: Future
+    started: float = field(default_factory=time.perf_counter)
+    written: float | None = None  # perf_counter when this rank's write ended
+
+    @property
+    def write_seconds(self) -> float | None:
+        return None if self.written is None else self.written - self.started
+
+
+class AsyncCheckpointer:
+    """Trainer checkpoints written in the background, at most one at a time.
+
+    `start` copies the state into host memory (DCP's staging: every tensor, CPU ones too, so the next
+    optimizer step cannot change what is written) and returns; a thread writes the copy. `finish` waits
+    for it and marks it STABLE once every rank's write ended. Both are collective, called by every rank at
+    the same point between steps."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        # Created once, collectively. DCP's background thread runs its collectives (plan and finish gathers)
+        # on this gloo group: on the default group they would interleave with the training step's.
+        self.group = dist.new_group(backend="gloo")
+        self.in_flight: InFlight | None = None
+
+    def start(self, output_dir: Path, step: int, model, optimizer, scheduler, progress: Progress, files) -> Path:
+        """Collective: stage checkpoint `step` and write it in the background (RNG and hf/ files right now)."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.in_flight is not None:
+            raise RuntimeError(f"checkpoint {self.in_flight.path} is still being written: finish() it first")
+        path = _fresh_dir(output_dir, step, self.rank)
+        with writing(path):
+            # Before the shards: a rank takes part in DCP's first gather only after this, so a write that
+            # ended on every rank (DCP's finish gather) also means every rank's small files are there.
+            _write_small_files(path, files, self.rank)
+            state = _app_state(model, optimizer, scheduler, progress)
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+        in_flight = self.in_flight = InFlight(path, step, future)
+        future.add_done_callback(lambda f: self._written(in_flight, f))
+        return path
+
+    def _written(self, in_flight: InFlight, future: Future) -> None:
+        """In the writing thread, when this rank's write ended."""
+        in_flight.written = time.perf_counter()
+        if self.rank == 0 and future.exception() is None:
+            logger.info(
+                f"checkpoint step {in_flight.step} written in {in_flight.write_seconds:.1f}s (in the background)"
+            )
+
+    def finish(self) -> InFlight | None:
+        """Collective: wait for the checkpoint in flight (if any); once every rank's write ended, rank 0 marks it
+        STABLE. A failed write (on any rank) raises here on every rank, naming the checkpoint."""
+        in_flight = self.in_flight
+        if in_flight is None:
+            return None
+        error = in_flight.future.exception()  # bounded by the write: its collectives have the group's timeout
+        self.in_flight = None
+        if in_flight.written is None:  # the done callback runs after waiters wake
+            in_flight.written = time.perf_counter()
+        # Every rank agrees before STABLE (and every rank raises if one failed, rather than one rank going on).
+        failed = torch.tensor([float(error is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if error is not None:
+            with writing(in_flight.path):
+                raise CheckpointError(f"writing checkpoint {in_flight.path} failed: {_describe(error)}") from error
+        if failed.item() > 0:
+            raise CheckpointError(f"writing checkpoint {in_flight.path} failed on another rank")
+        if self.rank == 0:
+            mark_stable(in_flight.path)
+        return in_flight
+
+    def close(self) -> None:
+        """Not collective, on the way out after an error (the other ranks may be anywhere): wait for this rank's
+        write, so the process group is not torn down under it. Rank 0 marks the checkpoint STABLE if its own
+        write succeeded: DCP reports success on rank 0 only after its finish gather saw every rank's write
+        succeed, and each rank wrote its small files before it joined."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            return
+        error = in_flight.future.exception()
+        if error is not None:
+            logger.warning(f"checkpoint {in_flight.path} not written (left without {STABLE}): {_describe(error)}")
+        elif self.rank == 0:
+            try:
+                mark_stable(in_flight.path)
+            except OSError as e:  # never hide the error this exit is about
+                logger.warning(f"checkpoint {in_flight.path} written but not marked {STABLE}: {e}")
+
+
+def _describe(error: BaseException) -> str:
+    """One line for a failed write: DCP's exception holds each failed rank's exception (and a traceback)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(failures.items())]
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in parts)
+    return f"{type(error).__name__}: {error}"
 
 
 def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, rank: int) -> Progress:

@@ -1,7 +1,9 @@
 """What the two trainer entrypoints (`trainer` for RL, `sft`) share around their steps: process start-up
 (logging per rank, the output dir's lock, the recorded config, clean errors), the training state of a config
 (distributed group, model, optimizer, schedule, weight files), resuming, checkpoints when due, and stopping
-on a stop signal (Slurm's USR1 / SIGTERM) with a checkpoint, every rank after the same step.
+on a stop signal (Slurm's USR1 / SIGTERM) with a checkpoint, every rank after the same step. Checkpoints are
+written in the background (`ckpt.async_save`): each entry waits for the last one (`finish_checkpoint`) before
+it ends, as a stop does.
 
 Importing it loads no torch (`--help` and config errors stay instant): the training modules, which do, are
 imported inside the functions that build or use the training state.
@@ -48,7 +50,7 @@ from prime_rl.utils.run_record import write_run_config
 from prime_rl.utils.timer import timer
 
 if TYPE_CHECKING:
-    from prime_rl.trainer.ckpt import Progress
+    from prime_rl.trainer.ckpt import AsyncCheckpointer, Progress
     from prime_rl.trainer.parallel import Dist
     from prime_rl.trainer.weights import ModelFiles
 
@@ -89,6 +91,7 @@ class Training:
     optimizer: Any
     scheduler: Any
     files: ModelFiles  # what every weight export copies from the base model
+    checkpointer: AsyncCheckpointer | None = None  # with ckpt.async_save: writes checkpoints in the background
 
 
 def run_lock(output_dir: Path, role: str, rank: int) -> contextlib.AbstractContextManager:
@@ -102,17 +105,23 @@ def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
     the group is closed on the way out."""
     import torch
 
+    from prime_rl.trainer.ckpt import AsyncCheckpointer
     from prime_rl.trainer.model import build_training
     from prime_rl.trainer.parallel import close_distributed, init_distributed, resolve_device
     from prime_rl.trainer.weights import build_model_files
 
     torch.manual_seed(config.seed)
     dist = init_distributed(resolve_device(config.device))
+    checkpointer = None
     try:
         model, optimizer, scheduler = build_training(config, dist, max_steps)
         files = build_model_files(config.model.name, config.model.lora)  # every rank writes in its dtype
-        yield Training(dist, model, optimizer, scheduler, files)
+        if config.ckpt is not None and config.ckpt.async_save:
+            checkpointer = AsyncCheckpointer(dist.rank)
+        yield Training(dist, model, optimizer, scheduler, files, checkpointer)
     finally:
+        if checkpointer is not None:  # after an error (a normal end finished it): not torn down mid-write
+            checkpointer.close()
         close_distributed()
 
 
@@ -147,22 +156,33 @@ def checkpoint_if_due(config: TrainingConfig, state: Training, progress: Progres
 
 
 def save(config: TrainingConfig, state: Training, progress: Progress, max_steps: int, times: dict) -> None:
-    """Collective: write `checkpoints/step_n/trainer` for `progress`; rank 0 prunes old ones."""
+    """Collective: write `checkpoints/step_n/trainer` for `progress`; rank 0 prunes old ones once it is complete.
+
+    With a checkpointer the step waits (`time/save_ckpt`) only for the previous checkpoint's write to end,
+    if it has not, and for the copy of the state in host memory; the write goes on in the background."""
     from prime_rl.trainer.ckpt import save_checkpoint
 
+    args = (config.output_dir, progress.step, state.model, state.optimizer, state.scheduler, progress, state.files)
     with timer(times, "save_ckpt"), doing(f"writing checkpoint step {progress.step}", long=True):
-        save_checkpoint(
-            config.output_dir,
-            progress.step,
-            state.model,
-            state.optimizer,
-            state.scheduler,
-            progress,
-            state.files,
-            state.dist.rank,
-        )
+        if state.checkpointer is not None:
+            finish_checkpoint(config, state, max_steps)  # at most one in flight
+            state.checkpointer.start(*args)
+            return
+        save_checkpoint(*args, state.dist.rank)
     if state.dist.is_main:
         prune_checkpoints(config.output_dir, "trainer", config.ckpt.keep, max_steps, config.ckpt.interval)
+
+
+def finish_checkpoint(config: TrainingConfig, state: Training, max_steps: int) -> int | None:
+    """Collective: wait for the checkpoint written in the background (if any) and mark it STABLE; rank 0 then
+    prunes old ones. Returns its step. A failed write raises here, naming the checkpoint."""
+    if state.checkpointer is None or state.checkpointer.in_flight is None:
+        return None
+    with doing(f"finishing checkpoint step {state.checkpointer.in_flight.step}", long=True):
+        done = state.checkpointer.finish()
+    if state.dist.is_main:
+        prune_checkpoints(config.output_dir, "trainer", config.ckpt.keep, max_steps, config.ckpt.interval)
+    return done.step
 
 
 def stop_agreed(dist: Dist) -> bool:
@@ -178,8 +198,11 @@ def stop_on_signal(name: str, config: TrainingConfig, state: Training, progress:
     """Collective: the run stops after `progress.step` steps; checkpoint that state (unless it is on disk),
     record the stop in run/<name>.stopped (rank 0) and raise StopRequested."""
     step = progress.step
-    if step > 0 and not is_stable(trainer_checkpoint_dir(config.output_dir, step)):
+    # Decided on what every rank knows: STABLE of the checkpoint just finished may not be visible to all yet.
+    finished = finish_checkpoint(config, state, max_steps)
+    if step > 0 and finished != step and not is_stable(trainer_checkpoint_dir(config.output_dir, step)):
         save(config, state, progress, max_steps, {})
+        finish_checkpoint(config, state, max_steps)
     signal_name = stop_requested() or "a stop signal (on another rank)"
     if state.dist.is_main:
         atomic_write_json(stopped_file(config.output_dir, name), {"signal": signal_name, "step": step})

@@ -95,6 +95,7 @@ def run(config: TrainerConfig) -> None:
                 log_step(step, record)
             if not config.bench:  # after the record: see `checkpoint`
                 checkpoint(config, state, progress, carried)
+        service.finish_checkpoint(config, state, config.max_steps)  # the last one, written in the background
         if metrics is not None:
             metrics.close()
         if config.bench and dist.is_main:

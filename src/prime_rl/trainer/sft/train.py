@@ -75,6 +75,7 @@ def run(config: SFTConfig) -> None:
         live = LiveLine(lambda: status_text(config.output_dir, max_steps, started)) if dist.is_main else None
         with live or nullcontext():
             progress, stopped = train(config, state, samples, val_rows, progress, max_steps, metrics, live)
+        service.finish_checkpoint(config, state, max_steps)  # the last one, written in the background
         if metrics is not None:
             metrics.close()
         if dist.is_main:
