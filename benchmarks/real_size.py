@@ -173,14 +173,14 @@ def run_trl(model: Path, work: Path, args) -> dict:
     if not TRL_PYTHON.exists():
         sys.exit(f"--trl needs TRL's environment: bash benchmarks/trl_env.sh (no {TRL_PYTHON})")
     out = work / "trl.json"
+    # As many steps as each of our cases measures (its first is left out), after one of warm-up.
     cmd = [str(TRL_PYTHON), str(ROOT / "benchmarks" / "trl_grpo.py"), "--model", str(model), "--steps",
-           str(args.steps), "--batch-size", str(args.batch_size), "--num-generations", str(args.rollouts),
-           "--max-tokens", str(MAX_TOKENS),
-           "--lr", str(LR), "--warmup", "1", "--json", str(out)]  # fmt: skip
+           str(args.steps - 1), "--warmup", "1", "--batch-size", str(args.batch_size), "--rollouts-per-example",
+           str(args.rollouts), "--max-tokens", str(MAX_TOKENS), "--lr", str(LR), "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         sys.exit(f"TRL failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["summary"]
 
 
 def median(rows: list[dict], key: str) -> float | None:
@@ -232,7 +232,7 @@ def main() -> None:
               f"{seconds(median(rows, 'export'))} | {seconds(median(rows, 'to_served'))} | {share} | "
               f"{seconds(step)} | {mem} GiB |")  # fmt: skip
     if trl:
-        print(f"| TRL GRPOTrainer {trl.get('version', '')} | {seconds(trl['generate_s'])} | {seconds(trl['train_s'])} "
+        print(f"| TRL {trl['trl']} GRPOTrainer | {seconds(trl['generate_s'])} | {seconds(trl['train_s'])} "
               f"| — | — | — | {seconds(trl['step_s'])} | trainer {trl.get('peak_rss_gib', 0):.1f} GiB |")  # fmt: skip
         ours = next((c for c in cases if c["name"].startswith("builtin-filesystem")), cases[0] if cases else None)
         if ours:

@@ -185,9 +185,9 @@ class AsyncCheckpointer:
     """Trainer checkpoints written in the background, at most one at a time.
 
     `start` copies the state into host memory (DCP's staging: every tensor, CPU ones too, so the next
-    optimizer step cannot change what is written) and returns; a thread writes the copy. `finish` waits
-    for it and marks it STABLE once every rank's write ended. Both are collective, called by every rank at
-    the same point between steps."""
+    optimizer step cannot change what is written) and returns; a thread writes the copy, and rank 0 marks it
+    STABLE as soon as every rank's write ended. `finish` waits for it (and raises a failed write). Both are
+    collective, called by every rank at the same point between steps."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -214,9 +214,15 @@ class AsyncCheckpointer:
         return path
 
     def _written(self, in_flight: InFlight, future: Future) -> None:
-        """In the writing thread, when this rank's write ended."""
+        """In the writing thread, when this rank's write ended. Rank 0 marks the checkpoint STABLE at once (see
+        `close` for why its own success is every rank's): waiting for the next save to do it would leave a
+        crash between the two resuming from the checkpoint before, `ckpt.interval` steps back."""
         in_flight.written = time.perf_counter()
         if self.rank == 0 and future.exception() is None:
+            try:
+                mark_stable(in_flight.path)
+            except OSError as e:  # `finish` tries again, and raises there
+                logger.warning(f"checkpoint {in_flight.path} written but not yet marked {STABLE}: {e}")
             logger.info(
                 f"checkpoint step {in_flight.step} written in {in_flight.write_seconds:.1f}s (in the background)"
             )
@@ -239,7 +245,7 @@ class AsyncCheckpointer:
                 raise CheckpointError(f"writing checkpoint {in_flight.path} failed: {_describe(error)}") from error
         if failed.item() > 0:
             raise CheckpointError(f"writing checkpoint {in_flight.path} failed on another rank")
-        if self.rank == 0:
+        if self.rank == 0 and not is_stable(in_flight.path):
             mark_stable(in_flight.path)
         return in_flight
 

@@ -2,6 +2,8 @@
 started, even though the next steps change the parameters (CPU ones too) while the write goes on; STABLE only
 after the write; a failed write is an error naming the checkpoint, not a missing STABLE found later."""
 
+import time
+
 import pytest
 import torch
 
@@ -52,7 +54,13 @@ def test_the_checkpoint_holds_the_state_when_the_save_started(model_path, tmp_pa
     _step(model, optimizer, scheduler)
     in_flight = checkpointer.in_flight
     assert not in_flight.future.done(), "the write ended before the state changed: this test proves nothing"
-    assert not is_stable(path)  # STABLE only once the write ended (finish)
+    assert not is_stable(path)  # STABLE only once the write ended
+    # ... and then at once, not at the next save: a crash before that resumes from this checkpoint.
+    in_flight.future.result()
+    deadline = time.monotonic() + 10
+    while not is_stable(path):  # the done callback runs just after the future's waiters wake
+        assert time.monotonic() < deadline, f"{path} written but not marked STABLE within 10 s"
+        time.sleep(0.01)
 
     assert checkpointer.finish() is in_flight and is_stable(path)
     assert in_flight.write_seconds > 0
