@@ -371,17 +371,23 @@ def streaming(tiny_model, tmp_path_factory, vllm_installed) -> Server:
         started.stop()
 
 
-def test_vllm_streams_a_broadcast_through_its_weight_transfer_phases_exactly(streaming, tiny_model):
+def assert_a_broadcast_serves_what_the_same_dir_does(server: Server, tiny_model, group: str, step: int = 11):
+    """Update `server` from a dir of step `step`, note its greedy logprobs, reload the base, then send the same
+    tensors by broadcast (gloo, from this process): the server must answer exactly (not approximately) as before."""
     from safetensors.torch import load_file
 
-    client = openai.OpenAI(base_url=f"{streaming.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    step_dir = write_perturbed_weights(tiny_model, streaming.output_dir, step=11)
-    assert streaming.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=step)
+    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
     from_files = greedy_logprobs(client, str(tiny_model))
-    assert streaming.post("/reload_weights").status_code == 200
-    response = BroadcastingTrainer(streaming, "g-stream").send(11, load_file(step_dir / "model.safetensors"))
+    assert server.post("/reload_weights").status_code == 200
+    response = BroadcastingTrainer(server, group).send(step, load_file(step_dir / "model.safetensors"))
     assert response.status_code == 200, response.text
-    assert greedy_logprobs(client, str(tiny_model)) == from_files  # exactly
+    assert greedy_logprobs(client, str(tiny_model)) == from_files
+
+
+def test_vllm_streams_a_broadcast_through_its_weight_transfer_phases_exactly(streaming, tiny_model):
+    assert_a_broadcast_serves_what_the_same_dir_does(streaming, tiny_model, "g-stream")
     log = streaming.output()
     assert "Failed to load weights" not in log  # every layer loaded (rotary's computed cache is not a weight)
     for how in ("weight dir", "broadcast, streamed"):
@@ -790,17 +796,8 @@ def test_vllm_on_cuda_samples_with_the_trainers_logprobs(cuda_vllm, tiny_model):
 def test_vllm_on_cuda_serves_a_broadcast_exactly_as_the_same_dir(cuda_vllm, tiny_model, mode):
     """A broadcast (gloo: the test process and the server share GPU 0) lands on the GPU through the
     weight-transfer phases, staged or streamed, and serves exactly what a dir update of the same step does."""
-    from safetensors.torch import load_file
-
     server = cuda_vllm[mode]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
-    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
-    from_files = greedy_logprobs(client, str(tiny_model))
-    assert server.post("/reload_weights").status_code == 200
-    response = BroadcastingTrainer(server, f"g-cuda-{mode}").send(11, load_file(step_dir / "model.safetensors"))
-    assert response.status_code == 200, response.text
-    assert greedy_logprobs(client, str(tiny_model)) == from_files
+    assert_a_broadcast_serves_what_the_same_dir_does(server, tiny_model, f"g-cuda-{mode}")
     how = "staged on the device" if mode == "device" else "streamed"
     assert f"weights step 11 (broadcast, {how}" in server.output()
 
@@ -851,14 +848,4 @@ def test_builtin_on_cuda_samples_with_the_trainers_logprobs(cuda_builtin, tiny_m
 def test_builtin_on_cuda_serves_a_broadcast_exactly_as_the_same_dir(cuda_builtin, tiny_model):
     """A gloo broadcast (the test process and the server share GPU 0) lands on the GPU and serves exactly what
     a dir update of the same step does."""
-    from safetensors.torch import load_file
-
-    server = cuda_builtin
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
-    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
-    from_files = greedy_logprobs(client, str(tiny_model))
-    assert server.post("/reload_weights").status_code == 200
-    response = BroadcastingTrainer(server, "g-cuda-builtin").send(11, load_file(step_dir / "model.safetensors"))
-    assert response.status_code == 200, response.text
-    assert greedy_logprobs(client, str(tiny_model)) == from_files
+    assert_a_broadcast_serves_what_the_same_dir_does(cuda_builtin, tiny_model, "g-cuda-builtin")
