@@ -17,6 +17,7 @@ reverse-text with a checkpoint every `--ckpt-interval` steps. Per step, medians 
 - checkpoint: what the step waited for its checkpoint (`time/save_ckpt`), and the largest share of a trainer
   step (`time/step` of the record holding it) it took;
 - step: wall time between the ends of two orchestrator steps;
+- mismatch KL: the trainer's, between the servers' sampling logprobs and its own (sync: the same weights);
 - peak RSS per service: the largest resident memory of each service's process tree (a vLLM server's engine
   process counts for inference), sampled from /proc every 0.5 s.
 `--ckpt-modes async,sync` adds the same case with the synchronous checkpoint (the before of the async save).
@@ -163,6 +164,7 @@ def run_case(model: Path, work: Path, args, transfer: str, backend: str, ckpt_as
         nxt = trainer.get(step, {})
         rows.append({"generate": o["time/generate"], "train": t["time/train"], "export": export, "to_served": served,
                      "ckpt": nxt.get("time/save_ckpt", 0.0), "trainer_step": nxt.get("time/step"),
+                     "mismatch_kl": t.get("mismatch_kl"),
                      "step": o["time"] - prev["time"]})  # fmt: skip
     rss = {f"{k} (metrics)": max(r["peak_rss_gib"] for r in recs.values())
            for k, recs in (("trainer", trainer), ("orchestrator", orch))}  # fmt: skip
@@ -220,9 +222,9 @@ def main() -> None:
             cases.append(case)
         trl = run_trl(model, work, args) if args.trl else None
 
-    print("| case | generate | train | export | to served | checkpoint (share) | step | peak RSS: inference / "
-          "orchestrator / trainer |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | generate | train | export | to served | checkpoint (share) | step | mismatch KL (max) | peak RSS: "
+          "inference / orchestrator / trainer |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         rows, peaks = case["rows"][1:] or case["rows"], case["peaks"]
         step, ckpt = median(rows, "step"), [r["ckpt"] / r["trainer_step"] for r in rows if r["ckpt"]]
@@ -230,10 +232,10 @@ def main() -> None:
         mem = " / ".join(f"{peaks.get(s, 0.0):.1f}" for s in SERVICES)
         print(f"| {case['name']} | {seconds(median(rows, 'generate'))} | {seconds(median(rows, 'train'))} | "
               f"{seconds(median(rows, 'export'))} | {seconds(median(rows, 'to_served'))} | {share} | "
-              f"{seconds(step)} | {mem} GiB |")  # fmt: skip
+              f"{seconds(step)} | {max(r['mismatch_kl'] or 0.0 for r in case['rows']):.1e} | {mem} GiB |")  # fmt: skip
     if trl:
         print(f"| TRL {trl['trl']} GRPOTrainer | {seconds(trl['generate_s'])} | {seconds(trl['train_s'])} "
-              f"| — | — | — | {seconds(trl['step_s'])} | trainer {trl.get('peak_rss_gib', 0):.1f} GiB |")  # fmt: skip
+              f"| — | — | — | {seconds(trl['step_s'])} | — | trainer {trl['peak_rss_gib']:.1f} GiB |")  # fmt: skip
         ours = next((c for c in cases if c["name"].startswith("builtin-filesystem")), cases[0] if cases else None)
         if ours:
             rows = ours["rows"][1:] or ours["rows"]

@@ -107,7 +107,7 @@ def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
 
     from prime_rl.trainer.ckpt import AsyncCheckpointer
     from prime_rl.trainer.model import build_training
-    from prime_rl.trainer.parallel import close_distributed, init_distributed, resolve_device
+    from prime_rl.trainer.parallel import close_distributed, compute_dtype, init_distributed, resolve_device
     from prime_rl.trainer.weights import build_model_files
 
     torch.manual_seed(config.seed)
@@ -115,7 +115,8 @@ def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
     checkpointer = None
     try:
         model, optimizer, scheduler = build_training(config, dist, max_steps)
-        files = build_model_files(config.model.name, config.model.lora)  # every rank writes in its dtype
+        # Weights go out in the dtype the trainer computes in: the servers then sample the policy it scores.
+        files = build_model_files(config.model.name, config.model.lora, compute_dtype(config.dtype, dist.device))
         if config.ckpt is not None and config.ckpt.async_save:
             checkpointer = AsyncCheckpointer(dist.rank)
         yield Training(dist, model, optimizer, scheduler, files, checkpointer)
