@@ -194,6 +194,15 @@ class AsyncCheckpointer:
         # Created once, collectively. DCP's background thread runs its collectives (plan and finish gathers)
         # on this gloo group: on the default group they would interleave with the training step's.
         self.group = dist.new_group(backend="gloo")
+        # One stager for the run: it keeps each tensor's host copy and copies into it at the next save (the
+        # parameters and AdamW moments change in place, so their storages stay). A fresh stager per save
+        # allocates and faults in 12 B/param each time: at 0.44 B on CPU that took longer (11 s) than the
+        # synchronous save it replaces (9 s); reused, a save waits for a plain copy.
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        plain = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                               use_non_blocking_copy=False)  # fmt: skip
+        self.stager = DefaultStager(plain)  # host memory, staged in the calling thread
         self.in_flight: InFlight | None = None
 
     def start(self, output_dir: Path, step: int, model, optimizer, scheduler, progress: Progress, files) -> Path:
@@ -208,7 +217,7 @@ class AsyncCheckpointer:
             # ended on every rank (DCP's finish gather) also means every rank's small files are there.
             _write_small_files(path, files, self.rank)
             state = _app_state(model, optimizer, scheduler, progress)
-            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group, async_stager=self.stager)
         in_flight = self.in_flight = InFlight(path, step, future)
         future.add_done_callback(lambda f: self._written(in_flight, f))
         return path
@@ -253,9 +262,10 @@ class AsyncCheckpointer:
         """Not collective, on the way out after an error (the other ranks may be anywhere): wait for this rank's
         write, so the process group is not torn down under it. Rank 0 marks the checkpoint STABLE if its own
         write succeeded: DCP reports success on rank 0 only after its finish gather saw every rank's write
-        succeed, and each rank wrote its small files before it joined."""
+        succeed, and each rank wrote its small files before it joined. Then the staging copies are let go."""
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is None:
+            self.stager.close()
             return
         error = in_flight.future.exception()
         if error is not None:
@@ -265,6 +275,7 @@ class AsyncCheckpointer:
                 mark_stable(in_flight.path)
             except OSError as e:  # never hide the error this exit is about
                 logger.warning(f"checkpoint {in_flight.path} written but not marked {STABLE}: {e}")
+        self.stager.close()
 
 
 def _describe(error: BaseException) -> str:

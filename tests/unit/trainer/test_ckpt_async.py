@@ -75,6 +75,20 @@ def test_the_checkpoint_holds_the_state_when_the_save_started(model_path, tmp_pa
         assert torch.equal(fresh_optimizer.state[p]["exp_avg"], expected)
     assert checkpointer.finish() is None  # nothing in flight any more
 
+    # The next save copies into the same host buffers: it holds the new state, the first checkpoint stays.
+    later = {n: p.detach().clone() for n, p in model.named_parameters()}
+    path2 = checkpointer.start(
+        tmp_path, 2, model, optimizer, scheduler, Progress(step=2), build_model_files(str(model_path))
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert checkpointer.finish().step == 2 and is_stable(path2)
+    second, first = load_hf_state_dict(path2), load_hf_state_dict(path)
+    for name, value in later.items():
+        assert torch.equal(second[name], value) and torch.equal(first[name], params[name]), name
+    checkpointer.close()
+
 
 class _Unwritable:
     """A state entry that copies (staging) but cannot be serialized (the write, in the background)."""
