@@ -31,6 +31,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -168,6 +169,8 @@ def run_case(model: Path, work: Path, args, transfer: str, backend: str, ckpt_as
                      "step": o["time"] - prev["time"]})  # fmt: skip
     rss = {f"{k} (metrics)": max(r["peak_rss_gib"] for r in recs.values())
            for k, recs in (("trainer", trainer), ("orchestrator", orch))}  # fmt: skip
+    for bulky in ("checkpoints", "weights", "rollouts"):  # ~20 GB a case at 0.44 B: the next case needs the disk
+        shutil.rmtree(out / bulky, ignore_errors=True)
     return {"name": name, "rows": rows, "peaks": memory.peaks | rss, "seconds": time.perf_counter() - start}
 
 
@@ -220,6 +223,8 @@ def main() -> None:
             case = run_case(model, work, args, transfer, backend, mode == "async")
             print(f"{case['name']}: {len(case['rows'])} steps, run {case['seconds']:.0f} s", file=sys.stderr)
             cases.append(case)
+            if args.json:  # after every case: a later failure (or the disk) does not lose the earlier ones
+                args.json.write_text(json.dumps({"cases": cases, "trl": None}, indent=1))
         trl = run_trl(model, work, args) if args.trl else None
 
     print("| case | generate | train | export | to served | checkpoint (share) | step | mismatch KL (max) | peak RSS: "
