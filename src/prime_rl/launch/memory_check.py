@@ -45,7 +45,7 @@ def parameter_count(model_name: str) -> int | None:
         return None
 
 
-def memory_warning(config: RLConfig, gpus: int, servers: int = 1) -> str | None:
+def memory_warning(config: RLConfig, gpus: int) -> str | None:
     """A warning naming what to change when the services clearly exceed this node's memory, else None."""
     if gpus > 0:
         return None
@@ -55,14 +55,13 @@ def memory_warning(config: RLConfig, gpus: int, servers: int = 1) -> str | None:
     trainer = config.trainer
     lora = trainer.model.lora is not None
     parts = {"trainer": params * (LORA_BYTES if lora else TRAIN_BYTES)}
-    if trainer.ckpt is not None and getattr(trainer.ckpt, "async_save", False):
-        parts["checkpoint staging"] = params * (STAGING_BYTES if not lora else 0)
-    dtype = str(getattr(config.inference.engine, "dtype", "auto"))
-    parts["inference"] = servers * params * (2 if dtype in ("bfloat16", "float16") else 4)
+    if trainer.ckpt is not None and trainer.ckpt.async_save and not lora:  # LoRA stages only the adapter
+        parts["checkpoint staging"] = params * STAGING_BYTES
+    parts["inference"] = params * (2 if config.inference.engine.dtype in ("bfloat16", "float16") else 4)
     need = sum(parts.values()) / 2**30
     if need <= free:
         return None
-    split = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items() if v)
+    split = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items())
     fixes = ["a smaller model", "LoRA (--model.lora.rank N)" if not lora else None,
              "--ckpt.async-save false" if "checkpoint staging" in parts else None,
              "the services on separate nodes (docs/usage.md: RL across nodes)"]  # fmt: skip

@@ -11,9 +11,9 @@ A checkpoint at step n is the trainer's state after n optimizer steps, shared by
     STABLE                          written last by rank 0 after every rank finished: only then it counts
 
 Written in the background by default (`AsyncCheckpointer`, `--ckpt.async-save`): the step waits only while
-DCP copies the state into host memory (staging), a thread writes the copy, and the dir is marked STABLE once
-every rank's write is done, when the next checkpoint starts or the run ends. A kill before that leaves a dir
-without STABLE, which resume never picks. At most one checkpoint is in flight.
+DCP copies the state into host memory (staging), a thread writes the copy, and rank 0 marks the dir STABLE
+as soon as every rank's write is done. A kill before that leaves a dir without STABLE, which resume never
+picks. At most one checkpoint is in flight.
 
 DCP reshards on load, so a checkpoint resumes on any world size. `load_hf_state_dict` reads the model
 weights back without a process group (for conversion on any machine).
@@ -264,18 +264,16 @@ class AsyncCheckpointer:
         write succeeded: DCP reports success on rank 0 only after its finish gather saw every rank's write
         succeed, and each rank wrote its small files before it joined. Then the staging copies are let go."""
         in_flight, self.in_flight = self.in_flight, None
-        if in_flight is None:
-            self.stager.close()
-            return
-        error = in_flight.future.exception()
-        if error is not None:
-            logger.warning(f"checkpoint {in_flight.path} not written (left without {STABLE}): {_describe(error)}")
-        elif self.rank == 0:
-            try:
+        try:
+            error = in_flight and in_flight.future.exception()
+            if error:
+                logger.warning(f"checkpoint {in_flight.path} not written (left without {STABLE}): {_describe(error)}")
+            elif in_flight and self.rank == 0 and not is_stable(in_flight.path):  # the done callback's mark failed
                 mark_stable(in_flight.path)
-            except OSError as e:  # never hide the error this exit is about
-                logger.warning(f"checkpoint {in_flight.path} written but not marked {STABLE}: {e}")
-        self.stager.close()
+        except OSError as e:  # never hide the error this exit is about
+            logger.warning(f"checkpoint {in_flight.path} written but not marked {STABLE}: {e}")
+        finally:
+            self.stager.close()
 
 
 def _describe(error: BaseException) -> str:

@@ -87,7 +87,7 @@ def build_model_files(name: str, lora: LoraConfig | None = None, dtype: torch.dt
     except OSError:  # not every model ships one; derive it from the model config like transformers does
         generation_config = GenerationConfig.from_model_config(config)
     tokenizer = AutoTokenizer.from_pretrained(name)
-    return ModelFiles(config, generation_config, tokenizer, dtype or saved_dtype(config), name, lora)
+    return ModelFiles(config, generation_config, tokenizer, saved_dtype(config), name, lora)
 
 
 def saved_dtype(config: PretrainedConfig) -> torch.dtype:
