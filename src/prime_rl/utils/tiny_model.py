@@ -202,14 +202,14 @@ def create_tiny_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
+    if vocab_size is not None and vocab_size < tokenizer_vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}")
     if preset is not None:
         config = preset_config(preset, num_layers, vocab_size)
         tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed, pad_to=config.vocab_size)
         dtype = torch.bfloat16
     else:
         tokenizer = build_tokenizer(vocab_size=tokenizer_vocab_size, seed=seed)
-        if vocab_size is not None and vocab_size < len(tokenizer):
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
         config = build_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers or 2)
         dtype = torch.float32
     config.eos_token_id = tokenizer.eos_token_id
@@ -272,8 +272,11 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, help="the vocabulary (with --preset: instead of the real one)")
     args = parser.parse_args()
     vocab = args.tokenizer_vocab_size
-    create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, args.vocab_size,
-                      tokenizer_vocab_size=vocab, preset=args.preset)  # fmt: skip
+    try:
+        create_tiny_model(args.path, args.arch, args.seed, args.hidden_size, args.num_layers, args.vocab_size,
+                          tokenizer_vocab_size=vocab, preset=args.preset)  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
     what = args.preset or f"tiny {args.arch}"
     print(f"wrote {what} model to {args.path}")
 
