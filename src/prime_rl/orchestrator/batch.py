@@ -228,12 +228,14 @@ class RolloutStream:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-def build_samples(batch: Batch, truncated: str) -> list[dict]:
+def build_samples(batch: Batch, truncated: str, env_names: list[str] = ()) -> list[dict]:
+    """The batch's rollouts as trainer samples, each tagged with its environment's index in `env_names`."""
+    index = {name: i for i, name in enumerate(env_names)}
     samples = []
     for group, advantages in zip(batch.groups, batch.advantages, strict=True):
         for r, a in zip(group.rollouts, advantages, strict=True):
             mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
-            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask))
+            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask, index.get(group.env, -1)))
     return samples
 
 

@@ -190,12 +190,14 @@ async def run_step(loop: Loop, step: int) -> None:
 
 def write_batch(config: OrchestratorConfig, step: int, batch: Batch, times: dict[str, float]) -> None:
     """The batch as trainer samples, packed into micro-batches, written as one rank file per trainer rank."""
+    env_names = [e.label for e in config.env]
     with timer(times, "pack"):
         per_rank = pack_micro_batches(
-            build_samples(batch, config.advantage.truncated),
+            build_samples(batch, config.advantage.truncated, env_names),
             config.seq_len,
             config.num_train_workers,
             config.sampling.temperature,
+            env_names=env_names,
         )
     with timer(times, "write"):
         write_rank_files(config, step, per_rank)

@@ -33,11 +33,15 @@ def make_sample(
     logprobs: list[float],
     advantage: float,
     completion_mask: list[bool] | None = None,
+    env: int = -1,
+    kept: list[list[int]] | None = None,
 ) -> dict:
     """One rollout as the per-token lists that `MicroBatch.pack` lays end to end.
 
     `completion_mask` marks the completion tokens the model sampled (default: all of them); env replies
-    of multi-turn rollouts are part of the completion but masked, and carry no advantage.
+    of multi-turn rollouts are part of the completion but masked, and carry no advantage. `env` is the
+    index of the rollout's environment in the step's env names; `kept` the token ids the sampler could draw
+    at each completion token (top-p/top-k; [] = the whole vocabulary), None when it sampled without a filter.
     """
     if len(logprobs) != len(completion_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(completion_ids)} completion tokens")
@@ -45,12 +49,18 @@ def make_sample(
     if len(mask) != len(completion_ids):
         raise ValueError(f"{len(mask)} mask entries for {len(completion_ids)} completion tokens")
     n_prompt = len(prompt_ids)
-    return {
+    sample = {
         "input_ids": list(prompt_ids) + list(completion_ids),
         "loss_mask": [False] * n_prompt + mask,
         "advantages": [0.0] * n_prompt + [float(advantage) if m else 0.0 for m in mask],
         "inference_logprobs": [0.0] * n_prompt + [float(x) if m else 0.0 for x, m in zip(logprobs, mask, strict=True)],
+        "env": env,
     }
+    if kept is not None:
+        if len(kept) != len(completion_ids):
+            raise ValueError(f"{len(kept)} kept sets for {len(completion_ids)} completion tokens")
+        sample["kept"] = [[]] * n_prompt + [list(k) if m else [] for k, m in zip(kept, mask, strict=True)]
+    return sample
 
 
 def split_over_ranks(sizes: list[int], num_ranks: int) -> list[list[int]]:
@@ -65,10 +75,16 @@ def split_over_ranks(sizes: list[int], num_ranks: int) -> list[list[int]]:
 
 
 def pack_micro_batches(
-    samples: list[dict], seq_len: int, num_ranks: int, temperature: float, pad_id: int = 0
+    samples: list[dict],
+    seq_len: int,
+    num_ranks: int,
+    temperature: float,
+    pad_id: int = 0,
+    env_names: list[str] = (),
 ) -> list[list[MicroBatch]]:
-    """The micro batches of each rank, all ranks with the same number of them."""
-    rows = pack_rows(samples, seq_len, temperature)
+    """The micro batches of each rank, all ranks with the same number of them (every row carries `env_names`,
+    the labels the samples' `env` index, so each rank reports the same per-env metrics)."""
+    rows = pack_rows(samples, seq_len, temperature, env_names)
     per_rank = [[rows[i] for i in idx] for idx in split_over_ranks([r.num_tokens for r in rows], num_ranks)]
     count = max(1, max(len(mbs) for mbs in per_rank))
-    return [pad_rows(mbs, count, temperature, pad_id=pad_id) for mbs in per_rank]
+    return [pad_rows(mbs, count, temperature, pad_id=pad_id, env_names=env_names) for mbs in per_rank]

@@ -60,18 +60,24 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack_rows(samples: list[dict], seq_len: int, temperature: float) -> list[MicroBatch]:
-    """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens, one MicroBatch each."""
+def pack_rows(samples: list[dict], seq_len: int, temperature: float, env_names: list[str] = ()) -> list[MicroBatch]:
+    """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens, one MicroBatch each
+    (`env_names`: the labels the samples' `env` indexes, carried by every row)."""
     from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
 
     bins = first_fit_decreasing([len(s["input_ids"]) for s in samples], seq_len)
-    return [MicroBatch.pack([samples[i] for i in b], temperature) for b in bins]
+    return [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
 
 
 def pad_rows(
-    rows: list[MicroBatch], count: int, temperature: float, length: int = PADDING_LENGTH, pad_id: int = 0
+    rows: list[MicroBatch],
+    count: int,
+    temperature: float,
+    length: int = PADDING_LENGTH,
+    pad_id: int = 0,
+    env_names: list[str] = (),
 ) -> list[MicroBatch]:
     """`rows` followed by all-masked rows of `length` tokens up to `count` rows (none if it has that many)."""
     from prime_rl.protocol.records import MicroBatch
 
-    return rows + [MicroBatch.padding(length, temperature, pad_id) for _ in range(count - len(rows))]
+    return rows + [MicroBatch.padding(length, temperature, pad_id, env_names) for _ in range(count - len(rows))]

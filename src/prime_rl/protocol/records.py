@@ -9,11 +9,18 @@ Each micro batch is one packed row (batch dim 1): samples laid end to end, posit
     position_ids [[0  1  2  0  1 ]]
     cu_seqlens   [0, 3, 5]
     loss_mask    [[F  T  T  F  T ]]     # generated tokens only
+
+Optional per-sample and per-token extras (empty when unused):
+    env_names    ["math", "code"]       # the step's environment labels, the same list in every row
+    sample_env   [1, 0]                 # int32 [k]: index into env_names per sample (-1: none, e.g. padding)
+    kept_offsets [0 0 0 2 2 2]          # int64 [L+1] with kept_ids (int32): CSR of the sampling mask, the
+    kept_ids     [7 9]                  # token ids the sampler could draw at each position (top-p/top-k);
+                                        # an empty range (here all but position 2) = the full vocabulary
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +28,7 @@ import torch
 from prime_rl.protocol.files import atomic_write
 from prime_rl.protocol.paths import rank_file
 
-RANK_FILE_VERSION = 1
+RANK_FILE_VERSION = 2
 
 
 @dataclass
@@ -33,6 +40,10 @@ class MicroBatch:
     advantages: torch.Tensor  # float32 [1, L]
     inference_logprobs: torch.Tensor  # float32 [1, L]
     temperature: float
+    env_names: list[str] = field(default_factory=list)
+    sample_env: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # int32 [k] or [0]
+    kept_offsets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [L+1] or [0]
+    kept_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # int32 [M]
 
     @property
     def num_tokens(self) -> int:
@@ -64,10 +75,30 @@ class MicroBatch:
         cu = self.cu_seqlens
         if cu.dtype != torch.int32 or cu.ndim != 1 or cu[0] != 0 or cu[-1] != length:
             raise ValueError(f"micro batch cu_seqlens must be int32 from 0 to {length}, got {cu.tolist()}")
+        samples = len(cu) - 1
+        env = self.sample_env
+        if env.numel() and (env.dtype != torch.int32 or tuple(env.shape) != (samples,)):
+            raise ValueError(f"micro batch sample_env: expected int32 [{samples}], got {env.dtype} {list(env.shape)}")
+        if env.numel() and (int(env.min()) < -1 or int(env.max()) >= len(self.env_names)):
+            raise ValueError(f"micro batch sample_env indexes {len(self.env_names)} env names: {env.tolist()}")
+        off, ids = self.kept_offsets, self.kept_ids
+        if off.numel():
+            if off.dtype != torch.int64 or tuple(off.shape) != (length + 1,) or off[0] != 0 or off[-1] != ids.numel():
+                raise ValueError(f"micro batch kept_offsets must be int64 [{length + 1}] from 0 to {ids.numel()}")
+            if bool((off.diff() < 0).any()) or ids.dtype != torch.int32:
+                raise ValueError("micro batch kept_offsets must not decrease and kept_ids must be int32")
+
+    @property
+    def has_kept_sets(self) -> bool:
+        """Whether any position was sampled from a filtered (top-p/top-k) set."""
+        return self.kept_ids.numel() > 0
 
     @classmethod
-    def pack(cls, samples: list[dict], temperature: float) -> MicroBatch:
-        """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row."""
+    def pack(cls, samples: list[dict], temperature: float, env_names: list[str] = ()) -> MicroBatch:
+        """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row.
+
+        Optional keys: `env` (int, index into `env_names`, given to pack_rows) and `kept` (per token a list of
+        token ids the sampler could draw, [] = the full vocabulary)."""
 
         def cat(key: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in samples]).unsqueeze(0)
@@ -83,10 +114,15 @@ class MicroBatch:
             advantages=cat("advantages", torch.float32),
             inference_logprobs=cat("inference_logprobs", torch.float32),
             temperature=float(temperature),
+            env_names=list(env_names),
+            sample_env=torch.tensor([s.get("env", -1) for s in samples], dtype=torch.int32)
+            if env_names
+            else torch.zeros(0, dtype=torch.int32),
+            **_kept_csr(samples, int(cu[-1])),
         )
 
     @classmethod
-    def padding(cls, length: int, temperature: float, pad_id: int = 0) -> MicroBatch:
+    def padding(cls, length: int, temperature: float, pad_id: int = 0, env_names: list[str] = ()) -> MicroBatch:
         """An all-masked micro batch that keeps FSDP collectives in lockstep on ranks with less data."""
         return cls.pack(
             [
@@ -98,7 +134,25 @@ class MicroBatch:
                 }
             ],
             temperature,
+            env_names,
         )
+
+
+def _kept_csr(samples: list[dict], length: int) -> dict[str, torch.Tensor]:
+    """The samples' `kept` sets laid end to end as CSR (`kept_offsets`, `kept_ids`); none when no sample has one."""
+    if not any(s.get("kept") for s in samples):
+        return {}
+    sizes, ids = [], []
+    for s in samples:
+        kept = s.get("kept") or [[]] * len(s["input_ids"])
+        if len(kept) != len(s["input_ids"]):
+            raise ValueError(f"{len(kept)} kept sets for {len(s['input_ids'])} tokens")
+        for k in kept:
+            sizes.append(len(k))
+            ids.extend(k)
+    offsets = torch.zeros(length + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    return {"kept_offsets": offsets, "kept_ids": torch.tensor(ids, dtype=torch.int32)}
 
 
 def write_rank_file(output_dir: Path, step: int, rank: int, micro_batches: list[MicroBatch]) -> Path:
