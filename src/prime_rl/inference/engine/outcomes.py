@@ -31,11 +31,11 @@ def record_draws(logits: torch.Tensor, rows: list[Row], eos_ids: set[int], decod
     for b, row in enumerate(rows):
         try:
             if draws is not None:
-                token, logprob, top = draws.tokens[b], draws.logprobs[b], draws.top[b]
+                token, logprob, top, kept = draws.tokens[b], draws.logprobs[b], draws.top[b], draws.kept[b]
             else:
                 alone = draw(logits[b : b + 1], [row], eos_ids)
-                token, logprob, top = alone.tokens[0], alone.logprobs[0], alone.top[0]
-            row.append(token, logprob, top, eos_ids, decode)
+                token, logprob, top, kept = alone.tokens[0], alone.logprobs[0], alone.top[0], alone.kept[0]
+            row.append(token, logprob, top, eos_ids, decode, kept)
         except Exception as e:
             fail_request(row.request, e)
 
@@ -65,7 +65,13 @@ def retire(batch: NativeBatch | TransformersBatch, candidates: range, step: int)
         row = rows[b]
         request = row.request
         request.samples[row.index] = Sample(
-            row.token_ids, row.logprobs, row.top_logprobs, row.text or "", row.finish_reason, step
+            row.token_ids,
+            row.logprobs,
+            row.top_logprobs,
+            row.text or "",
+            row.finish_reason,
+            step,
+            sampling_mask=row.sampling_mask,
         )
         if all(s is not None for s in request.samples):
             post(request.loop, resolve, request.future, request.samples)
@@ -92,6 +98,7 @@ def post_deltas(rows: list[Row], decode: Decode) -> None:
             row.top_logprobs[row.streamed :],
             text,
             row.finish_reason,
+            row.sampling_mask[row.streamed :],
         )
         row.streamed = len(row.token_ids)
         by_request.setdefault(id(request), (request, []))[1].append(delta)

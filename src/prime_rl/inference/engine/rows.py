@@ -27,6 +27,7 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    sampling_mask: list[list[int]] = field(default_factory=list)  # kept sets, when the request asked for them
     text: str | None = None
     finish_reason: str | None = None
     streamed: int = 0  # tokens already sent as deltas
@@ -40,14 +41,22 @@ class Row:
         return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_ids))
 
     def append(
-        self, token: int, logprob: float, top: list[tuple[int, float]], eos_ids: set[int], decode: Decode
+        self,
+        token: int,
+        logprob: float,
+        top: list[tuple[int, float]],
+        eos_ids: set[int],
+        decode: Decode,
+        kept: list[int] | None = None,
     ) -> None:
-        """Record the row's next token and decide whether the row is finished."""
+        """Record the row's next token (and its kept set) and decide whether the row is finished."""
         params = self.request.params
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         if params.top_logprobs > 0:
             self.top_logprobs.append(top)
+        if params.return_sampling_mask:
+            self.sampling_mask.append(kept or [])
         if token in params.stop_token_ids and token not in eos_ids:
             # Like vLLM: a stop token ends the sample and stays in token_ids, but not in the text.
             self.text, self.finish_reason = decode(self.token_ids[:-1]), "stop"

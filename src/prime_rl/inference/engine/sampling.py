@@ -11,6 +11,12 @@ recomputes from its own logits (docs/design.md §2, `inference_logprobs`). Penal
 which tokens may be drawn. Temperature 0 means greedy decoding; its logprobs come from the plain
 `log_softmax(logits)`.
 
+With `return_sampling_mask` a row also reports, per token, its kept set: the sorted ids of every token it
+could have drawn (the survivors of top-k / top-p / min-p and of tokens blocked by `min_tokens`; empty when
+nothing was filtered), and its logprob is renormalised over that set, log_softmax(logits / temperature)
+restricted to it. The trainer replays the set (docs/design.md §2, `kept_ids`), so both score the
+distribution the token was really drawn from.
+
 Worked example, logits [2, 1, 0, -1] (probabilities ≈ [.644, .237, .087, .032]):
   - temperature 1, top_p 0.8: the two most likely tokens reach .881 ≥ .8, so only ids {0, 1} may be
     drawn; drawing id 1 reports logprob log(.237) ≈ -1.440.
@@ -45,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0  # alternatives to record per generated token
+    return_sampling_mask: bool = False  # report each token's kept set and renormalise its logprob over it
 
 
 @dataclass
@@ -54,6 +61,7 @@ class Draws:
     tokens: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # empty lists for rows that asked for none
+    kept: list[list[int]]  # per row its kept set (sorted ids); [] = nothing filtered, or not asked for
 
 
 def logprobs_of(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -137,6 +145,7 @@ def sample_batch(
     greedy = temperature <= 0
     any_greedy = any(p.temperature <= 0 for p in params)
     tokens = drawn_from.argmax(dim=-1) if any_greedy else None  # an argmax is ~15% of sampling at 64 rows
+    kept: list[list[int]] = [[] for _ in params]
     if any(p.temperature > 0 for p in params):
         allowed = drawn_from
         vocab = logits.shape[-1]
@@ -147,6 +156,8 @@ def sample_batch(
                 torch.tensor([p.top_k for p in params], device=device),
                 torch.tensor([p.min_p for p in params], device=device),
             )
+        if any(p.return_sampling_mask for p in params):
+            reported, kept = renormalise_kept(reported, allowed, params)
         cdf = torch.cumsum(allowed.exp(), dim=-1)
         draws = [(g or random).random() if p.temperature > 0 else 0.0 for g, p in zip(generators, params, strict=True)]
         u = torch.tensor(draws, device=device)
@@ -159,8 +170,36 @@ def sample_batch(
     if k > 0:
         values, ids = torch.topk(reported, min(k, reported.shape[1]), dim=-1)
         values, ids = values.tolist(), ids.tolist()
-        top = [list(zip(ids[b], values[b], strict=True))[: p.top_logprobs] for b, p in enumerate(params)]
-    return Draws(tokens.tolist(), token_logprobs.tolist(), top)
+        # A renormalised row lists only tokens of its kept set (the others are -inf: no JSON number).
+        top = [
+            [(i, v) for i, v in list(zip(ids[b], values[b], strict=True))[: p.top_logprobs] if v != float("-inf")]
+            for b, p in enumerate(params)
+        ]
+    return Draws(tokens.tolist(), token_logprobs.tolist(), top, kept)
+
+
+def renormalise_kept(
+    reported: torch.Tensor, allowed: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """For rows that asked for their sampling mask: the kept set (finite entries of `allowed`, [] when that is
+    every token) and `reported` renormalised over it (-inf outside); other rows unchanged.
+
+    Example: reported log([.644, .237, .087, .032]), allowed finite on ids {0, 1} → kept [0, 1] and the row
+    becomes log([.731, .269, 0, 0]) (.644 / .881, .237 / .881).
+    """
+    kept: list[list[int]] = [[] for _ in params]
+    rows = [b for b, p in enumerate(params) if p.return_sampling_mask and p.temperature > 0]
+    keep = torch.isfinite(allowed[rows])
+    partial = [j for j in range(len(rows)) if not bool(keep[j].all())]
+    if not partial:
+        return reported, kept
+    reported = reported.clone()
+    for j in partial:
+        b = rows[j]
+        kept[b] = keep[j].nonzero().squeeze(-1).tolist()
+        masked = reported[b].masked_fill(~keep[j], float("-inf"))
+        reported[b] = masked - torch.logsumexp(masked, dim=-1)
+    return reported, kept
 
 
 def sample_token(

@@ -34,6 +34,7 @@ class Sample:
     text: str
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     weight_step: int = 0  # the policy every token of this sample was computed with
+    sampling_mask: list[list[int]] = field(default_factory=list)  # per token its kept set, with return_sampling_mask
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]]
     text: str
     finish_reason: str | None = None
+    sampling_mask: list[list[int]] = field(default_factory=list)  # per token, with return_sampling_mask
 
 
 @dataclass(eq=False)

@@ -65,6 +65,9 @@ class SamplingRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
+    # Each logprob entry also carries its token's kept set (`sampling_mask`: sorted ids, [] = nothing filtered)
+    # and a logprob renormalised over it: what RL with top-p / top-k replays in the trainer.
+    return_sampling_mask: bool = False
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingRequest:

@@ -6,7 +6,9 @@ prompt too long for `max_model_len`, token ids out of range, a chat template tha
 engine refusal becomes a 429 (queue full) or 503 (shutting down), a request the engine failed (alone: the
 others in its batch go on) a 500. Responses carry vLLM's extras so the orchestrator never re-tokenizes
 sampled text: prompt and completion token ids (`return_token_ids`) and logprob tokens spelled `token_id:<id>`
-(`return_tokens_as_token_ids`). Every choice, streamed or not, is built by `build_choice`.
+(`return_tokens_as_token_ids`); with `return_sampling_mask` each logprob entry also holds its token's kept set
+(`sampling_mask`, sorted ids; [] = nothing filtered) and a logprob renormalised over it (sampling.py). Every
+choice, streamed or not, is built by `build_choice`.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def sampling_params(
         stop_token_ids=tuple(stop_ids),
         ignore_eos=request.ignore_eos,
         top_logprobs=top_logprobs,
+        return_sampling_mask=request.return_sampling_mask,
     )
 
 
@@ -356,12 +359,15 @@ def completion_logprobs(sample: Sample | Delta, tokenizer: Any, as_ids: bool) ->
         top = {_token_name(t, tokenizer, as_ids): lp for t, lp in alternatives}
         top.setdefault(_token_name(token, tokenizer, as_ids), logprob)  # the sampled token is always listed
         tops.append(top)
-    return {
+    out = {
         "tokens": [_token_name(t, tokenizer, as_ids) for t in sample.token_ids],
         "token_logprobs": sample.logprobs,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+    if sample.sampling_mask:  # per token its kept set (return_sampling_mask)
+        out["sampling_mask"] = sample.sampling_mask
+    return out
 
 
 def chat_logprobs(sample: Sample | Delta, tokenizer: Any, as_ids: bool) -> list[dict[str, Any]]:
@@ -370,7 +376,10 @@ def chat_logprobs(sample: Sample | Delta, tokenizer: Any, as_ids: bool) -> list[
         return {"token": _token_name(token_id, tokenizer, as_ids), "logprob": logprob, "bytes": list(text.encode())}
 
     alternatives = sample.top_logprobs or [[]] * len(sample.token_ids)
-    return [
+    entries = [
         entry(token, logprob) | {"top_logprobs": [entry(t, lp) for t, lp in top]}
         for token, logprob, top in zip(sample.token_ids, sample.logprobs, alternatives, strict=True)
     ]
+    for e, kept in zip(entries, sample.sampling_mask, strict=False):  # with return_sampling_mask: the kept set
+        e["sampling_mask"] = kept
+    return entries
