@@ -849,3 +849,46 @@ def test_builtin_on_cuda_serves_a_broadcast_exactly_as_the_same_dir(cuda_builtin
     """A gloo broadcast (the test process and the server share GPU 0) lands on the GPU and serves exactly what
     a dir update of the same step does."""
     assert_a_broadcast_serves_what_the_same_dir_does(cuda_builtin, tiny_model, "g-cuda-builtin")
+
+
+def test_scored_tokens_equal_the_trainers_logprobs(server, tiny_model, monkeypatch):
+    """`InferenceClient.score` (a completion with `prompt_logprobs: 0`, vLLM's field and layout) gives each token's
+    logprob given its prefix, equal within 1e-5 to the trainer's on the same model at temperature 1, on both
+    backends; the raw logits are scored whatever the request's sampling (temperature 0.3 changes nothing)."""
+    from prime_rl.configs.orchestrator import ClientConfig
+    from prime_rl.orchestrator.client import InferenceClient
+
+    monkeypatch.setenv("PRIME_TEST_KEY", server.api_key or "")
+    tokens = PROMPT + [301, 12, 977, 45, 45, 45, 7, 1023, 5]
+    trainer = [0.0] + trainer_logprobs(tiny_model, tokens[:1], tokens[1:], 1.0)
+
+    async def score() -> list[float]:
+        config = ClientConfig(base_url=[f"{server.url}/v1"], api_key_var="PRIME_TEST_KEY", max_retries=0)
+        async with InferenceClient(config, str(tiny_model)) as client:
+            return await client.score(tokens)
+
+    scored = asyncio.run(score())
+    gap = max(abs(a - b) for a, b in zip(scored, trainer, strict=True))
+    print(f"{server.backend}: max |scored - trainer| logprob over {len(tokens) - 1} tokens: {gap:.1e}")
+    assert scored[0] == 0.0 and scored == pytest.approx(trainer, abs=1e-5)
+
+    body = {"prompt": tokens, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0.3}
+    answer = server.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert answer[0] is None and len(answer) == len(tokens)
+    for position, token, logprob in zip(answer[1:], tokens[1:], trainer[1:], strict=True):
+        assert position[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert len(position) in (2, 3) and {1, 2} <= {e["rank"] for e in position.values()}  # the top two
+        assert position[str(token)]["rank"] >= 1
+
+
+def test_prompt_logprobs_that_cannot_be_served_are_a_400(server, builtin_only):
+    """Streamed, on chat, or more alternatives than 20: one clear 400, never a silently unscored answer."""
+    cases = [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0, "stream": True}, "stream"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0}, "prompt"),
+        ("/v1/completions", {"prompt": [5] * 4096, "max_tokens": 1, "prompt_logprobs": 0}, "maximum context length"),
+    ]
+    for route, body, word in cases:
+        answer = server.post(route, json=body)
+        assert answer.status_code == 400 and word in answer.json()["error"]["message"], (body, answer.text)

@@ -101,6 +101,31 @@ def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], li
     return out
 
 
+def parse_prompt_logprobs(data: dict, token_ids: list[int]) -> list[float]:
+    """The prompt token logprobs of a completion answered with `prompt_logprobs` (vLLM's layout: None first,
+    then per position a dict keyed by token id holding at least the prompt token's {"logprob", ...}); 0.0 at
+    index 0. Raises ValueError when the answer does not score exactly `token_ids`."""
+    choices = data["choices"]
+    if not isinstance(choices, list) or not choices:
+        raise ValueError("no choices")
+    scored = choices[0].get("prompt_logprobs")
+    if not isinstance(scored, list) or len(scored) != len(token_ids):
+        length = len(scored) if isinstance(scored, list) else type(scored).__name__
+        raise ValueError(f"prompt_logprobs has {length} entries for {len(token_ids)} tokens")
+    if scored[0] is not None:
+        raise ValueError("prompt_logprobs[0] is not null (the first token has no prefix)")
+    out = [0.0]
+    for i, (token, position) in enumerate(zip(token_ids[1:], scored[1:], strict=True), start=1):
+        entry = position.get(str(token)) if isinstance(position, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), int | float):
+            raise ValueError(f"prompt_logprobs[{i}] has no logprob for token {token}")
+        logprob = float(entry["logprob"])
+        if not logprob <= 0.0:  # NaN or a positive "logprob"
+            raise ValueError(f"prompt_logprobs[{i}] logprob {logprob} is not a log-probability")
+        out.append(logprob)
+    return out
+
+
 class InferenceClient:
     """Async client for a pool of inference servers. Use as `async with InferenceClient(...) as client:`.
 
@@ -267,6 +292,32 @@ class InferenceClient:
         if max_tokens:
             body["max_tokens"] = max_tokens
         return await self._generate("/completions", body, parse_completion_response)
+
+    async def score(self, token_ids: list[int], server: Server | None = None) -> list[float]:
+        """The logprob of each token given the ones before it under the served weights (raw logits, temperature 1),
+        0.0 at index 0: one /v1/completions request with `prompt_logprobs: 0` to `server`, or (None) to the
+        next live server, going to another one when it is down. E.g. [5, 7, 9] -> [0.0, log p(7|5), log p(9|5,7)].
+        """
+        if len(token_ids) < 2:  # nothing to score: a first token has no prefix
+            return [0.0] * len(token_ids)
+        body = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "n": 1}
+        while True:
+            target = server or self.pool.pick()
+            if target is None:
+                raise InferenceError(f"no live inference server left (all of {self.pool.base_urls} were taken out)")
+            url = f"{target.base}/completions"
+            try:
+                data = await self._request("POST", url, body | {"model": self.request_model}, target)
+            except ServerDown as e:
+                if server is not None:  # the caller asked this server: its being down is the answer
+                    raise
+                self.pool.take_out(target, str(e))
+                await self.pool.revive(str(e), self.weights.load)
+                continue
+            try:
+                return parse_prompt_logprobs(data, token_ids)
+            except (KeyError, TypeError, ValueError) as e:
+                raise InferenceError(f"POST {url} returned malformed prompt_logprobs: {e}") from None
 
     def set_floor(self, step: int) -> None:
         """From now on, completions sampled by a policy older than `step` are thrown away and asked again

@@ -23,8 +23,9 @@ startup makes `/reload_weights` exact, and is what a LoRA adapter (`lora`) is me
 
 This module holds the `Engine`, its asyncio API and the worker's scheduling loop. The data it takes and hands
 out is in types.py, a row's stop rules and text in rows.py, what an iteration comes to for each request (its
-draws, answers, deltas and failures, handed to the asyncio side) in outcomes.py, and `build_engine` (loading a
-model) in build.py.
+draws, answers, deltas and failures, handed to the asyncio side) in outcomes.py, a prompt's scores
+(`prompt_logprobs`, computed as a request is admitted) in scoring.py, and `build_engine` (loading a model) in
+build.py.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from prime_rl.inference.engine.native import NativeDecoder, native_unsupported
 from prime_rl.inference.engine.outcomes import fail, fail_request, post, post_deltas, record_draws, resolve, retire
 from prime_rl.inference.engine.rows import Row, eos_ids
 from prime_rl.inference.engine.sampling import SamplingParams
+from prime_rl.inference.engine.scoring import score_prompt
 from prime_rl.inference.engine.types import Delta, EngineBusy, EngineClosed, Request, Sample, Swap
 from prime_rl.inference.engine.weights import (
     LoadedWeights,
@@ -150,9 +152,12 @@ class Engine:
         """The request's `params.n` samples. Cancelling the await (timeout, client gone) stops its decoding."""
         request = self._submit(prompt_ids, params, stream=False)
         try:
-            return await request.future
+            samples = await request.future
         finally:
             request.cancelled = True  # no-op when it finished; otherwise the worker drops its rows
+        for sample in samples:  # the prompt's scores (params.prompt_logprobs) go with every sample, as vLLM's
+            sample.prompt_logprobs = request.prompt_logprobs
+        return samples
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[list[Delta]]:
         """The request's deltas as they are decoded, one list per iteration; ends when every sample finished.
@@ -264,6 +269,7 @@ class Engine:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         with torch.inference_mode():
+            admitted = self._score_prompts(admitted)
             if admitted:
                 self._prefill(admitted)
                 self._drop_cancelled()  # a row whose request failed in the prefill has no token to decode
@@ -310,6 +316,21 @@ class Engine:
         self.requests += len(requests)
         self.prefills += 1
         retire(self._batch, range(start, start + len(rows)), self.step)
+
+    def _score_prompts(self, requests: list[Request]) -> list[Request]:
+        """Score the prompts of the admitted requests that ask (`prompt_logprobs`) before they join the batch,
+        with the weights that will sample them; a request whose scoring fails is failed alone."""
+        kept = []
+        for request in requests:
+            top = request.params.prompt_logprobs
+            if top is not None:
+                try:
+                    request.prompt_logprobs = score_prompt(self.model, request.prompt_ids, top, self.device)
+                except Exception as e:
+                    fail_request(request, e)
+                    continue
+            kept.append(request)
+        return kept
 
     def _decode(self) -> None:
         logits = self._batch.step()

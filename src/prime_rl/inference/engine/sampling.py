@@ -52,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # alternatives to record per generated token
     return_sampling_mask: bool = False  # report each token's kept set and renormalise its logprob over it
+    prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives (scoring.py)
 
 
 @dataclass

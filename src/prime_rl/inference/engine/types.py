@@ -35,6 +35,7 @@ class Sample:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     weight_step: int = 0  # the policy every token of this sample was computed with
     sampling_mask: list[list[int]] = field(default_factory=list)  # per token its kept set, with return_sampling_mask
+    prompt_logprobs: list | None = None  # scoring.PromptToken per prompt position (None at 0), when asked
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Request:
     events: asyncio.Queue | None  # set for streamed requests: lists of Delta, or an exception
     samples: list[Sample | None] = field(default_factory=list)
     cancelled: bool = False  # set from the asyncio side; the worker drops the request's rows
+    prompt_logprobs: list | None = None  # its prompt's scores, set by the worker on admission when asked
 
 
 @dataclass

@@ -24,6 +24,7 @@ UNSUPPORTED = {
     "tools": None,
     "response_format": None,
     "include_stop_str_in_output": False,
+    "prompt_logprobs": None,  # declared by completions (CompletionRequest); chat does not score prompts
 }
 
 
@@ -80,6 +81,14 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    # vLLM's extra: each choice also carries the logprob of every prompt token given its prefix (serving.py)
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> CompletionRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream=true")
+        return self
 
 
 class FunctionDefinition(BaseModel):

@@ -197,6 +197,7 @@ def sampling_params(
         ignore_eos=request.ignore_eos,
         top_logprobs=top_logprobs,
         return_sampling_mask=request.return_sampling_mask,
+        prompt_logprobs=request.prompt_logprobs if isinstance(request, CompletionRequest) else None,
     )
 
 
@@ -303,7 +304,33 @@ def completion_response(meta, body: CompletionRequest, prompts, results: list[li
         for i, (ids, samples) in enumerate(zip(prompts, results, strict=True))
         for j, sample in enumerate(samples)
     ]
+    if body.prompt_logprobs is not None:
+        pairs = zip(prompts, results, strict=True)
+        scored = [prompt_logprobs_json(ids, samples[0].prompt_logprobs, tokenizer) for ids, samples in pairs]
+        for i, choice in enumerate(choices):
+            choice["prompt_logprobs"] = scored[i // body.n]
     return meta | {"object": "text_completion", "choices": choices, "usage": _usage(prompts, results)}
+
+
+def prompt_logprobs_json(prompt_ids: list[int], scores: list, tokenizer: Any) -> list[dict[str, Any] | None]:
+    """A choice's `prompt_logprobs` as vLLM writes them: None for the first token, then per position a dict
+    {token id: {"logprob", "rank", "decoded_token"}} holding the prompt token and the top alternatives (ranked
+    1..k); -inf is written -9999.0, as vLLM clamps it.
+
+    prompt [5, 7] scored with top 0 -> [None, {"7": {"logprob": -1.2, "rank": 3, "decoded_token": "b"}}]
+    """
+    named = sorted(set(prompt_ids[1:]) | {t for s in scores[1:] for t, _ in s.top})
+    text = dict(zip(named, tokenizer.batch_decode([[t] for t in named]), strict=True))
+
+    def entry(logprob: float, rank: int, token: int) -> dict[str, Any]:
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": text[token]}
+
+    out: list[dict[str, Any] | None] = [None]
+    for token, score in zip(prompt_ids[1:], scores[1:], strict=True):
+        position = {str(token): entry(score.logprob, score.rank, token)}
+        position |= {str(t): entry(lp, k + 1, t) for k, (t, lp) in enumerate(score.top)}
+        out.append(position)
+    return out
 
 
 def chat_response(meta, body: ChatCompletionRequest, ids, samples: list[Sample], tokenizer: Any, parse_calls: bool):
