@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
@@ -12,12 +12,60 @@ from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, SelfHangTim
 from prime_rl.configs.training import TrainingConfig
 
 
+class MaskConfig(Section):
+    """Masks on the importance ratio r = pi/mu (trained policy over sampling policy), for every loss type: a
+    masked token gets no gradient (its whole per-token term is dropped) but still counts in the normaliser N.
+    All off by default."""
+
+    token_low: Annotated[
+        float | None,
+        Field(ge=0, description="token band: tokens with r below this are masked (IcePop-style); unset = 0"),
+    ] = None
+    token_high: Annotated[
+        float | None, Field(gt=0, description="token band: tokens with r above this are masked; unset = no upper bound")
+    ] = None
+    sequence_low: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            description="sequence band: a sample whose geometric-mean ratio exp(mean log r over its loss tokens) is "
+            "below this is masked whole (masked importance sampling); unset = 0",
+        ),
+    ] = None
+    sequence_high: Annotated[
+        float | None,
+        Field(gt=0, description="sequence band: a sample whose geometric-mean ratio is above this is masked whole"),
+    ] = None
+    tv_max: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=1,
+            description="binary-TV mask: tokens with |pi_t - mu_t| (the sampled token's probability under each "
+            "policy: the total variation over {sampled token, rest}) above this are masked; unset = off",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _bands_ordered(self):
+        for name in ("token", "sequence"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if low is not None and high is not None and not low < high:
+                raise ValueError(f"loss.mask.{name}_low ({low}) must be below loss.mask.{name}_high ({high})")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
+
+
 class LossConfig(Section):
     type: Annotated[
-        Literal["aipo", "ppo", "gspo"],
+        Literal["aipo", "ppo", "gspo", "custom"],
         Field(
             description="aipo = token ratio pi/mu truncated at max_ratio (default); ppo = GRPO/PPO two-sided clip "
-            "of the token ratio; gspo = two-sided clip of the sequence-level ratio"
+            "of the token ratio; gspo = two-sided clip of the sequence-level ratio; custom = the function at "
+            "loss.import_path (docs/trainer.md: its signature)"
         ),
     ] = "aipo"
     max_ratio: Annotated[
@@ -33,8 +81,34 @@ class LossConfig(Section):
         Literal["token", "sequence"],
         Field(description="token = every loss token of the step weighs the same; sequence = every sample does"),
     ] = "token"
-    kl_coef: Annotated[float, Field(ge=0, description="weight of a k3 KL(pi||mu) penalty per token; 0 = off")] = 0.0
+    kl_coef: Annotated[
+        float, Field(ge=0, description="weight of a KL(pi||mu) penalty per token (kl_type); 0 = off")
+    ] = 0.0
+    kl_type: Annotated[
+        Literal["k3", "k2"],
+        Field(description="KL penalty estimator: k3 = mu/pi - 1 - log(mu/pi); k2 = (log pi/mu)^2 / 2"),
+    ] = "k3"
     entropy_coef: Annotated[float, Field(ge=0, description="weight of an entropy bonus per token; 0 = off")] = 0.0
+    mask: Annotated[MaskConfig, Field(description="importance-ratio masks (token band, sequence band, binary TV)")] = (
+        MaskConfig()
+    )
+    import_path: Annotated[
+        str | None,
+        Field(
+            pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+            description="custom: 'package.module:function', imported once at trainer start, called with "
+            "(LossInputs, **kwargs) for the per-token loss [1, L]",
+        ),
+    ] = None
+    kwargs: Annotated[dict[str, Any], Field(description="custom: keyword arguments passed to the function")] = {}
+
+    @model_validator(mode="after")
+    def _custom_has_path(self):
+        if self.type == "custom" and self.import_path is None:
+            raise ValueError("loss.type = 'custom' needs loss.import_path = 'package.module:function'")
+        if self.type != "custom" and (self.import_path is not None or self.kwargs):
+            raise ValueError(f"loss.import_path / loss.kwargs are for loss.type = 'custom', not '{self.type}'")
+        return self
 
 
 class DataConfig(Section):

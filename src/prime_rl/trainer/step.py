@@ -8,6 +8,11 @@ norm is not finite) and the step's metrics reduced over all ranks.
 Every loss token (or sample, `norm = "sequence"`) of the whole step weighs 1/N, N counted over all micro
 batches and ranks, so the update does not depend on how the samples were split; the callback gets
 `scale` = world_size / N (× world_size undoes FSDP's gradient averaging).
+
+Reported metrics: the callback returns, per key, either a sum over its loss tokens (the step reports
+Σ / loss tokens of the step) or a (sum, count) pair (the step reports Σ sum / Σ count, e.g. a mean over one
+environment's tokens; left out when Σ count is 0). Both are summed over micro batches and ranks first, so a
+mean does not depend on the split. Every rank must report the same keys (one collective over the sorted keys).
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prime_rl")
 
-# (policy output, micro batch, loss mask, scale) → (the term to backpropagate, sums to report: "loss" and
-# any others, each a scalar summed over this micro batch's loss tokens)
-LossFn = Callable[[PolicyOutput, MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# A reported value: a scalar sum over the micro batch's loss tokens (divided by the step's loss tokens), or a
+# (sum, count) pair (divided by the step's total count of the key)
+Reported = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# (policy output, micro batch, loss mask, scale) → (the term to backpropagate, values to report: "loss", a sum
+# divided by N, and any others)
+LossFn = Callable[[PolicyOutput, MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict[str, Reported]]]
 
 
 @dataclass
@@ -45,7 +53,7 @@ class StepStats:
     num_samples: int  # packed samples with at least one loss token
     peak_memory_gib: float  # max over ranks: the device's (CUDA: allocated by torch; CPU: the process's RSS)
     peak_rss_gib: float  # max over ranks: the host process's resident memory
-    means: dict[str, float] = field(default_factory=dict)  # the loss callback's other sums per loss token
+    means: dict[str, float] = field(default_factory=dict)  # the loss callback's other values (module docstring)
 
 
 def train_step(
@@ -73,6 +81,7 @@ def train_step(
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dist.device)
     sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}  # keys reported as (sum, count) pairs
     for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
         set_micro_batch_sync(model, dist, last=i == len(micro_batches) - 1)
         out = forward_logprobs(model, mb, dist.device, entropy_grad, where=mask)
@@ -80,6 +89,9 @@ def train_step(
         term.backward()
         stamp()  # a step of a big model takes minutes: each micro batch shows the launcher it advances
         for key, value in reported.items():
+            if isinstance(value, tuple):
+                value, count = value
+                counts[key] = counts.get(key, 0.0) + count.detach().double()
             sums[key] = sums.get(key, 0.0) + value.detach().double()
 
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -91,10 +103,8 @@ def train_step(
         logger.warning(f"non-finite gradient norm ({grad_norm}); skipping this update")
     optimizer.zero_grad(set_to_none=True)
 
-    keys = sorted(sums)
-    totals = dict(zip(keys, all_reduce([float(sums[k]) for k in keys], dist.device), strict=True)) if keys else {}
+    totals, total_counts = reduce_reported(sums, counts, dist)
     peak, rss = all_reduce([peak_memory_gib(dist.device), peak_rss_gib()], dist.device, op="max")
-    per_token = max(num_loss_tokens, 1)
     return StepStats(
         loss=totals.pop("loss", 0.0) / denominator,
         grad_norm=grad_norm,
@@ -103,8 +113,36 @@ def train_step(
         num_samples=int(num_samples),
         peak_memory_gib=peak,
         peak_rss_gib=rss,
-        means={k: v / per_token for k, v in totals.items()},
+        means=reported_means(totals, total_counts, num_loss_tokens),
     )
+
+
+def reported_means(totals: dict[str, float], counts: dict[str, float], loss_tokens: float) -> dict[str, float]:
+    """A sum per loss token of the step, or per its own count (left out when that is 0).
+
+    Example: totals {"kl": 3, "kl/a": 2}, counts {"kl/a": 4}, 10 loss tokens → {"kl": 0.3, "kl/a": 0.5}."""
+    means = {}
+    for key, total in totals.items():
+        count = counts.get(key, max(loss_tokens, 1))
+        if count > 0:
+            means[key] = total / count
+    return means
+
+
+def reduce_reported(
+    sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], dist: Dist
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The reported sums and counts summed over ranks, in one collective over the sorted keys.
+
+    The keys must be the same on every rank (a mismatch would pair the wrong values): checked by their count."""
+    keys, count_keys = sorted(sums), sorted(counts)
+    most, neg_fewest = all_reduce([len(keys) + len(count_keys), -len(keys) - len(count_keys)], dist.device, op="max")
+    if most != -neg_fewest:
+        raise RuntimeError(f"ranks reported different metric keys ({-neg_fewest:.0f} to {most:.0f}); this rank: {keys}")
+    if not keys:
+        return {}, {}
+    values = all_reduce([float(sums[k]) for k in keys] + [float(counts[k]) for k in count_keys], dist.device)
+    return dict(zip(keys, values[: len(keys)], strict=True)), dict(zip(count_keys, values[len(keys) :], strict=True))
 
 
 def samples_with_loss(cu_seqlens: torch.Tensor, mask: torch.Tensor) -> int:

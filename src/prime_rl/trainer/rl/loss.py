@@ -2,13 +2,27 @@
 
 Notation (per token t of a packed row): π = the policy being trained, μ = the policy that sampled the
 rollout (its logprobs come from inference), A_t = advantage, m_t = loss mask (generated tokens only),
-r_t = exp(log π_t − log μ_t) the importance ratio, ω_t a per-token weight fixed by the normalisation.
+r_t = exp(log π_t − log μ_t) the importance ratio, ω_t a per-token weight fixed by the normalisation,
+k_t = 1 − (t masked by a ratio mask below) the keep flag.
 
     aipo (default)  ℓ_t = −sg[min(r_t, max_ratio)] · A_t · log π_t        truncated IS; the ratio is a constant
     ppo  (GRPO)     ℓ_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)           two-sided clip
     gspo            like ppo with r_t replaced by s_i,t = sg[s_i] · π_t / sg[π_t],
                     s_i = exp(mean over sample i's loss tokens of (log π − log μ))   (GSPO-token form)
-    loss            = Σ_t m_t ω_t ℓ_t / N  (+ kl_coef · k3(π, μ) − entropy_coef · H, same weighting)
+    custom          ℓ_t = f(LossInputs, **loss.kwargs)[t], a function named in the config (`LossInputs`)
+    loss            = Σ_t m_t k_t ω_t (ℓ_t + kl_coef · KL_t − entropy_coef · H_t) / N
+
+KL_t (`kl_type`, with gradient: keeps π near the sampling policy): k3 = 1/r_t − 1 + log r_t (default) or
+k2 = ½ (log r_t)².
+
+Ratio masks (`loss.mask`, all off by default; any rule masks, k_t = 0): the token band masks t when
+r_t ∉ [token_low, token_high] (IcePop-style); the sequence band masks every token of sample i when its
+geometric-mean ratio s_i ∉ [sequence_low, sequence_high] (masked importance sampling); the binary-TV rule
+masks t when |π_t − μ_t| > tv_max, the total variation between π and μ over {the sampled token, the rest}
+(in probability: π_t = exp log π_t). A masked token still counts in N, so masking shrinks the update rather
+than re-weighting the other tokens, and the update stays independent of the micro-batch split.
+Example: log r = [ln 3, 0, ln 0.25] on one sample, token band [0.5, 2] → k = [0, 1, 0]; s = (3 · 1 · 0.25)^⅓
+= 0.91, inside a sequence band [0.5, 2] → nothing more.
 
 Normalisation: `token` → ω_t = 1, N = loss tokens of the whole step (all micro batches, all ranks);
 `sequence` → ω_t = 1 / (loss tokens of t's sample), N = samples of the step, so every sample weighs the
@@ -18,13 +32,19 @@ samples over micro batches and ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from prime_rl.trainer.errors import TrainerError
+
 if TYPE_CHECKING:
-    from prime_rl.configs.trainer import LossConfig
+    from prime_rl.configs.trainer import LossConfig, MaskConfig
+
+MASK_RULES = ("token", "sequence", "tv")
 
 
 def sample_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -45,12 +65,63 @@ def token_weights(loss_mask: torch.Tensor, samples: torch.Tensor, norm: str) -> 
     return mask / counts[samples].clamp(min=1.0)
 
 
+def sample_mean(values: torch.Tensor, loss_mask: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """[1, L]: at every position, the mean of `values` over its sample's loss tokens (0 for a sample without).
+
+    Example: values [[9, 1, 3, 5]], mask [[F, T, T, T]], samples [[0, 0, 0, 1]] → [[2, 2, 2, 5]].
+    """
+    mask = loss_mask.float()
+    v = torch.where(loss_mask, values, 0.0)
+    sums = torch.zeros(int(samples.max()) + 1, device=v.device, dtype=v.dtype).scatter_add_(0, samples[0], v[0])
+    counts = torch.zeros_like(sums).scatter_add_(0, samples[0], mask[0].to(v.dtype)).clamp(min=1.0)
+    return (sums / counts)[samples]
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What a custom loss (`loss.type = "custom"`) is called with; every tensor is [1, L] over one packed row.
+
+    It returns the per-token loss ℓ [1, L] (float, differentiable through `logprobs` / `log_ratio`), or a
+    pair (ℓ, clipped) with `clipped` a bool [1, L] counted in `clip_frac`. The trainer then applies the loss
+    mask, the ratio masks, the KL and entropy terms and the normalisation, exactly as for the built-in types.
+    """
+
+    logprobs: torch.Tensor  # log π_t, differentiable
+    inference_logprobs: torch.Tensor  # log μ_t (placeholders off the loss mask)
+    advantages: torch.Tensor  # A_t
+    loss_mask: torch.Tensor  # bool m_t: generated tokens with a logprob
+    samples: torch.Tensor  # long: the packed sample of each position (`sample_index`)
+    log_ratio: torch.Tensor  # log π_t − log μ_t on loss tokens, 0 elsewhere; differentiable
+    entropy: torch.Tensor | None  # H_t of π (differentiable only when entropy_coef > 0), or None
+
+
+CustomLoss = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+def load_custom_loss(import_path: str) -> CustomLoss:
+    """The function at 'package.module:function' (from the config only); a TrainerError naming it otherwise."""
+    module_name, _, name = import_path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except Exception as e:  # any failure of user code to import is one line naming the path
+        raise TrainerError(f"loss.import_path = {import_path!r} does not import: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise TrainerError(f"loss.import_path = {import_path!r} is not a function ({type(fn).__name__})")
+    return fn
+
+
 @dataclass
 class LossTerms:
     loss: torch.Tensor  # scalar to call backward on (already scaled by `scale`)
-    loss_sum: torch.Tensor  # Σ m·ω·ℓ (+ kl/entropy terms), detached and unscaled: step loss = global sum / N
-    mismatch_kl_sum: torch.Tensor  # Σ m·((r − 1) − log r): k3 estimate of KL(μ‖π) summed over masked tokens
-    clipped: torch.Tensor  # number of masked tokens whose ratio was truncated or clipped
+    loss_sum: torch.Tensor  # Σ m·k·ω·ℓ (+ kl/entropy terms), detached and unscaled: step loss = global sum / N
+    mismatch_kl: torch.Tensor  # [1, L] m·((r − 1) − log r): k3 estimate of KL(μ‖π) per token, detached
+    clipped: torch.Tensor  # number of loss tokens whose ratio was truncated or clipped
+    masked: torch.Tensor  # bool [1, L]: loss tokens masked by any ratio rule
+    rule_masks: dict[str, torch.Tensor] = field(default_factory=dict)  # enabled rule → bool [1, L] (loss tokens)
+
+    @property
+    def mismatch_kl_sum(self) -> torch.Tensor:
+        return self.mismatch_kl.sum()
 
 
 def policy_loss(
@@ -62,11 +133,13 @@ def policy_loss(
     cfg: LossConfig,
     scale: float,
     entropy: torch.Tensor | None = None,
+    custom: CustomLoss | None = None,
 ) -> LossTerms:
-    """The configured objective (module docstring) over one micro batch; `loss` = Σ m·ω·ℓ · scale.
+    """The configured objective (module docstring) over one micro batch; `loss` = Σ m·k·ω·ℓ · scale.
 
     Pass `scale = world_size / N`: FSDP averages gradients over ranks, so the world size cancels.
-    `samples` is `sample_index(cu_seqlens, L)`; `entropy` (differentiable) is needed when entropy_coef > 0.
+    `samples` is `sample_index(cu_seqlens, L)`; `entropy` (differentiable) is needed when entropy_coef > 0;
+    `custom` is `load_custom_loss(cfg.import_path)` when cfg.type is "custom".
     """
     # Unmasked positions (prompts, padding) may hold placeholder μ logprobs whose ratio overflows;
     # `where` keeps their inf/nan out of the sums, where multiplying by a 0/1 mask would not.
@@ -75,21 +148,94 @@ def policy_loss(
         per_token, clipped = aipo_objective(logprobs, log_ratio.detach(), advantages, cfg.max_ratio)
     elif cfg.type == "ppo":
         per_token, clipped = clipped_objective(log_ratio.exp(), advantages, cfg.clip_low, cfg.clip_high)
-    else:
+    elif cfg.type == "gspo":
         ratio = gspo_ratio(logprobs, log_ratio, loss_mask, samples)
         per_token, clipped = clipped_objective(ratio, advantages, cfg.clip_low, cfg.clip_high)
-    if cfg.kl_coef:  # k3 estimate of KL(π‖μ) with gradient: keeps π near the sampling policy
-        per_token = per_token + cfg.kl_coef * ((-log_ratio).exp() + log_ratio - 1)
+    else:
+        inputs = LossInputs(logprobs, inference_logprobs, advantages, loss_mask, samples, log_ratio, entropy)
+        per_token, clipped = call_custom(custom, inputs, cfg)
+    if cfg.kl_coef:
+        per_token = per_token + cfg.kl_coef * kl_penalty(log_ratio, cfg.kl_type)
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
-    weighted = torch.where(loss_mask, token_weights(loss_mask, samples, cfg.norm) * per_token, 0.0)
+    rules = ratio_masks(log_ratio.detach(), logprobs.detach(), inference_logprobs, loss_mask, samples, cfg.mask)
+    masked = torch.zeros_like(loss_mask)
+    for rule in rules.values():
+        masked = masked | rule
+    keep = loss_mask & ~masked
+    weighted = torch.where(keep, token_weights(loss_mask, samples, cfg.norm) * per_token, 0.0)
     ratio = log_ratio.detach().exp()
     return LossTerms(
         loss=weighted.sum() * scale,
         loss_sum=weighted.detach().sum(),
-        mismatch_kl_sum=torch.where(loss_mask, ratio - 1 - log_ratio.detach(), 0.0).sum(),
+        mismatch_kl=torch.where(loss_mask, ratio - 1 - log_ratio.detach(), 0.0),
         clipped=(clipped & loss_mask).sum(),
+        masked=masked,
+        rule_masks=rules,
     )
+
+
+def call_custom(fn: CustomLoss | None, inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom function's (ℓ, clipped), its result checked: a TrainerError naming the path when malformed."""
+    if fn is None:
+        raise TrainerError("loss.type = 'custom' but no function was loaded (load_custom_loss(loss.import_path))")
+    out = fn(inputs, **cfg.kwargs)
+    per_token, clipped = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    shape = tuple(inputs.loss_mask.shape)
+    if not isinstance(per_token, torch.Tensor) or not per_token.is_floating_point() or per_token.shape != shape:
+        got = f"{per_token.dtype} {list(per_token.shape)}" if isinstance(per_token, torch.Tensor) else type(out)
+        raise TrainerError(f"loss.import_path = {cfg.import_path!r} returned {got}; expected a float tensor {shape}")
+    if clipped is None:
+        clipped = torch.zeros_like(inputs.loss_mask)
+    elif not isinstance(clipped, torch.Tensor) or clipped.dtype != torch.bool or clipped.shape != shape:
+        raise TrainerError(f"loss.import_path = {cfg.import_path!r}: its 'clipped' must be a bool tensor {shape}")
+    return per_token, clipped
+
+
+def kl_penalty(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(π‖μ) estimate with gradient: k3 = 1/r − 1 + log r, k2 = ½ (log r)² (both ≥ 0, 0 at r = 1).
+
+    Example: log r = ln 2 → k3 = 0.5 − 1 + 0.693 = 0.193, k2 = 0.240; ∂k2/∂log π = log r = 0.693.
+    """
+    if kl_type == "k2":
+        return 0.5 * log_ratio.square()
+    return (-log_ratio).exp() + log_ratio - 1
+
+
+def ratio_masks(
+    log_ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    samples: torch.Tensor,
+    cfg: MaskConfig,
+) -> dict[str, torch.Tensor]:
+    """Per enabled rule ("token", "sequence", "tv"), the loss tokens it masks (bool [1, L]); detached inputs.
+
+    Example: log r = [ln 3, 0, ln 0.25] (one sample), π = [0.9, 0.5, 0.1], μ = [0.3, 0.5, 0.4]:
+    token band [0.5, 2] → [T, F, T]; tv_max 0.4 → |π − μ| = [0.6, 0, 0.3] → [T, F, F];
+    sequence band [0.95, 2] → s = 0.91 < 0.95 → [T, T, T].
+    """
+    rules = {}
+    if cfg.token_low is not None or cfg.token_high is not None:
+        rules["token"] = outside_band(log_ratio.exp(), cfg.token_low, cfg.token_high) & loss_mask
+    if cfg.sequence_low is not None or cfg.sequence_high is not None:
+        seq_ratio = sample_mean(log_ratio, loss_mask, samples).exp()
+        rules["sequence"] = outside_band(seq_ratio, cfg.sequence_low, cfg.sequence_high) & loss_mask
+    if cfg.tv_max is not None:
+        tv = (logprobs.exp() - torch.where(loss_mask, inference_logprobs, logprobs).exp()).abs()
+        rules["tv"] = (tv > cfg.tv_max) & loss_mask
+    return rules
+
+
+def outside_band(ratio: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    """Bool: ratio < low or ratio > high (an unset side never masks)."""
+    out = torch.zeros_like(ratio, dtype=torch.bool)
+    if low is not None:
+        out = out | (ratio < low)
+    if high is not None:
+        out = out | (ratio > high)
+    return out
 
 
 def aipo_objective(logprobs, log_ratio, advantages, max_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,9 +264,5 @@ def gspo_ratio(logprobs, log_ratio, loss_mask, samples) -> torch.Tensor:
 
     Example: one sample with log π − log μ = [ln 2, 0] on its two loss tokens → s = exp(ln 2 / 2) = √2 for both.
     """
-    mask = loss_mask.float()
-    lr = log_ratio.detach() * mask
-    sums = torch.zeros(int(samples.max()) + 1, device=lr.device).scatter_add_(0, samples[0], lr[0])
-    counts = torch.zeros_like(sums).scatter_add_(0, samples[0], mask[0]).clamp(min=1.0)
-    seq_ratio = (sums / counts).exp()[samples]
+    seq_ratio = sample_mean(log_ratio.detach(), loss_mask, samples).exp()
     return seq_ratio * (logprobs - logprobs.detach()).exp()

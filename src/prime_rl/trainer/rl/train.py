@@ -70,6 +70,7 @@ def run(config: TrainerConfig) -> None:
         metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if dist.is_main else None
         logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
+        loss_fn = rl_loss(config.loss)  # a custom loss is imported here, once, from the config
         history = []
         carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
         for step in range(progress.step, config.max_steps):
@@ -79,7 +80,7 @@ def run(config: TrainerConfig) -> None:
             if micro_batches is None:
                 service.stop_on_signal("trainer", config, state, progress, config.max_steps)
             with timer(times, "train"):
-                stats = train_step(state.model, state.optimizer, micro_batches, config, dist)
+                stats = train_step(state.model, state.optimizer, micro_batches, config, dist, loss_fn)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
@@ -206,35 +207,70 @@ def generated_micro_batches(config: TrainerConfig, step: int, dist: Dist) -> lis
     )
 
 
-def train_step(model, optimizer, micro_batches: list[MicroBatch], config: TrainerConfig, dist: Dist) -> StepStats:
-    """One optimizer step of the RL loss (`loss.py`) over this rank's micro batches (`step.train_step`)."""
+def train_step(
+    model, optimizer, micro_batches: list[MicroBatch], config: TrainerConfig, dist: Dist, loss_fn: LossFn | None = None
+) -> StepStats:
+    """One optimizer step of the RL loss (`loss.py`) over this rank's micro batches (`step.train_step`);
+    `loss_fn` = `rl_loss(config.loss)`, built once per run (built here when not given)."""
     from prime_rl.trainer.step import train_step as step
 
     c = config.loss
-    return step(model, optimizer, micro_batches, dist, rl_loss(c), config.optim.max_norm, c.norm, c.entropy_coef > 0)
+    loss_fn = loss_fn or rl_loss(c)
+    return step(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, c.entropy_coef > 0)
 
 
 def rl_loss(c: LossConfig) -> LossFn:
-    """The step's loss callback: `policy_loss` on the policy's logprobs, with entropy, mismatch KL and the
-    fraction of clipped tokens reported per loss token."""
+    """The step's loss callback: `policy_loss` on the policy's logprobs, reporting per loss token the entropy,
+    mismatch KL, fraction clipped and fraction masked (any ratio rule, and each enabled rule: `is_masked/<rule>`),
+    and per environment of the micro batch (`mb.env_names`) the same means over that environment's loss tokens
+    (`mismatch_kl/<env>`, `is_masked/<env>`, `entropy/<env>`). A custom loss is imported here (TrainerError
+    when it does not import)."""
     import torch
 
-    from prime_rl.trainer.rl.loss import policy_loss, sample_index
+    from prime_rl.trainer.rl.loss import load_custom_loss, policy_loss, sample_index
+
+    custom = load_custom_loss(c.import_path) if c.type == "custom" else None
 
     def loss(out, mb, mask, scale):
         device = mask.device
         samples = sample_index(mb.cu_seqlens.to(device), mb.num_tokens)
         inference_logprobs, advantages = mb.inference_logprobs.to(device), mb.advantages.to(device)
-        terms = policy_loss(out.logprobs, inference_logprobs, advantages, mask, samples, c, scale, entropy=out.entropy)
+        terms = policy_loss(
+            out.logprobs, inference_logprobs, advantages, mask, samples, c, scale, entropy=out.entropy, custom=custom
+        )
+        entropy = torch.where(mask, out.entropy.detach(), 0.0)
         reported = {
             "loss": terms.loss_sum,
-            "entropy": torch.where(mask, out.entropy.detach(), 0.0).sum(),
+            "entropy": entropy.sum(),
             "mismatch_kl": terms.mismatch_kl_sum,
             "clip_frac": terms.clipped.float(),
+            "is_masked": terms.masked.sum().float(),
+            **{f"is_masked/{rule}": m.sum().float() for rule, m in terms.rule_masks.items()},
         }
-        return terms.loss, reported
+        per_token = {"mismatch_kl": terms.mismatch_kl, "is_masked": terms.masked.float(), "entropy": entropy}
+        return terms.loss, reported | per_env(mb, samples, mask, per_token)
 
     return loss
+
+
+def per_env(mb: MicroBatch, samples, mask, per_token: dict) -> dict:
+    """(sum, loss tokens) per metric and environment of `mb.env_names` (every env, so every rank has the same
+    keys; the step leaves out an env without loss tokens). An env named like a mask rule gets `env:` before it."""
+    import torch
+
+    from prime_rl.trainer.rl.loss import MASK_RULES
+
+    if not mb.env_names or not mb.sample_env.numel():
+        return {}
+    token_env = mb.sample_env.to(mask.device).long()[samples]
+    out = {}
+    for i, name in enumerate(mb.env_names):
+        where = mask & (token_env == i)
+        count = where.sum().float()
+        label = f"env:{name}" if name in MASK_RULES else name
+        for key, values in per_token.items():
+            out[f"{key}/{label}"] = (torch.where(where, values, 0.0).sum(), count)
+    return out
 
 
 def prune_old_steps(config: TrainerConfig, step: int) -> None:

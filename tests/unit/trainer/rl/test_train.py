@@ -1,5 +1,7 @@
 """One trainer step in-process (one gloo rank): what it optimises, what it reports, what it refuses."""
 
+import math
+
 import pytest
 import torch
 
@@ -80,3 +82,45 @@ def test_pruning_keeps_newest_weights_and_every_unread_rollout_step(tiny_model, 
     prune_old_steps(_config(tiny_model, tmp_path, async_level=1, data={"keep_rollouts": 1}), step=1)
     assert list_steps(rollout_step_dir(tmp_path, 0).parent) == [2, 3, 4]
     assert list_steps(weights_root(tmp_path)) == [2, 3]
+
+
+def _env_batch(model, samples: list[tuple[list[int], int, float]], env_names: list[str]) -> list[dict]:
+    """Samples (token ids, env index, δ) with μ = π − δ on the loss tokens: log r = δ on every one of them."""
+    out = []
+    for ids, env, delta in samples:
+        n = len(ids)
+        alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
+                                  "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
+        with torch.no_grad():
+            mu = (forward_logprobs(model, alone, torch.device("cpu")).logprobs[0] - delta).tolist()
+        mask = [False] * 3 + [True] * (n - 3)
+        out.append({"input_ids": ids, "loss_mask": mask, "advantages": [1.0] * n, "inference_logprobs": mu, "env": env})
+    return out
+
+
+def test_per_env_metrics_are_means_over_each_envs_tokens_whatever_the_split(tiny_model, tmp_path, one_rank):
+    """Env a: 2 samples (9 + 5 loss tokens), log r = 0.1; env b: 1 sample (6 loss tokens), log r = −0.2;
+    env c: no sample. Token band high 1.05 masks every token of a (r = 1.105) and none of b (r = 0.82)."""
+    envs = ["a", "b", "c"]
+    spec = [(list(range(10, 22)), 0, 0.1), (list(range(200, 209)), 1, -0.2), (list(range(40, 48)), 0, 0.1)]
+    config = _config(tiny_model, tmp_path, loss={"mask": {"token_high": 1.05}})
+    results = []
+    for split in ([[0, 1, 2]], [[0], [1, 2]]):  # one micro batch, then two
+        model = build_model(str(tiny_model))
+        apply_fsdp(model, one_rank, torch.float32)
+        samples = _env_batch(model, spec, envs)
+        mbs = [MicroBatch.pack([samples[i] for i in part], 1.0, envs) for part in split]
+        results.append(train_step(model, build_optimizer(model, config.optim), mbs, config, one_rank).means)
+    one, two = results
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731  the per-token mismatch KL at log r = d
+    assert one["mismatch_kl/a"] == pytest.approx(k3(0.1), rel=1e-4)
+    assert one["mismatch_kl/b"] == pytest.approx(k3(-0.2), rel=1e-4)
+    assert one["mismatch_kl"] == pytest.approx((14 * k3(0.1) + 6 * k3(-0.2)) / 20, rel=1e-4)
+    assert one["is_masked/a"] == 1.0 and one["is_masked/b"] == 0.0
+    assert one["is_masked"] == one["is_masked/token"] == pytest.approx(14 / 20)
+    assert "mismatch_kl/c" not in one and "is_masked/c" not in one  # no loss tokens of c this step
+    assert 0 < one["entropy/a"] and 0 < one["entropy/b"]
+    assert one["entropy"] == pytest.approx((14 * one["entropy/a"] + 6 * one["entropy/b"]) / 20, rel=1e-5)
+    assert two.keys() == one.keys()
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-9), key
