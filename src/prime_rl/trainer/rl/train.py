@@ -52,6 +52,7 @@ def run(config: TrainerConfig) -> None:
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.step import step_metrics
 
+    loss_fn = rl_loss(config.loss)  # a custom loss is imported here, once, from the config: before the model loads
     # Beating from the start: peers and the launcher tell a trainer loading a 70B model from a dead one.
     rank = int(os.environ.get("RANK", 0))
     with (
@@ -70,7 +71,6 @@ def run(config: TrainerConfig) -> None:
         metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if dist.is_main else None
         logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
-        loss_fn = rl_loss(config.loss)  # a custom loss is imported here, once, from the config
         history = []
         carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
         for step in range(progress.step, config.max_steps):
