@@ -27,6 +27,7 @@ import torch
 
 from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, sample_starts
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
 from prime_rl.utils.memory import peak_rss_gib
@@ -138,10 +139,11 @@ def reduce_reported(
     keys, count_keys = sorted(sums), sorted(counts)
     most, neg_fewest = all_reduce([len(keys) + len(count_keys), -len(keys) - len(count_keys)], dist.device, op="max")
     if most != -neg_fewest:
-        raise RuntimeError(f"ranks reported different metric keys ({-neg_fewest:.0f} to {most:.0f}); this rank: {keys}")
+        raise TrainerError(f"ranks reported different metric keys ({-neg_fewest:.0f} to {most:.0f}); this rank: {keys}")
     if not keys:
         return {}, {}
-    values = all_reduce([float(sums[k]) for k in keys] + [float(counts[k]) for k in count_keys], dist.device)
+    local = torch.stack([sums[k] for k in keys] + [counts[k] for k in count_keys]).tolist()  # one device sync
+    values = all_reduce(local, dist.device)
     return dict(zip(keys, values[: len(keys)], strict=True)), dict(zip(count_keys, values[len(keys) :], strict=True))
 
 
