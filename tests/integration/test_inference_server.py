@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.protocol.parity import checksum_of
 from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import create_tiny_model, write_perturbed_weights
 
@@ -286,13 +287,17 @@ def test_a_broadcast_update_serves_exactly_what_a_filesystem_update_of_the_same_
 
     step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=11)
     tensors = load_file(step_dir / "model.safetensors")
-    assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    checksum = checksum_of(tensors.items()).hex  # what the trainer would have written with these weights
+    loaded = server.post("/update_weights", json={"weight_dir": str(step_dir)})
+    assert loaded.status_code == 200 and loaded.json()["checksum"] == checksum == server.health()["checksum"]
     from_files = greedy_logprobs(client, str(tiny_model))
-    assert server.post("/reload_weights").status_code == 200
+    reloaded = server.post("/reload_weights")
+    assert reloaded.status_code == 200 and reloaded.json()["checksum"] is None  # the base weights
     base, trainer = greedy_logprobs(client, str(tiny_model)), BroadcastingTrainer(server, "g-equal")
     response = trainer.send(11, tensors)
     assert response.status_code == 200, response.text
     assert response.json()["step"] == 11 and server.health()["step"] == 11
+    assert response.json()["checksum"] == checksum  # what arrived over the group is what the files hold
     assert greedy_logprobs(client, str(tiny_model)) == from_files != base  # exactly, not approximately
     # The next step travels in the same group (the server kept its seat).
     step_12 = write_perturbed_weights(tiny_model, server.output_dir, 12) / "model.safetensors"
@@ -381,9 +386,11 @@ def assert_a_broadcast_serves_what_the_same_dir_does(server: Server, tiny_model,
     assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
     from_files = greedy_logprobs(client, str(tiny_model))
     assert server.post("/reload_weights").status_code == 200
-    response = BroadcastingTrainer(server, group).send(step, load_file(step_dir / "model.safetensors"))
+    tensors = load_file(step_dir / "model.safetensors")
+    response = BroadcastingTrainer(server, group).send(step, tensors)
     assert response.status_code == 200, response.text
     assert greedy_logprobs(client, str(tiny_model)) == from_files
+    assert response.json()["checksum"] == checksum_of(tensors.items()).hex == server.health()["checksum"]
 
 
 def test_vllm_streams_a_broadcast_through_its_weight_transfer_phases_exactly(streaming, tiny_model):

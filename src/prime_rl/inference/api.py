@@ -147,6 +147,7 @@ class BuiltinModel:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.checksum: str | None = None  # of the weights served (protocol.parity); None: the base weights
 
     async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, LoadedWeights]:
         if source is None:
@@ -159,6 +160,7 @@ class BuiltinModel:
 
     async def apply(self, prepared: LoadedWeights) -> None:
         await self.engine.swap(prepared.tensors, prepared.step)
+        self.checksum = prepared.checksum
 
     def health(self) -> dict[str, Any]:
         e = self.engine

@@ -2,10 +2,11 @@
 
 `ControlPlane` is an ASGI middleware in front of a backend's OpenAI app (our FastAPI app, or vLLM's):
 - the API key on every route but `/health` (constant-time compare), a bounded request body (413);
-- `GET /health` → {"status": "ok", "step", "backend", ...the backend's own counters};
+- `GET /health` → {"status": "ok", "step", "checksum", "backend", ...the backend's own counters};
 - `POST /update_weights {"weight_dir"}` and `POST /reload_weights`: the dir is checked and read first
   (a bad one is a 400 and the old weights keep serving), then the swap waits until the generation requests
-  in flight have finished on the old weights while new ones wait at the gate, and applies;
+  in flight have finished on the old weights while new ones wait at the gate, and applies; the answer
+  carries the weight checksum of what the backend read or received (protocol.parity; null: base weights);
 - every completion response carries `x-weight-step: n`, the policy that computed all of its tokens: a
   request enters the gate holding the step it will be served with, and no swap happens while it runs;
 - a generation body that is not a JSON object, nests deeper than 128 levels or holds a lone UTF-16
@@ -89,6 +90,9 @@ class ServedModel(Protocol):
     # Why generation requests are refused (a weight update failed half-way and left the weights incomplete),
     # None while serving: answered with a 503 until a later update succeeds.
     unservable: str | None
+    # The weight checksum (protocol.parity) of the weights `apply` last served, as read or received before
+    # any cast or fusion; None: the base weights.
+    checksum: str | None
 
     async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Any]:
         """Check and read a weight dir, or receive a broadcast step (None: the base weights), without
@@ -302,7 +306,8 @@ class ControlPlane:
         return None
 
     def _health(self) -> JSONResponse:
-        state = {"status": "ok", "step": self.gate.step, "backend": self.served.backend}
+        state = {"status": "ok", "step": self.gate.step, "checksum": self.served.checksum}
+        state["backend"] = self.served.backend
         if self.broadcast:  # its seats, and the group its weights came from (None: a dir or the base)
             state |= {"weight_receivers": self.served.receivers, "weight_group": self.weight_group}
         return JSONResponse(state | self.served.health())
@@ -333,8 +338,9 @@ class ControlPlane:
                     return error(400, str(e))
                 self.gate.step = step
                 self.weight_group = source.group if isinstance(source, BroadcastRequest) else None
-        logger.info(f"now serving weights step {step}")
-        answer = {"step": step, "seconds": round(time.perf_counter() - start, 3)}
+                checksum = self.served.checksum  # of this update (the next one waits for the lock)
+        logger.info(f"now serving weights step {step} (checksum {checksum})")
+        answer = {"step": step, "checksum": checksum, "seconds": round(time.perf_counter() - start, 3)}
         return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})
 
 

@@ -13,6 +13,9 @@ the server allows and whose every `lora_A`/`lora_B` pair names a linear layer of
 in/out features (`check_adapter_dir`, headers only; `read_adapter` then reads the tensors and refuses
 non-finite ones). Each kind of server refuses the other kind of dir with a 400 saying so. Only JSON and
 safetensors are read: nothing in a dir can run code.
+
+Every backend reports the weight checksum (protocol.parity) of what it read or received, in the
+`/update_weights` answer and in `/health`, for the orchestrator to compare with the trainer's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.protocol import is_stable, step_of
+from prime_rl.protocol.parity import checksum_of
 from prime_rl.utils.hf_layout import TensorSpecs, header_specs
 from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pairs
 
@@ -183,6 +187,7 @@ class Adapter:
     step: int
     scale: float
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    checksum: str = ""  # the weight checksum of the tensors as read (protocol.parity)
 
 
 def linear_shapes(served: TensorSpecs) -> dict[str, tuple[int, int]]:
@@ -290,4 +295,4 @@ def read_adapter(weight_dir: Path, lora: LoraConfig, linears: dict[str, tuple[in
     if broken:
         raise WeightsError(f"{checked.file}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
     pairs = {m: (a.float(), b.float()) for m, (a, b) in adapter_pairs(tensors).items()}
-    return Adapter(step=checked.step, scale=checked.scale, pairs=pairs)
+    return Adapter(step=checked.step, scale=checked.scale, pairs=pairs, checksum=checksum_of(tensors.items()).hex)

@@ -7,7 +7,8 @@ TCPStore that trainer rank 0 hosts at `weight_transfer.host:port`; `group` (a fr
 start) prefixes every key, so a restarted trainer forms a new group and servers of the old one rejoin.
 
 One step n:
-1. the trainer writes `broadcast/step_n.json` {"step", "group", "backend"} (the hand-off, like `STABLE`);
+1. the trainer writes `broadcast/step_n.json` {"step", "group", "backend"} (the hand-off, like `STABLE`), and
+   again with "checksum" (the step's weight checksum, protocol.parity) once the step was sent;
 2. the orchestrator asks every server to receive it (POST /update_weights {"broadcast": {...}});
 3. each receiver sets the store's `world_size`, adds itself to its `ready/n` count (`ask_for`), joins the
    group if it is not in this one, and waits for the header; the trainer's ranks wait until the count is
@@ -62,21 +63,24 @@ def marker_file(output_dir: Path, step: int) -> Path:
     return broadcast_root(output_dir) / f"step_{step}{MARKER_SUFFIX}"
 
 
-def write_marker(output_dir: Path, step: int, rdv: Rendezvous) -> None:
-    """Announce that step `step` is about to be sent in group `rdv` (the previous announcement goes)."""
-    atomic_write_json(marker_file(output_dir, step), {"step": step, "group": rdv.group, "backend": rdv.backend})
+def write_marker(output_dir: Path, step: int, rdv: Rendezvous, checksum: str | None = None) -> None:
+    """Announce that step `step` is about to be sent in group `rdv` (the previous announcement goes); written
+    again with the step's weight `checksum` (protocol.parity) once it was sent."""
+    marker = {"step": step, "group": rdv.group, "backend": rdv.backend}
+    atomic_write_json(marker_file(output_dir, step), marker | ({"checksum": checksum} if checksum else {}))
     for old in _markers(output_dir):
         if step_of(old.with_suffix("")) != step:
             old.unlink(missing_ok=True)
 
 
 def read_marker(output_dir: Path) -> dict | None:
-    """{"step", "group", "backend"} of the newest announcement, if any."""
+    """{"step", "group", "backend", "checksum"} of the newest announcement, if any (checksum: None until sent)."""
     best = None
     for path in _markers(output_dir):
         try:
             data = json.loads(path.read_text())
             marker = {"step": int(data["step"]), "group": str(data["group"]), "backend": str(data["backend"])}
+            marker["checksum"] = str(data["checksum"]) if data.get("checksum") else None
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being replaced
         if best is None or marker["step"] > best["step"]:

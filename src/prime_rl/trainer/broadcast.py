@@ -3,7 +3,8 @@ every inference worker over a process group instead of writing `weights/step_n`.
 
 Every trainer rank walks the state dict in the same order and gathers one full tensor at a time (an FSDP
 collective), so no rank ever holds more than its shard plus one tensor; rank 0 casts it to the saved dtype
-(what the filesystem export writes, so both transfers serve the same numbers) and sends it.
+(what the filesystem export writes, so both transfers serve the same numbers), adds it to the step's weight
+checksum and sends it; the checksum goes into the step's announcement once the step was sent.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prime_rl.protocol.broadcast import (
     size_key,
     write_marker,
 )
+from prime_rl.protocol.parity import Checksum
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import ModelFiles, export_specs, full_tensor
 from prime_rl.utils.hf_layout import broadcast_refusal
@@ -88,13 +90,24 @@ class WeightSender:
                 self.pg = join_group(self.store, rdv, 0)
             state, exported = export_specs(model, self.dtype)
             specs = [(n, *spec) for n, spec in exported.items()]
-            full = (full_tensor(t) for t in state.values())
+            checksum = Checksum()
+            full = self._exported(state, exported, checksum)
             send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d))
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died, or the store went
             raise TrainerError(
                 f"weight broadcast of step {step} to the inference workers at {rdv.where} failed: {e}; "
                 "did an inference server die?"
             ) from None
+        if self.d.is_main:  # what the servers check what they received against (docs/design.md §4)
+            write_marker(c.output_dir, step, rdv, checksum.hex)
+
+    def _exported(self, state: dict, exported: dict, checksum: Checksum):
+        """Each full tensor in its export dtype, added to `checksum` on rank 0 (on the trainer's device)."""
+        for name, tensor in state.items():
+            tensor = full_tensor(tensor).detach().to(exported[name][0])
+            if self.d.is_main:
+                checksum.add(name, tensor)
+            yield tensor
 
 
 def _send_device(rdv: Rendezvous, d) -> torch.device:

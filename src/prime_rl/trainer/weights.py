@@ -1,9 +1,11 @@
 """Writing `weights/step_n`: a complete HF model dir that inference loads with `from_pretrained`.
 
 Every rank writes its own safetensors files, gathering one full tensor at a time (an FSDP collective);
-rank 0 writes config.json, generation_config.json, the tokenizer and the index. The parameter names are
-exactly the base model's; once all files are fsynced rank 0 marks the dir `STABLE`. A dir without `STABLE`
-(e.g. left by a crash) is never read and is replaced on the next write.
+rank 0 writes config.json, generation_config.json, the tokenizer, the index and checksum.json (the weight
+checksum of every tensor written, each rank's summed: protocol.parity), which the orchestrator compares with
+what each server says it loaded. The parameter names are exactly the base model's; once all files are
+fsynced rank 0 marks the dir `STABLE`. A dir without `STABLE` (e.g. left by a crash) is never read and is
+replaced on the next write.
 
 The model's own parameter names are not always the checkpoint's: transformers 5 converts some
 architectures at load (MoE models get their per-expert `mlp.experts.{i}.gate_proj/up_proj/down_proj`
@@ -45,6 +47,7 @@ from prime_rl.protocol import (
     weights_root,
     writing,
 )
+from prime_rl.protocol.parity import Checksum, write_checksum
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, converted_at_load, header_specs
 from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
@@ -169,22 +172,28 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
                     files.generation_config.save_pretrained(partial)
                     files.tokenizer.save_pretrained(partial)
             dist.barrier()  # the dir exists before any rank writes into it
+            checksum = Checksum()  # of the tensors this rank writes (docs/design.md §4)
             if files.lora is not None:
-                write_adapter(model, files, partial, rank)
+                write_adapter(model, files, partial, rank, checksum)
                 written = []
             elif converted_at_load(model):
                 state_dict = gather_full_state_dict(model)
                 if rank == 0:
                     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-                    write_safetensors(checkpoint_state_dict(model, state_dict), partial, files.dtype, tied=tied)
+                    state_dict = checkpoint_state_dict(model, state_dict)
+                    write_safetensors(state_dict, partial, files.dtype, tied=tied, checksum=checksum)
                 written = []
             else:
-                written = write_own_shards(model, partial, files.dtype, rank, world)
+                written = write_own_shards(model, partial, files.dtype, rank, world, checksum)
             report = [None] * world
-            dist.all_gather_object(report, (written, peak.extra_mib()))
+            dist.all_gather_object(report, (written, peak.extra_mib(), checksum.value, checksum.tensors))
             if rank == 0:
                 if world > 1 or any(r[0] for r in report):
-                    logger.debug(f"weights/step_{step}: per rank [files, peak extra memory MiB]: {json.dumps(report)}")
+                    per_rank = json.dumps([r[:2] for r in report])
+                    logger.debug(f"weights/step_{step}: per rank [files, peak extra memory MiB]: {per_rank}")
+                for _, _, value, tensors in report[1:]:
+                    checksum.merge(Checksum(value, tensors))
+                write_checksum(partial, checksum)
                 for f in partial.iterdir():
                     _fsync(f)
                 mark_stable(partial)
@@ -237,12 +246,15 @@ def adapter_config(files: ModelFiles):
     )
 
 
-def write_adapter(model: torch.nn.Module, files: ModelFiles, path: Path, rank: int) -> None:
-    """Collective: every rank takes part in gathering the (small) adapter tensors; rank 0 writes them."""
+def write_adapter(
+    model: torch.nn.Module, files: ModelFiles, path: Path, rank: int, checksum: Checksum | None = None
+) -> None:
+    """Collective: every rank takes part in gathering the (small) adapter tensors; rank 0 writes them (and
+    adds them to `checksum`)."""
     tensors = {name: full_tensor(t).detach().float().cpu() for name, t in adapter_state(model).items()}
     if rank == 0:
         adapter_config(files).save_pretrained(path)
-        write_safetensors(tensors, path, torch.float32, tied=False, filename=ADAPTER_WEIGHTS)
+        write_safetensors(tensors, path, torch.float32, tied=False, filename=ADAPTER_WEIGHTS, checksum=checksum)
 
 
 def shard_plan(sizes: list[tuple[str, int]], world: int, max_bytes: int) -> list[list[str]]:
@@ -275,9 +287,13 @@ def export_specs(model: torch.nn.Module, dtype: torch.dtype) -> tuple[dict, dict
     return state, specs
 
 
-def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, rank: int, world: int) -> list[str]:
+def write_own_shards(
+    model: torch.nn.Module, path: Path, dtype: torch.dtype, rank: int, world: int, checksum: Checksum | None = None
+) -> list[str]:
     """Collective: every rank gathers each tensor in turn; each writes the files `shard_plan` gives it, as
-    the tensors arrive (its files' headers are known up front from the global shapes). Returns its files."""
+    the tensors arrive (its files' headers are known up front from the global shapes), adding each tensor it
+    writes to `checksum` on the tensor's device, in the export dtype. Returns its files."""
+    checksum = Checksum() if checksum is None else checksum
     state, exported = export_specs(model, dtype)
     nbytes = [(n, math.prod(shape) * d.itemsize) for n, (d, shape) in exported.items()]
     plan = shard_plan(nbytes, world, MAX_SHARD_BYTES)
@@ -293,15 +309,9 @@ def write_own_shards(model: torch.nn.Module, path: Path, dtype: torch.dtype, ran
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
             for name in names:
-                f.write(
-                    full_tensor(state[name])
-                    .to(exported[name][0])
-                    .cpu()
-                    .contiguous()
-                    .reshape(-1)
-                    .view(torch.uint8)
-                    .numpy()
-                )
+                tensor = full_tensor(state[name]).detach().to(exported[name][0])
+                checksum.add(name, tensor)  # on the tensor's device: no host pass over the bytes
+                f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                 stamp()  # a 70B export takes minutes: each tensor written is progress
 
         atomic_write(path / shard_name(i, len(plan)), stream)
@@ -347,13 +357,17 @@ def write_safetensors(
     tied: bool,
     max_shard_size: str = MAX_SHARD_SIZE,
     filename: str = "model.safetensors",
+    checksum: Checksum | None = None,
 ) -> None:
-    """Shards named like `save_pretrained`'s (`model.safetensors` or `model-0000i-of-0000n.safetensors` + index)."""
+    """Shards named like `save_pretrained`'s (`model.safetensors` or `model-0000i-of-0000n.safetensors` + index);
+    the tensors as written are added to `checksum` when given."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save
 
     state_dict = drop_tied_head(state_dict, tied)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
+    for name, tensor in tensors.items() if checksum is not None else ():
+        checksum.add(name, tensor)
     pattern = filename.replace(".safetensors", "{suffix}.safetensors")
     split = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_shard_size)
     for shard_file, names in split.filename_to_tensors.items():

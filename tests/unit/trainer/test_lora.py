@@ -10,7 +10,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.inference.engine.weights import model_linears
+from prime_rl.inference.weights import read_adapter
 from prime_rl.protocol import is_stable
+from prime_rl.protocol.parity import read_checksum
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.ckpt import Progress, _safe_reader, load_checkpoint, save_checkpoint
 from prime_rl.trainer.convert import convert
@@ -76,8 +79,11 @@ def test_only_adapters_train_and_the_shipped_adapter_is_the_trainers_policy(tiny
 
     path = save_weights(model, files, tmp_path, step=2)
     assert is_stable(path) and sorted(p.name for p in path.iterdir()) == [
-        "STABLE", "adapter_config.json", "adapter_model.safetensors"
+        "STABLE", "adapter_config.json", "adapter_model.safetensors", "checksum.json"
     ]  # fmt: skip
+    # what a server reading the adapter reports is what the trainer wrote
+    linears = model_linears(AutoModelForCausalLM.from_pretrained(tiny_model))
+    assert read_adapter(path, config.model.lora, linears).checksum == read_checksum(path)
     adapter = load_file(path / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
     assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (64, 4)

@@ -24,7 +24,8 @@ import torch
 from prime_rl.configs import LoraConfig
 from prime_rl.inference.broadcast import BroadcastReceiver
 from prime_rl.inference.weights import WeightsError, check_weight_dir, read_adapter, targeted
-from prime_rl.utils.hf_layout import TensorSpecs, broadcast_refusal, checkpoint_state_dict
+from prime_rl.protocol.parity import checksum_of
+from prime_rl.utils.hf_layout import TensorSpecs, broadcast_refusal, checkpoint_state_dict, iter_safetensors
 from prime_rl.utils.lora import merge_weight
 
 
@@ -33,6 +34,7 @@ class LoadedWeights:
     step: int
     weight_dir: Path | None  # None: received over the broadcast group
     tensors: dict[str, torch.Tensor]
+    checksum: str | None = None  # of the tensors as read or received, before any cast (protocol.parity)
 
 
 def checkpoint_specs(model: torch.nn.Module) -> TensorSpecs:
@@ -56,6 +58,7 @@ def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs
         except Exception as e:  # transformers raises many types for files it cannot use
             raise WeightsError(f"{weight_dir}: cannot load: {e}") from None
         tensors = loaded.state_dict()
+        checksum = checksum_of(iter_safetensors(weight_dir)).hex  # of the files, as the other backends read them
     else:
         tensors = {}
         for file in files:
@@ -63,7 +66,8 @@ def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs
                 tensors.update(load_file(file))
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise WeightsError(f"{file}: cannot read: {e}") from None
-    return LoadedWeights(step=step, weight_dir=weight_dir, tensors=servable(tensors, params, str(weight_dir)))
+        checksum = checksum_of(tensors.items()).hex
+    return LoadedWeights(step, weight_dir, servable(tensors, params, str(weight_dir)), checksum)
 
 
 def servable(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], source: str) -> dict:
@@ -92,9 +96,8 @@ def load_adapter_dir(
 ) -> LoadedWeights:
     """Read a checked adapter dir and merge it onto the base: the new weights of every layer in `targets`."""
     adapter = read_adapter(Path(weight_dir), lora, model_linears(model))
-    return LoadedWeights(
-        adapter.step, Path(weight_dir), merge_adapter(adapter.pairs, adapter.scale, base, targets, model)
-    )
+    merged = merge_adapter(adapter.pairs, adapter.scale, base, targets, model)
+    return LoadedWeights(adapter.step, Path(weight_dir), merged, adapter.checksum)
 
 
 def merge_adapter(
@@ -128,4 +131,5 @@ def receive_weights(receiver: BroadcastReceiver, request, model: torch.nn.Module
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = receiver.receive(request.rendezvous(), request.rank, request.step, device, specs, tied)
     source = f"weight broadcast of step {request.step}"
-    return LoadedWeights(step=request.step, weight_dir=None, tensors=servable(tensors, params, source))
+    checksum = checksum_of(tensors.items()).hex  # in the sender's dtypes, on the receiving device
+    return LoadedWeights(request.step, None, servable(tensors, params, source), checksum)

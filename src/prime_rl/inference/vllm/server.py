@@ -138,6 +138,7 @@ class VllmModel:
         self._transfer_ready = False
         # Why generation requests are refused (a weight update failed half-way), None while serving.
         self.unservable: str | None = None
+        self.checksum: str | None = None  # of the weights served (protocol.parity); None: the base weights
 
     def served_specs(self) -> TensorSpecs:
         """Names and shapes of the served checkpoint, which vLLM's loader expects (read once)."""
@@ -162,7 +163,7 @@ class VllmModel:
             # The tensors are read once here for the finite-values check; vLLM reads the dir again to load it.
             linears = linear_shapes(self.served_specs())
             adapter = await asyncio.to_thread(read_adapter, source, self.lora, linears)
-            return adapter.step, source
+            return adapter.step, (source, adapter.checksum)
         if isinstance(source, BroadcastRequest):
             await self._init_transfer()
             if not await self._stages():
@@ -185,10 +186,11 @@ class VllmModel:
         await self.client.pause_generation(mode="wait", clear_cache=True)
         try:
             if self.lora is not None:
-                await (self.unload_adapter() if prepared is None else self.load_adapter(prepared))
+                await (self.unload_adapter() if prepared is None else self.load_adapter(prepared[0]))
+                self.checksum = None if prepared is None else prepared[1]
             elif prepared is None:
                 await self.client.collective_rpc("reload_base_weights")
-                self.unservable = None
+                self.unservable, self.checksum = None, None
             else:
                 await self._transfer(prepared)
         finally:
@@ -221,6 +223,10 @@ class VllmModel:
         await self.client.finish_weight_update(weight_version=str(update.step))
         times["finish_weight_update"] = time.perf_counter() - start - sum(times.values())
         self.unservable = None
+        # Every worker was fed the whole checkpoint-format step: their sums agree unless a load went wrong,
+        # and then all of them are reported (which matches no trainer's checksum).
+        sums = await self.client.collective_rpc("weights_checksum")
+        self.checksum = sums[0] if len(set(sums)) == 1 else "/".join(map(str, sums))
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in times.items())
         logger.info(f"weights step {update.step} ({update.how}) through vLLM's weight transfer: {phases}")
 

@@ -13,6 +13,9 @@ One engine for both transports, so the CPU build in CI runs the phases a GPU nod
   (`stage`, then `staged`): an update that fails half-way then leaves the served weights whole. The server
   stages when the device has room for a copy of the model (`weight_staging`, docs/design.md §4).
 
+Every update sums the weight checksum (protocol.parity) of the (name, tensor) pairs fed to `load_weights`,
+which the server reads from every worker after the update (`weights_checksum`).
+
 Runs inside vLLM's worker processes; the worker extension (worker.py) registers it in vLLM's factory.
 """
 
@@ -32,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from prime_rl.inference.broadcast import BroadcastReceiver
 from prime_rl.inference.control import BroadcastRequest
+from prime_rl.protocol.parity import Checksum, summing
 from prime_rl.utils.hf_layout import iter_safetensors
 
 
@@ -71,6 +75,8 @@ class PrimeTransferEngine(WeightTransferEngine[PrimeInitInfo, PrimeUpdateInfo]):
         self.served: dict[str, tuple[tuple[int, ...], bool]] = {}
         self.tied = False
         self.staged: dict[str, torch.Tensor] | None = None
+        # The weight checksum (protocol.parity) of the pairs the last update fed to `load_weights`.
+        self.checksum: str | None = None
 
     def init_transfer_engine(self, init_info: PrimeInitInfo) -> None:
         self.served = {name: (tuple(shape), floating) for name, shape, floating in init_info.served}
@@ -106,7 +112,12 @@ class PrimeTransferEngine(WeightTransferEngine[PrimeInitInfo, PrimeUpdateInfo]):
                 request.rendezvous(), update_info.seat, request.step, self.transport_device(request), self.served,
                 self.tied,
             )  # fmt: skip
-        self.model.load_weights(weights)
+        # Summed as they are fed, before vLLM fuses or shards them; on this worker's device (a file's host
+        # tensors a chunk at a time), so no host pass over a large model's bytes.
+        checksum = Checksum(device=self.device)
+        self.checksum = None
+        self.model.load_weights(summing(weights, checksum))
+        self.checksum = checksum.hex
 
     def stage(self, request: BroadcastRequest, seat: int) -> None:
         """Receive a broadcast step whole into device memory; the served weights are untouched."""

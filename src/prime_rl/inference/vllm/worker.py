@@ -38,6 +38,10 @@ class WeightUpdateExtension:
         parallel = self.vllm_config.parallel_config
         return parallel.data_parallel_index * parallel.world_size + self.rank
 
+    def weights_checksum(self) -> str | None:
+        """The weight checksum of what the last update fed this worker's model (None: none since the start)."""
+        return self.weight_transfer_engine.checksum
+
     def staging_room(self) -> tuple[int, int]:
         return self.weight_transfer_engine.staging_room()
 

@@ -92,12 +92,15 @@ class RecordingEngineClient:
     def __init__(self, hf_config):
         self.calls = []
         self.model_config = types.SimpleNamespace(hf_config=hf_config)
+        self.checksums = ["00000000000000aa", "00000000000000aa"]
 
     async def pause_generation(self, mode="abort", clear_cache=True):
         self.calls.append(("pause", mode, clear_cache))
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("rpc", method, args))
+        if method == "weights_checksum":  # each worker's sum of what it was fed (two workers here)
+            return self.checksums
 
     async def resume_generation(self):
         self.calls.append(("resume",))
@@ -146,21 +149,27 @@ def perturbed(tiny_model, tmp_path, step: int, **changes):
 def test_update_weights_pauses_loads_on_every_worker_and_resumes(vllm_like, tiny_model, tmp_path):
     http, engine = vllm_like
     auth = {"Authorization": "Bearer k"}
-    assert http.get("/health").json() == {"status": "ok", "step": 0, "backend": "vllm"}
+    assert http.get("/health").json() == {"status": "ok", "step": 0, "checksum": None, "backend": "vllm"}
     assert http.post("/update_weights", json={"weight_dir": "x"}).status_code == 401
     step_dir = perturbed(tiny_model, tmp_path, 3)
     response = http.post("/update_weights", json={"weight_dir": str(step_dir)}, headers=auth).json()
-    assert response["step"] == 3 and response["seconds"] >= 0
+    assert response["step"] == 3 and response["seconds"] >= 0 and response["checksum"] == "00000000000000aa"
     assert engine.calls == [
         ("init", ["served", "tied"]),  # once: the served layout, which broadcast headers are checked against
         ("pause", "wait", True),  # running requests finish on the old weights: no response mixes policies
         ("start",),  # vLLM's weight-transfer phases, through our engine
         ("update", {"path": str(step_dir)}),
         ("finish", "3"),  # vLLM's weight version is the step
+        ("rpc", "weights_checksum", ()),  # what every worker's model was fed
         ("resume",),
     ]
-    assert http.get("/health").json()["step"] == 3
-    assert http.post("/reload_weights", headers=auth).json()["step"] == 0
+    assert http.get("/health").json()["step"] == 3 and http.get("/health").json()["checksum"] == "00000000000000aa"
+    engine.checksums = ["00000000000000aa", "00000000000000bb"]  # workers fed different tensors: both named
+    assert http.post("/update_weights", json={"weight_dir": str(step_dir)}, headers=auth).json()["checksum"] == (
+        "00000000000000aa/00000000000000bb"
+    )
+    reloaded = http.post("/reload_weights", headers=auth).json()
+    assert (reloaded["step"], reloaded["checksum"]) == (0, None)
     assert engine.calls[-2] == ("rpc", "reload_base_weights", ())
 
 

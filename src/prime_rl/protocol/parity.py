@@ -1,0 +1,138 @@
+"""What proves that every server serves the trainer's weights (docs/design.md §2, §4): weight checksums and
+the parity canaries' files.
+
+Weight checksum. One number for a set of named tensors, computed the same way wherever they are: by the
+trainer on what it exports (in the export dtype; each FSDP rank on the tensors it writes, the ranks' values
+summed), by a server on what it received (the safetensors it read, the tensors of a broadcast, the pairs
+vLLM's `load_weights` is fed, an adapter's tensors). It is cheap at any size: no bytes are hashed, each
+tensor is reduced on its own device, in row chunks of at most CHUNK_ELEMENTS, to one integer:
+
+    value(t) = Σ_r (r + 1) · rowsum_r(words(t)) mod P,        P = 2^31 - 1
+
+where rows are along dim 0 (a 1-D tensor: each element a row) and words(t) is each row's bytes viewed as
+int32 words, summed with wrap-around (mod 2^32: exact in any order, on any device; fast), or, where a row's
+bytes are no multiple of 4, as signed ints of the item size, summed in int64. So a change of any element,
+of the dtype (other bits) or of the order of rows changes it. Tensors combine order-independently (a sum),
+each weighted by a 64-bit key of its name, dtype and shape:
+
+    checksum = Σ_tensors key(name, dtype, shape) · value(t) mod 2^64,   written as 16 hex digits.
+
+Worked example: a float32 tensor "w" = [[1.0], [2.0]] has words [[1065353216], [1073741824]]:
+value = 1 · 1065353216 + 2 · 1073741824 mod P = 1065353217 (P = 2147483647); its checksum is
+key("w", float32, (2, 1)) · 1065353217 mod 2^64. Products stay below 2^63 before each `mod`, so CPU and
+CUDA give the same integer.
+
+The trainer writes `checksum.json` {"checksum", "tensors"} into each `weights/step_n` (before `STABLE`) and
+adds "checksum" to the broadcast announcement once the step is sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prime_rl.protocol.files import atomic_write_json
+
+if TYPE_CHECKING:
+    import torch
+
+CHECKSUM_FILE = "checksum.json"
+CHUNK_ELEMENTS = 1 << 24  # elements reduced at once: bounds the temporaries (an int64 row sum per row) on any device
+P = 2**31 - 1
+MASK = 2**64 - 1
+
+
+def tensor_key(name: str, dtype: torch.dtype, shape: Iterable[int]) -> int:
+    """A 64-bit key of a tensor's identity: its name, dtype and shape."""
+    text = f"{name}|{str(dtype).removeprefix('torch.')}|{','.join(str(int(x)) for x in shape)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def tensor_value(t: torch.Tensor, device: torch.device | None = None) -> int:
+    """Σ_r (r + 1) · rowsum_r(words(t)) mod P, reduced in chunks of rows on `device` (default: `t`'s; a GPU
+    server hashes the host tensors it reads from files there, a chunk at a time) (see the module doc)."""
+    import torch
+
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    t = t.detach()
+    if t.numel() == 0:
+        return 0
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    rows = t.reshape(t.shape[0] if t.dim() else 1, -1)  # 1-D: (n, 1); a scalar: one row
+    per_chunk = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    device = t.device if device is None else device
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, rows.shape[0], per_chunk):
+        chunk = rows[start : start + per_chunk].to(device).contiguous()
+        if chunk.shape[1] * chunk.element_size() % 4 == 0:
+            # int32 accumulation wraps mod 2^32 (14x faster than widening to int64 on a CPU)
+            sums = chunk.view(torch.int32).sum(dim=1, dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
+        else:  # 1- or 2-byte items, an odd count: |row sum| < row length · 2^15
+            sums = chunk.view(ints).sum(dim=1, dtype=torch.int64)
+        sums = sums.remainder(P)  # times a weight <= 2^31: < 2^62
+        weights = torch.arange(start + 1, start + 1 + chunk.shape[0], dtype=torch.int64, device=device)
+        total = (total + (sums * weights.remainder(P)).remainder(P).sum()).remainder(P)
+    return int(total)
+
+
+class Checksum:
+    """An order-independent checksum of named tensors: `add` each one (any device), read `hex`.
+
+    >>> c = Checksum(); c.add("w", torch.tensor([[1.0], [2.0]])); c.hex  # doctest: +SKIP
+    """
+
+    def __init__(self, value: int = 0, tensors: int = 0, device: torch.device | None = None):
+        self.value, self.tensors, self.device = value, tensors, device
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        value = tensor_value(tensor, self.device)
+        self.value = (self.value + tensor_key(name, tensor.dtype, tensor.shape) * value) & MASK
+        self.tensors += 1
+
+    def merge(self, other: Checksum) -> None:
+        """Add another part's tensors (another FSDP rank's, another file's)."""
+        self.value = (self.value + other.value) & MASK
+        self.tensors += other.tensors
+
+    @property
+    def hex(self) -> str:
+        return f"{self.value:016x}"
+
+    def record(self) -> dict:
+        return {"checksum": self.hex, "tensors": self.tensors}
+
+
+def checksum_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> Checksum:
+    c = Checksum()
+    for name, tensor in tensors:
+        c.add(name, tensor)
+    return c
+
+
+def summing(tensors: Iterable[tuple[str, torch.Tensor]], into: Checksum) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` passed through unchanged, each added to `into` on the way (for a stream fed to a loader)."""
+    for name, tensor in tensors:
+        into.add(name, tensor)
+        yield name, tensor
+
+
+def checksum_file(weight_dir: Path) -> Path:
+    return Path(weight_dir) / CHECKSUM_FILE
+
+
+def write_checksum(weight_dir: Path, checksum: Checksum) -> None:
+    """`weight_dir/checksum.json` (the trainer, before the dir is marked STABLE)."""
+    atomic_write_json(checksum_file(weight_dir), checksum.record())
+
+
+def read_checksum(weight_dir: Path) -> str | None:
+    """The checksum the trainer wrote with a weight dir; None when it wrote none (a dir from elsewhere)."""
+    try:
+        value = json.loads(checksum_file(weight_dir).read_text())["checksum"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
