@@ -108,11 +108,13 @@ def test_output_dir_env_is_every_services_default_and_flags_still_win(monkeypatc
     assert str(load_config(TrainerConfig, []).output_dir) == "outputs"
 
 
-def test_rl_sampling_the_trainer_cannot_score_is_refused():
-    """top_p < 1 samples a truncated distribution; the trainer scores the full one, so the ratio would lie."""
-    with pytest.raises(ConfigError, match=r"sampling.top_p = 0.9: RL samples from the full distribution"):
-        load_config(RLConfig, ["--orchestrator.sampling.top-p", "0.9"])
-    assert load_config(RLConfig, ["--orchestrator.sampling.temperature", "0.7"]).orchestrator.sampling.top_p == 1
+def test_rl_with_top_p_or_top_k_needs_a_backend_that_returns_sampling_masks():
+    """The trainer replays each token's kept set; vLLM's routes do not return it, so vLLM is refused up front."""
+    sampling = load_config(RLConfig, ["--orchestrator.sampling.top-p", "0.9", "--orchestrator.sampling.top-k", "20"])
+    assert (sampling.orchestrator.sampling.top_p, sampling.orchestrator.sampling.top_k) == (0.9, 20)
+    with pytest.raises(ConfigError, match=r"orchestrator.sampling.top_k.*the vLLM backend\s+cannot return"):
+        load_config(RLConfig, ["--orchestrator.sampling.top-k", "5", "--inference.backend", "vllm"])
+    assert load_config(RLConfig, ["--inference.backend", "vllm"]).orchestrator.sampling.filtered is False
 
 
 def test_config_mistakes_are_one_line_errors_not_tracebacks(tmp_path):

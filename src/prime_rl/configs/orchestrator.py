@@ -59,11 +59,26 @@ class ClientConfig(Section):
 
 class SamplingConfig(Section):
     temperature: Annotated[float, Field(gt=0, le=2, description="sampling temperature (the servers take <= 2)")] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass")] = 1.0
+    top_p: Annotated[
+        float,
+        Field(gt=0, le=1, description="nucleus sampling: draw from the smallest most-likely set of tokens reaching "
+              "this mass (1 = off); in training the server reports each token's set and the trainer scores "
+              "over it (built-in engine)"),
+    ] = 1.0  # fmt: skip
+    top_k: Annotated[
+        int,
+        Field(ge=-1, description="draw from the k most likely tokens only (0 or -1 = off); in training replayed "
+              "like top_p"),
+    ] = 0  # fmt: skip
     max_tokens: Annotated[int, Field(ge=1, description="most completion tokens per model turn")] = 128
     seed: Annotated[
         int | None, Field(description="seed for per-request sampling seeds (reproducible sampling); unset = none")
     ] = None
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-p or top-k cut the distribution (then RL replays each token's kept set)."""
+        return self.top_p < 1 or self.top_k > 0
 
 
 class AdvantageConfig(Section):
@@ -227,15 +242,4 @@ class OrchestratorConfig(BaseConfig):
                     f"max_off_policy_steps ({self.max_off_policy_steps}) < async_level ({self.async_level}) would "
                     "drop rollouts of the very policy the step is allowed to use"
                 )
-        return self
-
-    @model_validator(mode="after")
-    def _trainer_can_score_the_sampling(self) -> OrchestratorConfig:
-        # The trainer scores tokens under log_softmax(logits / temperature) over the whole vocabulary; a
-        # nucleus filter would make the importance ratio compare two different distributions.
-        if self.sampling.top_p < 1:
-            raise ValueError(
-                f"sampling.top_p = {self.sampling.top_p}: RL samples from the full distribution the trainer scores "
-                "(log_softmax(logits / temperature)); use top_p = 1 here (eval may use any top_p)"
-            )
         return self

@@ -204,6 +204,22 @@ class RLConfig(BaseConfig):
         return self
 
 
+    @model_validator(mode="after")
+    def _backend_can_replay_the_sampling(self) -> RLConfig:
+        """top-p / top-k training replays each token's kept set, which only the built-in engine returns."""
+        sampling = self.orchestrator.sampling
+        if sampling.filtered and self.inference.backend == "vllm":
+            key = "orchestrator.sampling.top_p" if sampling.top_p < 1 else "orchestrator.sampling.top_k"
+            raise FieldError(
+                key,
+                "training with top_p < 1 or top_k > 0 replays each sampled token's kept set, which the vLLM backend "
+                "cannot return (vLLM's OpenAI routes carry no sampling masks): use inference.backend = builtin, or "
+                "top_p = 1 and top_k = 0",
+                also=("inference.backend",),
+            )
+        return self
+
+
 def local_port(url: str) -> int | None:
     """The port of `url` when it names this machine (localhost, a loopback address, 0.0.0.0), else None."""
     try:

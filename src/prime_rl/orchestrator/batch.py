@@ -235,7 +235,9 @@ def build_samples(batch: Batch, truncated: str, env_names: list[str] = ()) -> li
     for group, advantages in zip(batch.groups, batch.advantages, strict=True):
         for r, a in zip(group.rollouts, advantages, strict=True):
             mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
-            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask, index.get(group.env, -1)))
+            samples.append(
+                make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask, index.get(group.env, -1), r.kept)
+            )
     return samples
 
 

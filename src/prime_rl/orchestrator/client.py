@@ -18,6 +18,10 @@ attempt, so a request retried after its server got the pool's weights again name
 
 Completions come back as token ids (never re-tokenized text): the response's `prompt_token_ids`, each
 choice's `token_ids`, and the sampled tokens' logprobs, whose tokens read `token_id:<id>`.
+
+Training with top-p / top-k (`masks=True` and a filter on) also asks for `return_sampling_mask`: each token's
+kept set comes back beside its logprob (`sampling_mask`) and goes to the trainer, which scores over it; a
+server that answers without them is an InferenceError (the trainer could not score those tokens).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Completion:
     text: str
     finish_reason: str
     weight_step: int  # the policy step the server held when it sampled this
+    kept: list[list[int]] | None = None  # per token the ids it was drawn among ([] = all), when masks were asked
 
 
 def parse_token_id(token: str) -> int:
@@ -68,8 +73,18 @@ def _check_ids(choice: dict, logprob_ids: list[int]) -> list[int]:
     return list(ids)
 
 
-def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str]]:
-    """(prompt_ids, completion_ids, logprobs, text, finish_reason) per choice of a chat completion."""
+def _kept_sets(sets: Any, ids: list[int], index: int) -> list[list[int]] | None:
+    """A choice's sampling masks, checked: one list of ints per token (None: the server sent none)."""
+    if sets is None:
+        return None
+    if len(sets) != len(ids) or not all(isinstance(k, list) for k in sets):
+        raise ValueError(f"choice {index}: sampling_mask is not one list of token ids per token")
+    return [[int(i) for i in k] for k in sets]
+
+
+def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str, Any]]:
+    """(prompt_ids, completion_ids, logprobs, text, finish_reason, kept sets or None) per choice of a chat
+    completion."""
     prompt_ids = data.get("prompt_token_ids")
     if not isinstance(prompt_ids, list):
         raise ValueError("response lacks prompt_token_ids (the server must support return_token_ids)")
@@ -80,11 +95,14 @@ def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[flo
             raise ValueError(f"choice {choice['index']} has no logprobs.content")
         ids = _check_ids(choice, [parse_token_id(t["token"]) for t in content])
         text = (choice.get("message") or {}).get("content") or ""
-        out.append((list(prompt_ids), ids, [float(t["logprob"]) for t in content], text, choice["finish_reason"]))
+        masks = [t["sampling_mask"] for t in content] if content and "sampling_mask" in content[0] else None
+        kept = _kept_sets(masks, ids, choice["index"])
+        logprobs = [float(t["logprob"]) for t in content]
+        out.append((list(prompt_ids), ids, logprobs, text, choice["finish_reason"], kept))
     return out
 
 
-def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str]]:
+def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str, Any]]:
     """The same for /v1/completions, whose logprobs are {"tokens": [...], "token_logprobs": [...]}."""
     out = []
     for choice in sorted(data["choices"], key=lambda c: c["index"]):
@@ -97,7 +115,8 @@ def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], li
             raise ValueError(f"choice {choice['index']} has no logprobs.tokens / token_logprobs")
         ids = _check_ids(choice, [parse_token_id(t) for t in tokens])
         text = choice.get("text") or ""
-        out.append((list(prompt_ids), ids, [float(x) for x in token_logprobs], text, choice["finish_reason"]))
+        kept = _kept_sets(logprobs.get("sampling_mask"), ids, choice["index"])
+        out.append((list(prompt_ids), ids, [float(x) for x in token_logprobs], text, choice["finish_reason"], kept))
     return out
 
 
@@ -242,23 +261,30 @@ class InferenceClient:
                 raise InferenceError(
                     f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
                 )
-            return [Completion(*choice, weight_step=weight_step) for choice in choices]
+            if body.get("return_sampling_mask") and any(c[5] is None for c in choices):
+                raise InferenceError(
+                    f"POST {url} returned no sampling masks: training with top_p < 1 or top_k > 0 needs each "
+                    "token's kept set (return_sampling_mask), which this server does not return (the built-in "
+                    "engine does); use top_p = 1 and top_k = 0 here"
+                )
+            return [Completion(*choice[:5], weight_step=weight_step, kept=choice[5]) for choice in choices]
 
     @property
     def request_model(self) -> str:
         """The model requests name: the LoRA adapter once the pool serves one, else the base model."""
         return self.adapter if self.adapter is not None and self.weights.weight_dir is not None else self.model
 
-    def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
+    def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None, masks: bool = False) -> dict[str, Any]:
         # Every sampling parameter is sent, neutral ones too, so no server default (vLLM's, or a checkpoint's
-        # generation_config.json) changes the distribution the trainer's logprobs assume.
+        # generation_config.json) changes the distribution the trainer's logprobs assume. With `masks` and a
+        # filter on, each token's kept set is asked for: the trainer scores over it.
         body: dict[str, Any] = {
             "model": self.model,
             "n": n,
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "top_k": 0,
+            "top_k": max(sampling.top_k, 0),  # 0 = off on both backends
             "min_p": 0.0,
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
@@ -268,6 +294,8 @@ class InferenceClient:
         }
         if seed is not None:
             body["seed"] = seed
+        if masks and sampling.filtered:
+            body["return_sampling_mask"] = True
         return body
 
     async def chat(
@@ -277,18 +305,26 @@ class InferenceClient:
         sampling: SamplingConfig,
         seed: int | None = None,
         tools: list[dict] | None = None,
+        masks: bool = False,
     ) -> list[Completion]:
-        """`n` samples for one chat prompt (with the environment's `tools`, if any) from the next server."""
-        body = self._sampling_body(n, sampling, seed) | {"messages": messages, "logprobs": True}
+        """`n` samples for one chat prompt (with the environment's `tools`, if any) from the next server; with
+        `masks` (training) each token's kept set when top-p / top-k is on."""
+        body = self._sampling_body(n, sampling, seed, masks) | {"messages": messages, "logprobs": True}
         if tools:
             body["tools"] = tools
         return await self._generate("/chat/completions", body, parse_chat_response)
 
     async def complete(
-        self, prompt: str | list[int], n: int, sampling: SamplingConfig, seed: int | None = None, max_tokens: int = 0
+        self,
+        prompt: str | list[int],
+        n: int,
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        max_tokens: int = 0,
+        masks: bool = False,
     ) -> list[Completion]:
-        """`n` samples continuing a text or token-id prompt (/v1/completions)."""
-        body = self._sampling_body(n, sampling, seed) | {"prompt": prompt, "logprobs": 0}
+        """`n` samples continuing a text or token-id prompt (/v1/completions); `masks` as in `chat`."""
+        body = self._sampling_body(n, sampling, seed, masks) | {"prompt": prompt, "logprobs": 0}
         if max_tokens:
             body["max_tokens"] = max_tokens
         return await self._generate("/completions", body, parse_completion_response)

@@ -16,6 +16,9 @@ lists them) and into every local render; each model turn is decoded from its tok
 `{"role": "assistant", "content", "tool_calls"}` and answers with `role: "tool"` messages, which become
 masked env tokens like any reply.
 
+Sampling masks: a training source (`masks`, build_source) asks for each token's kept set when top-p / top-k is
+on; a rollout keeps them per completion token (`kept`, [] on env replies) for the trainer to score over.
+
 Seeds: with `sampling.seed`, every request gets its own seed derived from (seed, group draw, episode,
 turn), so turn 2 of an episode is not a copy of turn 1's draws and different seeds give different samples.
 """
@@ -51,6 +54,7 @@ class Rollout:
     weight_step_max: int = -1  # newest (differs from weight_step only when turns straddled an update)
     turns: int = 1
     cut: bool = False  # the episode ran out of seq_len before the env ended it
+    kept: list[list[int]] | None = None  # per completion token its kept set ([] = all, env tokens): with masks
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -82,8 +86,14 @@ class Group:
 def from_completion(example: Example, c: Completion) -> Rollout:
     return Rollout(
         example, c.prompt_ids, c.completion_ids, [True] * len(c.completion_ids), c.logprobs, c.text,
-        c.finish_reason, c.weight_step,
+        c.finish_reason, c.weight_step, kept=c.kept,
     )  # fmt: skip
+
+
+def extend_kept(rollout: Rollout, sets: list[list[int]] | None, count: int) -> None:
+    """Append `count` tokens' kept sets (None: none sent, e.g. env tokens: [] each) to a rollout that keeps them."""
+    if rollout.kept is not None:
+        rollout.kept += sets if sets is not None else [[] for _ in range(count)]
 
 
 def derive_seed(*parts: int) -> int:
@@ -150,6 +160,7 @@ class Episode:
     renderer: TurnRenderer
     turns: int
     seq_len: int
+    masks: bool = False  # ask for each token's kept set (training with top-p / top-k)
 
 
 async def play_episode(client: InferenceClient, game: Episode, example: Example, seed: int | None) -> Rollout:
@@ -160,7 +171,7 @@ async def play_episode(client: InferenceClient, game: Episode, example: Example,
     def turn_seed(turn: int) -> int | None:
         return None if seed is None else derive_seed(seed, turn)
 
-    (first,) = await client.chat(example.prompt, 1, sampling, turn_seed(0), renderer.tools)
+    (first,) = await client.chat(example.prompt, 1, sampling, turn_seed(0), renderer.tools, masks=game.masks)
     rollout = from_completion(example, first)
     messages = [*example.prompt, renderer.message(first)]
     last_ids = first.completion_ids
@@ -177,14 +188,16 @@ async def play_episode(client: InferenceClient, game: Episode, example: Example,
         rollout.completion_ids += env_ids
         rollout.completion_mask += [False] * len(env_ids)
         rollout.logprobs += [0.0] * len(env_ids)
+        extend_kept(rollout, None, len(env_ids))
         messages += replies
         ids = rollout.prompt_ids + rollout.completion_ids
         (turn,) = await client.complete(
-            ids, 1, sampling, turn_seed(rollout.turns), max_tokens=min(sampling.max_tokens, budget)
+            ids, 1, sampling, turn_seed(rollout.turns), max_tokens=min(sampling.max_tokens, budget), masks=game.masks
         )
         rollout.completion_ids += turn.completion_ids
         rollout.completion_mask += [True] * len(turn.completion_ids)
         rollout.logprobs += turn.logprobs
+        extend_kept(rollout, turn.kept, len(turn.completion_ids))
         rollout.finish_reason = turn.finish_reason
         rollout.weight_step = min(rollout.weight_step, turn.weight_step)
         rollout.weight_step_max = max(rollout.weight_step_max, turn.weight_step)
@@ -198,18 +211,19 @@ async def play_episode(client: InferenceClient, game: Episode, example: Example,
 class RolloutSource:
     """Samples groups of rollouts for examples of one environment, and scores them.
 
-    `name` labels its groups (per-env metrics); `max_tokens` overrides sampling.max_tokens for this env."""
+    `name` labels its groups (per-env metrics); `max_tokens` overrides sampling.max_tokens for this env; `masks`
+    asks for each token's kept set when top-p / top-k is on (training: the trainer scores over it)."""
 
     def __init__(self, env: Environment, name: str, sampling: SamplingConfig, seq_len: int, tokenizer: Any = None,
-                 turns: int | None = None, max_tokens: int | None = None):  # fmt: skip
-        self.env, self.name, self.seq_len = env, name, seq_len
+                 turns: int | None = None, max_tokens: int | None = None, masks: bool = False):  # fmt: skip
+        self.env, self.name, self.seq_len, self.masks = env, name, seq_len, masks
         self.sampling = sampling if max_tokens is None else sampling.model_copy(update={"max_tokens": max_tokens})
         self.tools = getattr(env, "tools", None) or None
         self.multi_turn = is_multi_turn(env)
         self.game = None
         if self.multi_turn:
             renderer = TurnRenderer(tokenizer, self.tools)
-            self.game = Episode(env, self.sampling, renderer, turns or max_turns(env), seq_len)
+            self.game = Episode(env, self.sampling, renderer, turns or max_turns(env), seq_len, masks)
 
     async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
         if self.game is not None:
@@ -219,9 +233,9 @@ class RolloutSource:
             ]
             return Group(example, list(await asyncio.gather(*episodes)), self.name)
         if isinstance(example.prompt, str):
-            completions = await client.complete(example.prompt, n, self.sampling, seed)
+            completions = await client.complete(example.prompt, n, self.sampling, seed, masks=self.masks)
         else:
-            completions = await client.chat(example.prompt, n, self.sampling, seed, self.tools)
+            completions = await client.chat(example.prompt, n, self.sampling, seed, self.tools, masks=self.masks)
         return Group(example, [from_completion(example, c) for c in completions], self.name)
 
     async def score(self, group: Group) -> None:
@@ -234,11 +248,12 @@ class RolloutSource:
 def build_source(
     cfg: EnvConfig, config: OrchestratorConfig, sampling: SamplingConfig | None = None
 ) -> tuple[Environment, RolloutSource]:
-    """An `[[env]]` (or `[[eval]]`) entry's environment and its sampler (sampling: config.sampling unless given)."""
+    """An `[[env]]` (or `[[eval]]`) entry's environment and its sampler (sampling: config.sampling unless given);
+    it asks for sampling masks when top-p / top-k is on (the orchestrator trains on what it samples)."""
     env = load_environment(cfg.id, **cfg.args)
     tokenizer = load_tokenizer(env, config.model.name)
     source = RolloutSource(env, cfg.label, sampling or config.sampling, config.seq_len, tokenizer, config.max_turns,
-                           cfg.max_tokens)  # fmt: skip
+                           cfg.max_tokens, masks=True)  # fmt: skip
     return env, source
 
 
