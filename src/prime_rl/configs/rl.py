@@ -203,7 +203,6 @@ class RLConfig(BaseConfig):
             )
         return self
 
-
     @model_validator(mode="after")
     def _backend_can_replay_the_sampling(self) -> RLConfig:
         """top-p / top-k training replays each token's kept set, which only the built-in engine returns."""
