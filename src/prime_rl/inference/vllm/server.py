@@ -88,6 +88,8 @@ class VllmControlPlane(ControlPlane):
         `tool_call_id`), so a conversation is valid on both backends or on neither. Only bodies that mention
         tools are parsed: a JSON encoder never escapes the ASCII letters of `tool`."""
         refusal = super().check_generation(path, body)
+        if refusal is None and b"return_sampling_mask" in body:
+            refusal = sampling_mask_refusal(body)
         if refusal is not None or path != "/v1/chat/completions" or b"tool" not in body:
             return refusal
         try:
@@ -119,6 +121,23 @@ class VllmControlPlane(ControlPlane):
             self.served.client = scope["app"].state.engine_client
             self.served.models = getattr(scope["app"].state, "openai_serving_models", None)
         await super().__call__(scope, receive, send)
+
+
+def sampling_mask_refusal(body: bytes) -> JSONResponse | None:
+    """The 400 for a body asking for sampling masks (`return_sampling_mask`, the built-in engine's kept sets for
+    top-p / top-k training): vLLM's OpenAI routes return none (only its token-in/token-out route does, and
+    vLLM's CPU model runner computes none), so asking is refused rather than answered without them."""
+    try:
+        asked = json.loads(body).get("return_sampling_mask")
+    except (ValueError, AttributeError):
+        return None  # not a JSON object: vLLM says so
+    if not asked:
+        return None
+    return error(
+        400,
+        "return_sampling_mask: the vLLM backend cannot return sampling masks (vLLM's OpenAI routes carry none), so "
+        "it cannot train with top_p < 1 or top_k > 0: use top_p = 1 and top_k = 0, or the built-in engine",
+    )
 
 
 class VllmModel:

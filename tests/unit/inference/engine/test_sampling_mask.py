@@ -115,3 +115,12 @@ def test_chat_logprob_entries_carry_their_kept_set(client):
     chunks = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines[:-1]]
     streamed = [e["sampling_mask"] for c in chunks for e in (c["logprobs"] or {}).get("content") or []]
     assert streamed == [e["sampling_mask"] for e in content]
+
+
+def test_the_vllm_backend_refuses_requests_for_sampling_masks():
+    from prime_rl.inference.vllm.server import sampling_mask_refusal
+
+    refusal = sampling_mask_refusal(json.dumps({"prompt": [1], "return_sampling_mask": True}).encode())
+    assert refusal is not None and refusal.status_code == 400
+    assert b"the vLLM backend cannot return sampling masks" in refusal.body
+    assert sampling_mask_refusal(b'{"return_sampling_mask": false}') is None
