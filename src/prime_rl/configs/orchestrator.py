@@ -135,6 +135,43 @@ class EvalEnvConfig(EnvConfig):
     ] = None
 
 
+class TeacherConfig(Section):
+    """On-policy distillation (`[orchestrator.teacher]`): a teacher server scores every rollout's tokens, and on
+    each model token t the advantage becomes reward_weight · A_env + kl_coef · (log p_teacher(t) − log μ(t)),
+    μ being the student's sampling logprob (docs/orchestrator.md)."""
+
+    base_url: Annotated[
+        list[str],
+        Field(min_length=1, description="OpenAI-compatible base URL(s) of the teacher server(s); rl sets it to the "
+              "teacher it starts ([teacher])"),
+    ] = ["http://localhost:8001/v1"]  # fmt: skip
+    model: Annotated[
+        str | None,
+        Field(description="the model name the teacher server serves (its tokenizer must be the student's); rl "
+              "sets it from [teacher]"),
+    ] = None  # fmt: skip
+    kl_coef: Annotated[
+        float, Field(ge=0, description="weight of the per-token reverse-KL term log p_teacher − log μ_student")
+    ] = 1.0
+    reward_weight: Annotated[
+        float, Field(ge=0, description="weight of the environment's advantage (0 = pure distillation)")
+    ] = 0.0
+    max_concurrency: Annotated[
+        int, Field(ge=1, description="most scoring requests in flight at once per teacher server")
+    ] = 16
+    api_key_var: Annotated[
+        EnvVarName, Field(description="name of the env var holding the teacher's API key (unset var = no key)")
+    ] = "TEACHER_SERVER_API_KEY"
+
+    @model_validator(mode="after")
+    def _some_signal(self) -> TeacherConfig:
+        if self.model is None:
+            raise ValueError("teacher.model is unset: name the model the teacher serves (rl: [teacher.model] name)")
+        if self.kl_coef == 0 and self.reward_weight == 0:
+            raise ValueError("teacher.kl_coef and teacher.reward_weight are both 0: no advantage would be left")
+        return self
+
+
 def _one_or_many(value: Any) -> Any:
     """`[env]` (one table, or --env.id on the CLI) or `[[env]]` (a list of tables) are both accepted."""
     return [value] if isinstance(value, dict) else value
@@ -190,6 +227,10 @@ class OrchestratorConfig(BaseConfig):
     ] = None
     client: Annotated[ClientConfig, Field(description="inference client")] = ClientConfig()
     advantage: Annotated[AdvantageConfig, Field(description="advantage computation")] = AdvantageConfig()
+    teacher: Annotated[
+        TeacherConfig | None,
+        Field(description="on-policy distillation from a teacher server; off unless [orchestrator.teacher] is given"),
+    ] = None
     weights_timeout: Annotated[
         float, Field(gt=0, description="seconds to wait for the trainer's weights of a step")
     ] = 3600.0

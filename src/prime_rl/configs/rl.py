@@ -106,6 +106,14 @@ class RLConfig(BaseConfig):
             "SIGTERM), before they are killed",
         ),  # fmt: skip
     ] = 600.0
+    teacher: Annotated[
+        InferenceConfig | None,
+        Field(
+            description="on-policy distillation: a second inference server rl starts for the teacher model "
+            "([teacher.model] name; port: inference's + 1 unless set; log: logs/teacher.log); its weight is set "
+            "in [orchestrator.teacher], which rl points at it"
+        ),
+    ] = None
     log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
 
@@ -152,6 +160,7 @@ class RLConfig(BaseConfig):
         if isinstance(data, dict):
             data = expand_shorthands(cls, data)  # `weight_transfer = "broadcast"` (an env var, a Python caller)
             propagate_shared(data)
+            wire_teacher(data)
         return data
 
     @model_validator(mode="after")
@@ -217,6 +226,60 @@ class RLConfig(BaseConfig):
                 also=("inference.backend",),
             )
         return self
+
+    @model_validator(mode="after")
+    def _teacher_server_fits(self) -> RLConfig:
+        """The teacher server rl starts: a named model, a port of its own, room to score a whole sample."""
+        teacher = self.teacher
+        if teacher is None:
+            return self
+        if "name" not in teacher.model.model_fields_set:
+            raise FieldError("teacher.model.name", "[teacher] starts a teacher server: name its model")
+        if self.slurm is not None:
+            raise FieldError(
+                "teacher", "under Slurm rl starts no teacher server: run one and give [orchestrator.teacher] base_url"
+            )
+        if teacher.server.port in (0, self.inference.server.port):
+            raise FieldError(
+                "teacher.server.port",
+                f"{teacher.server.port}: the teacher server needs a free port of its own (not 0, not the policy "
+                f"server's {self.inference.server.port})",
+                also=("inference.server.port",),
+            )
+        seq_len = self.orchestrator.seq_len
+        if teacher.max_model_len <= seq_len:  # a scoring request asks one token past the sample
+            raise FieldError(
+                "teacher.max_model_len",
+                f"{teacher.max_model_len} leaves no room to score a sample of orchestrator.seq_len ({seq_len}) "
+                "tokens: make it at least seq_len + 1",
+                also=("orchestrator.seq_len",),
+            )
+        return self
+
+
+def wire_teacher(data: dict) -> None:
+    """`[teacher]` (a server rl starts): its port defaults to the policy server's + 1, and
+    [orchestrator.teacher] gets its URL and model name unless given (created with its defaults if absent).
+
+    {"teacher": {"model": {"name": "big"}}} -> teacher.server.port 8001, orchestrator.teacher =
+    {"base_url": ["http://127.0.0.1:8001/v1"], "model": "big"}
+    """
+    teacher = data.get("teacher")
+    if not isinstance(teacher, dict) or not isinstance(data.get("orchestrator", {}), dict):
+        return  # none, or of the wrong type: validation reports it
+    server = teacher.setdefault("server", {})
+    if not isinstance(server, dict):
+        return
+    if "port" not in server:
+        try:
+            server["port"] = int(_get(data, ("inference", "server", "port")) or 8000) + 1
+        except (TypeError, ValueError):
+            return  # the policy server's port is invalid: validation reports it
+    wired = data.setdefault("orchestrator", {}).setdefault("teacher", {})
+    if isinstance(wired, dict):
+        wired.setdefault("base_url", [f"http://127.0.0.1:{server['port']}/v1"])
+        if (name := _get(teacher, ("model", "name"))) is not None:
+            wired.setdefault("model", str(name))
 
 
 def local_port(url: str) -> int | None:

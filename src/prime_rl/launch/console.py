@@ -22,7 +22,8 @@ def follow_logs(services: list[Service], stop: threading.Event, status: StatusLi
                     files[s.name].seek(s.log_start)  # this run's lines only
                 f = files.get(s.name)
                 for line in f.readlines() if f else []:
-                    if s.name != "inference" or " WARNING " in line or " ERROR " in line or "serving" in line:
+                    server = s.name in ("inference", "teacher")  # request logs: only problems and the ready line
+                    if not server or " WARNING " in line or " ERROR " in line or "serving" in line:
                         status.print(line.rstrip())
             status.update()
             stop.wait(0.5)

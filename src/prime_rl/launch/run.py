@@ -40,11 +40,13 @@ def _run(config: RLConfig, lock_token: str) -> None:
     config = config.model_copy(update=subs)
     for name in SERVICES:
         write_run_config(getattr(config, name), name, output_dir)
+    if config.teacher is not None:
+        write_run_config(config.teacher, "teacher", output_dir)
     write_run_config(config, "rl", output_dir)
     # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
     if said := prepare_output_dir(output_dir, resume_step(config), launcher=True):
         logger.warning(said)
-    commands = service_commands(run_dir(output_dir), trainer_procs)
+    commands = service_commands(run_dir(output_dir), trainer_procs, teacher=config.teacher is not None)
     services: list[Service] = []
     stop_following = threading.Event()
     status = StatusLine(output_dir, config.trainer.max_steps, since=started)
@@ -86,6 +88,8 @@ def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, 
     env, trainer_procs = assign_devices(config, count_gpus())
     for name in SERVICES:
         env[name] = {**getattr(config, name).env_vars, **env[name]}
+    if config.teacher is not None:  # the teacher server shares the policy server's devices (on CPU: its cores)
+        env["teacher"] = {**env["inference"], **config.teacher.env_vars}
     for name in ("orchestrator", "trainer"):
         env[name][LOCK_TOKEN_VAR] = lock_token
         env[name][RUN_VAR] = lock_token  # their heartbeats name this run (protocol.liveness)
@@ -108,10 +112,15 @@ def start_services(
     """Start the services into `services`: the trainer only needs rollouts, so it loads while the server does;
     the orchestrator needs the server."""
     output_dir = config.orchestrator.output_dir
-    for name in ("inference", "trainer"):
-        services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
+    for name in ("inference", "teacher", "trainer"):
+        if name in commands:  # the teacher server only with [teacher]
+            services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
     port = config.inference.server.port
     wait_for_inference(services, f"http://127.0.0.1:{port}/health", config.startup_timeout, restart)
+    if config.teacher is not None:
+        teacher_port = config.teacher.server.port
+        wait_for_inference(services, f"http://127.0.0.1:{teacher_port}/health", config.startup_timeout, restart)
+        logger.info(f"teacher {config.teacher.model.name} ready on port {teacher_port}")
     logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
     services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
                             env["orchestrator"]))  # fmt: skip

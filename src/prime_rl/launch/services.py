@@ -39,9 +39,11 @@ def assign_devices(config: RLConfig, num_gpus: int) -> tuple[dict[str, dict[str,
     return env, len(trainer_ids)
 
 
-def service_commands(run_dir: Path, trainer_procs: int) -> dict[str, list[str]]:
+def service_commands(run_dir: Path, trainer_procs: int, teacher: bool = False) -> dict[str, list[str]]:
+    """Each service's command line; with `teacher`, also the teacher server's (an `inference` of its own)."""
     py = sys.executable
-    return {
+    extra = {"teacher": [py, "-m", "prime_rl.entrypoints.inference", "@", str(run_dir / "teacher.toml")]}
+    return ({} if not teacher else extra) | {
         "inference": [py, "-m", "prime_rl.entrypoints.inference", "@", str(run_dir / "inference.toml")],
         "orchestrator": [py, "-m", "prime_rl.entrypoints.orchestrator", "@", str(run_dir / "orchestrator.toml")],
         "trainer": [
@@ -98,6 +100,10 @@ def service_configs(
     for name in SERVICES:
         sub = getattr(config, name)
         configs[name] = sub.model_copy(update={"log": sub.log.model_copy(update={"file": False}), **updates[name]})
+    if config.teacher is not None:  # its own output dir: its run record must not replace the policy server's
+        log = config.teacher.log.model_copy(update={"file": False})
+        teacher_dir = config.orchestrator.output_dir / "teacher"
+        configs["teacher"] = config.teacher.model_copy(update={"log": log, "output_dir": teacher_dir})
     return configs
 
 

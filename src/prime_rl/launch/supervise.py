@@ -112,7 +112,7 @@ def wait_for_inference(services: list[Service], url: str, timeout: float, restar
             raise StopRequested(f"{signal_name} received while waiting for the inference server; nothing to save")
         for service in list(services):
             if service.returncode is not None:
-                if restart is None or service.name == "inference":
+                if restart is None or service.name in SERVERS:
                     raise ServiceFailed(service)
                 restart(services, service)
         if restart is not None:
@@ -123,7 +123,8 @@ def wait_for_inference(services: list[Service], url: str, timeout: float, restar
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"inference server not healthy at {url} after {timeout:.0f}s; see {services[0].log_path}")
+    logs = ", ".join(str(s.log_path) for s in services if s.name in SERVERS)
+    raise TimeoutError(f"inference server not healthy at {url} after {timeout:.0f}s; see {logs}")
 
 
 class ServiceFailed(RuntimeError):
@@ -136,6 +137,7 @@ class ServiceFailed(RuntimeError):
 
 
 PEER = {"orchestrator": "trainer", "trainer": "orchestrator"}  # whose heartbeat each one waits on
+SERVERS = ("inference", "teacher")  # serve until stopped: never "finished", restarted as started
 
 
 class Restarter:
@@ -152,7 +154,7 @@ class Restarter:
         self.due: dict[str, tuple[float, Service]] = {}  # restarts waiting out their backoff
 
     def command(self, name: str) -> tuple[list[str], str]:
-        if name == "inference":
+        if name in SERVERS:
             return self.commands[name], "as started"
         steps = checkpoint_steps(self.output_dir, (name,))
         if not steps:  # none written yet: it starts over (the rollouts and weights it needs are all kept)
@@ -201,7 +203,7 @@ def watch(services: list[Service], restart: Restarter, watchdog: Watchdog, confi
     """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service dies
     or hangs; on a stop signal (ours, or the orchestrator's: it exits PREEMPTED) stop the run (`stop_run`)."""
     while True:
-        if not restart.due and all(s.returncode == 0 for s in services if s.name != "inference"):
+        if not restart.due and all(s.returncode == 0 for s in services if s.name not in SERVERS):
             return
         if stop_requested() or any(s.returncode == PREEMPTED for s in services if s.name == "orchestrator"):
             stop_run(services, config.orchestrator.output_dir, config.stop_timeout)
@@ -214,7 +216,7 @@ def watch(services: list[Service], restart: Restarter, watchdog: Watchdog, confi
                     logger.error(f"{service.name} is hung: {reason}; killing it")
                     service.kill()
                     restart(services, service, f"hung ({reason})")
-            elif rc != 0 or service.name == "inference":
+            elif rc != 0 or service.name in SERVERS:
                 charged = rc != PEER_LOST  # its peer went silent: that one is charged
                 restart(services, service, charged=charged)
         restart.start_due(services)
@@ -224,7 +226,7 @@ def watch(services: list[Service], restart: Restarter, watchdog: Watchdog, confi
 def stop_run(services: list[Service], output_dir: Path, timeout: float) -> None:
     """Pass the stop signal on to trainer and orchestrator (under Slurm it reached them already; again is
     harmless), wait until both exited, and raise StopRequested saying where the run resumes from."""
-    savers = [s for s in services if s.name != "inference"]
+    savers = [s for s in services if s.name not in SERVERS]
     for service in savers:
         for pid in [service.proc.pid, *children(service.proc.pid)]:  # torchrun's workers: their own sessions
             try:

@@ -51,6 +51,8 @@ class Watchdog:
         """Why `service` (alive) counts as hung, or None; marks `service.worked` once it did a unit of work."""
         now = time.time()
         since_start = now - service.started
+        if service.name == "teacher":
+            return None  # a teacher server is watched for its death only (its /health is not polled)
         if service.name == "inference":
             self._inference_pid = service.proc.pid
             last = self.healthy_at.get(service.proc.pid)

@@ -54,9 +54,10 @@ def compute_advantages(rewards: list[list[float]], std_norm: bool = False, basel
     return [group_advantages(group, std_norm, baseline) for group in rewards]
 
 
-def is_zero(advantages: list[float]) -> bool:
-    """True when a group carries no learning signal (all its rollouts scored the same)."""
-    return all(abs(a) < EPS for a in advantages)
+def is_zero(advantages: list[float] | list[list[float]]) -> bool:
+    """True when a group carries no learning signal (all its rollouts scored the same); per-token advantages
+    (distillation) count when any token's is not zero."""
+    return all(abs(x) < EPS for a in advantages for x in (a if isinstance(a, list) else [a]))
 
 
 def apply_truncation(rewards: list[float], truncated: list[bool], mode: str) -> list[float]:

@@ -26,6 +26,7 @@ from prime_rl.envs import EnvError, Environment, Example
 from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
 from prime_rl.orchestrator.ckpt import Progress
 from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.distill import Teacher, teacher_kl
 from prime_rl.orchestrator.packing import make_sample
 from prime_rl.orchestrator.policy import oldest_policy
 from prime_rl.orchestrator.pool import SmoothRoundRobin
@@ -102,7 +103,7 @@ def build_mix(config: OrchestratorConfig, state: Progress) -> EnvMix:
 @dataclass
 class Batch:
     groups: list[Group]
-    advantages: list[list[float]]
+    advantages: list[list]  # per group, per rollout: its advantage, or per token with a teacher (distill.py)
     skipped: int = 0  # zero-advantage groups replaced by fresh examples
     rounds: int = 1
     stale: int = 0  # continuous mode: groups dropped for a policy older than policy.oldest_policy(step)
@@ -129,15 +130,24 @@ def group_seed(config: OrchestratorConfig, rng) -> int | None:
 
 
 async def sample_group(client: InferenceClient, config: OrchestratorConfig, slot: EnvSlot, example: Example,
-                       seed: int | None) -> tuple[Group, list[float]]:  # fmt: skip
-    """One scored group with its advantages (scored as soon as it arrives, while other groups generate)."""
+                       seed: int | None, teacher: Teacher | None = None) -> tuple[Group, list]:  # fmt: skip
+    """One scored group with its advantages (scored as soon as it arrives, while other groups generate); with a
+    `teacher`, per-token advantages from its scores of the rollouts (distill.py)."""
     group = await slot.source.group(client, example, config.rollouts_per_example, seed)
     await slot.source.score(group)
-    return group, advantages_of(group, config, slot.token_budget)
+    advantages = advantages_of(group, config, slot.token_budget)
+    if teacher is not None:
+        return group, await teacher.distil(group, advantages)
+    return group, advantages
 
 
 async def generate_batch(
-    client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng, progress: ProgressLine
+    client: InferenceClient,
+    mix: EnvMix,
+    config: OrchestratorConfig,
+    rng,
+    progress: ProgressLine,
+    teacher: Teacher | None = None,
 ) -> Batch:
     """Barrier mode: exactly batch_size / rollouts_per_example scored groups with their advantages."""
     need = config.batch_size // config.rollouts_per_example
@@ -150,7 +160,7 @@ async def generate_batch(
         picks = [mix.next() for _ in range(need - len(kept))]
         draws = [(slot, slot.data.next(), group_seed(config, rng)) for slot in picks]
         with timer(batch.times, "generate"):
-            scored = await progress.track([sample_group(client, config, *draw) for draw in draws])
+            scored = await progress.track([sample_group(client, config, *draw, teacher) for draw in draws])
         for group, advantages in scored:
             (zero if adv.skip_zero_advantage and is_zero(advantages) else kept).append((group, advantages))
         if not adv.skip_zero_advantage:
@@ -178,8 +188,9 @@ class RolloutStream:
     (their draws are kept).
     """
 
-    def __init__(self, client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng):
-        self.client, self.mix, self.config, self.rng = client, mix, config, rng
+    def __init__(self, client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng,
+                 teacher: Teacher | None = None):  # fmt: skip
+        self.client, self.mix, self.config, self.rng, self.teacher = client, mix, config, rng, teacher
         self.size = config.rollouts_per_example
         self.held = 0  # rollouts started and not yet taken
         self.done: asyncio.Queue = asyncio.Queue()
@@ -189,7 +200,7 @@ class RolloutStream:
         while self.held + self.size <= self.config.max_inflight:
             slot = self.mix.next()
             draw = (slot, slot.data.next(), group_seed(self.config, self.rng))
-            task = asyncio.create_task(sample_group(self.client, self.config, *draw))
+            task = asyncio.create_task(sample_group(self.client, self.config, *draw, self.teacher))
             task.add_done_callback(self._finished)
             self.tasks.add(task)
             self.held += self.size
@@ -282,6 +293,8 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
     }
     if "served_at" in times:  # wall clock when the servers answered with new weights (a timestamp, no duration)
         metrics["weights_served_at"] = times["served_at"]
+    if (kl := teacher_kl(rollouts)) is not None:  # distillation: mean log μ − log p_teacher per model token
+        metrics["teacher_kl"] = kl
     return metrics | breakdowns(batch, gaps)
 
 

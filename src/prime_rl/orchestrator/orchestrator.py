@@ -35,6 +35,7 @@ from prime_rl.orchestrator.batch import (
 )
 from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.distill import Teacher, TeacherMismatch, check_vocabulary
 from prime_rl.orchestrator.evaluation import Evals
 from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
@@ -73,6 +74,7 @@ class Loop:
     heartbeat: Heartbeat
     metrics: MetricsWriter
     wandb: NoSink | WandbSink
+    teacher: Teacher | None = None  # on-policy distillation ([orchestrator.teacher])
 
 
 def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list) -> None:
@@ -93,7 +95,7 @@ def checkpoint(config: OrchestratorConfig, state: Progress, step: int, mix: EnvM
 
 # The failures that end the orchestrator with one log line and exit status 1 (the entry catches them).
 ERRORS = (WaitTimeout, WriterDead, InferenceError, EnvError, SampleTooLong, SinkError, CheckpointError, RunLocked,
-          DiskFull)  # fmt: skip
+          DiskFull, TeacherMismatch)  # fmt: skip
 
 
 async def orchestrate(config: OrchestratorConfig) -> None:
@@ -139,7 +141,8 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
             client = await stack.enter_async_context(
                 InferenceClient(config.client, config.model.name, adapter=config.model.adapter)
             )
-            stream = RolloutStream(client, mix, config, rng) if config.max_inflight is not None else None
+            teacher = await open_teacher(config, stack)
+            stream = RolloutStream(client, mix, config, rng, teacher) if config.max_inflight is not None else None
             # Closed in reverse: the sinks first, the metrics file and then the client last.
             metrics = stack.enter_context(closing(MetricsWriter(config.output_dir, "orchestrator", state.step)))
             for sink in (wandb, progress, evals):
@@ -150,6 +153,7 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
             if resumed is None:
                 checkpoint(config, state, 0, mix, rng)
             loop = Loop(config, state, client, mix, rng, stream, evals, progress, heartbeat, metrics, wandb)
+            loop.teacher = teacher
             try:
                 for step in range(state.step, config.max_steps):
                     await run_step(loop, step)
@@ -158,6 +162,18 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
                     await stream.close()
             await finish(client, config, evals, wandb)
     logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
+
+
+async def open_teacher(config: OrchestratorConfig, stack: AsyncExitStack) -> Teacher | None:
+    """The teacher of on-policy distillation, its vocabulary checked against the student's and its servers
+    healthy; None without [orchestrator.teacher]."""
+    if config.teacher is None:
+        return None
+    with doing("checking the teacher's vocabulary", long=True):
+        check_vocabulary(config.model.name, config.teacher.model)
+    teacher = await stack.enter_async_context(Teacher(config.teacher, config.client))
+    await teacher.wait()
+    return teacher
 
 
 async def run_step(loop: Loop, step: int) -> None:
@@ -169,7 +185,7 @@ async def run_step(loop: Loop, step: int) -> None:
     await wait_for_policy(loop.client, config, step, times)
     loop.evals.start(loop.client, step)
     if loop.stream is None:
-        batch = await generate_batch(loop.client, loop.mix, config, loop.rng, loop.progress)
+        batch = await generate_batch(loop.client, loop.mix, config, loop.rng, loop.progress, loop.teacher)
     else:
         batch = await loop.stream.take(step, loop.progress)
     times |= batch.times

@@ -31,7 +31,7 @@ def make_sample(
     prompt_ids: list[int],
     completion_ids: list[int],
     logprobs: list[float],
-    advantage: float,
+    advantage: float | list[float],
     completion_mask: list[bool] | None = None,
     env: int = -1,
     kept: list[list[int]] | None = None,
@@ -39,7 +39,8 @@ def make_sample(
     """One rollout as the per-token lists that `MicroBatch.pack` lays end to end.
 
     `completion_mask` marks the completion tokens the model sampled (default: all of them); env replies
-    of multi-turn rollouts are part of the completion but masked, and carry no advantage. `env` is the
+    of multi-turn rollouts are part of the completion but masked, and carry no advantage. `advantage` is the
+    rollout's, or one per completion token (distillation: [0.5, -1.2] for two tokens). `env` is the
     index of the rollout's environment in the step's env names; `kept` the token ids the sampler could draw
     at each completion token (top-p/top-k; [] = the whole vocabulary), None when it sampled without a filter.
     """
@@ -49,10 +50,13 @@ def make_sample(
     if len(mask) != len(completion_ids):
         raise ValueError(f"{len(mask)} mask entries for {len(completion_ids)} completion tokens")
     n_prompt = len(prompt_ids)
+    per_token = advantage if isinstance(advantage, list) else [advantage] * len(completion_ids)
+    if len(per_token) != len(completion_ids):
+        raise ValueError(f"{len(per_token)} advantages for {len(completion_ids)} completion tokens")
     sample = {
         "input_ids": list(prompt_ids) + list(completion_ids),
         "loss_mask": [False] * n_prompt + mask,
-        "advantages": [0.0] * n_prompt + [float(advantage) if m else 0.0 for m in mask],
+        "advantages": [0.0] * n_prompt + [float(a) if m else 0.0 for a, m in zip(per_token, mask, strict=True)],
         "inference_logprobs": [0.0] * n_prompt + [float(x) if m else 0.0 for x, m in zip(logprobs, mask, strict=True)],
         "env": env,
     }

@@ -57,6 +57,7 @@ class Rollout:
     kept: list[list[int]] | None = None  # per completion token its kept set ([] = all, env tokens): with masks
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None  # distillation: the teacher's logprob of each completion token
 
     def __post_init__(self) -> None:
         self.weight_step_max = max(self.weight_step_max, self.weight_step)

@@ -1,0 +1,117 @@
+"""On-policy distillation (`[orchestrator.teacher]`, docs/orchestrator.md): a teacher server scores the student's
+own samples, and its per-token reverse-KL signal becomes the advantage.
+
+Every rollout's prompt + completion goes to the teacher as one scoring request (`InferenceClient.score`:
+prompt logprobs at temperature 1), as soon as its group is scored, while other groups still generate; at most
+`teacher.max_concurrency` requests per teacher server are in flight, retried like every other request. On each
+token the student sampled (its completion mask) the advantage is
+
+    A_t = reward_weight · A_env + kl_coef · (log p_T(t) − log μ(t))
+
+where μ is the student's sampling logprob (the one the trainer's importance ratio uses) and A_env the
+rollout's group advantage from its reward; env-reply tokens of multi-turn rollouts get none. The term is the
+negative of the per-token reverse-KL estimate log μ − log p_T, so the policy gradient lowers KL(μ ‖ p_T) on
+the student's own samples. `teacher_kl` in metrics/orchestrator.jsonl is its mean over the step's model tokens.
+
+Worked example, kl_coef 1, reward_weight 0.5, a rollout with A_env = 0.4 and two model tokens whose student
+logprobs are [-1.0, -0.5] and teacher logprobs [-0.2, -2.5]: A = [0.2 + 0.8, 0.2 - 2.0] = [1.0, -1.8]; the
+tokens' reverse KL is [-0.8, 2.0], so teacher_kl = 0.6.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+
+from prime_rl.configs.orchestrator import ClientConfig, TeacherConfig
+from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.rollout import Group, Rollout
+
+logger = logging.getLogger("prime_rl")
+
+
+class TeacherMismatch(ValueError):
+    """The teacher cannot score the student's tokens (another vocabulary, or its tokenizer cannot be read)."""
+
+
+def token_advantages(rollout: Rollout, advantage: float, kl_coef: float, reward_weight: float) -> list[float]:
+    """The per-token advantages of one scored rollout (`rollout.teacher_logprobs` set), 0 on env tokens."""
+    teacher = rollout.teacher_logprobs
+    if teacher is None or len(teacher) != len(rollout.completion_ids):
+        raise ValueError("the rollout has no teacher logprob for each completion token")
+    return [
+        reward_weight * advantage + kl_coef * (t - s) if m else 0.0
+        for t, s, m in zip(teacher, rollout.logprobs, rollout.completion_mask, strict=True)
+    ]
+
+
+def teacher_kl(rollouts: list[Rollout]) -> float | None:
+    """Mean of log μ(t) − log p_T(t) over the model tokens of the scored rollouts; None when none was scored."""
+    gaps = [
+        s - t
+        for r in rollouts
+        if r.teacher_logprobs is not None
+        for t, s, m in zip(r.teacher_logprobs, r.logprobs, r.completion_mask, strict=True)
+        if m
+    ]
+    return statistics.fmean(gaps) if gaps else None
+
+
+def check_vocabulary(student: str, teacher: str) -> None:
+    """Refuse (TeacherMismatch, one line) a teacher whose tokenizer maps tokens to other ids than the student's."""
+    from transformers import AutoTokenizer
+
+    try:
+        teacher_vocab = AutoTokenizer.from_pretrained(teacher).get_vocab()
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TeacherMismatch(f"cannot read teacher.model {teacher!r}'s tokenizer to check it: {first}") from None
+    student_vocab = AutoTokenizer.from_pretrained(student).get_vocab()
+    if teacher_vocab == student_vocab:
+        return
+    by_id = {i: t for t, i in student_vocab.items()}
+    differ = sorted(i for t, i in teacher_vocab.items() if by_id.get(i) != t) or sorted(
+        set(student_vocab.values()) - set(teacher_vocab.values())
+    )
+    first = differ[0]
+    shown = next((t for t, i in teacher_vocab.items() if i == first), None)
+    raise TeacherMismatch(
+        f"teacher.model {teacher!r} has another vocabulary than model.name {student!r} ({len(teacher_vocab)} vs "
+        f"{len(student_vocab)} tokens; id {first} is {shown!r} vs {by_id.get(first)!r}): the teacher would score "
+        "other tokens than the student sampled"
+    )
+
+
+class Teacher:
+    """The teacher servers and how their scores become advantages. Use as `async with Teacher(...) as teacher:`."""
+
+    def __init__(self, config: TeacherConfig, client: ClientConfig, transport=None):
+        self.config = config
+        settings = client.model_dump() | {
+            "base_url": config.base_url,
+            "traffic_share": None,
+            "api_key_var": config.api_key_var,
+            "max_concurrency": config.max_concurrency,
+        }
+        self.client = InferenceClient(ClientConfig(**settings), config.model, transport=transport)
+
+    async def __aenter__(self) -> Teacher:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+
+    async def wait(self) -> None:
+        """Until every teacher server answers /health (client.health_timeout)."""
+        await self.client.wait_for_servers(self.client.config.health_timeout)
+        logger.info(f"teacher {self.config.model} ready at {', '.join(self.config.base_url)}")
+
+    async def distil(self, group: Group, advantages: list[float]) -> list[list[float]]:
+        """Score the group's rollouts with the teacher (concurrently) and return their per-token advantages."""
+        scores = await asyncio.gather(*(self.client.score(r.prompt_ids + r.completion_ids) for r in group.rollouts))
+        out = []
+        for rollout, advantage, scored in zip(group.rollouts, advantages, scores, strict=True):
+            rollout.teacher_logprobs = scored[len(rollout.prompt_ids) :]
+            out.append(token_advantages(rollout, advantage, self.config.kl_coef, self.config.reward_weight))
+        return out
