@@ -16,7 +16,14 @@ from prime_rl.configs import (
     Section,
     WeightTransferConfig,
 )
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVarName, EnvVars, SelfHangTimeout, WandbConfig
+from prime_rl.configs.shared import (
+    WEIGHT_BROADCAST_MOVED,
+    EnvVarName,
+    EnvVars,
+    ParityConfig,
+    SelfHangTimeout,
+    WandbConfig,
+)
 
 
 class ClientConfig(Section):
@@ -245,6 +252,9 @@ class OrchestratorConfig(BaseConfig):
         NoDecode,
         Field(description="how new weights reach inference; broadcast: the rendezvous servers are sent to"),
     ] = WeightTransferConfig()
+    parity: Annotated[
+        ParityConfig, Field(description="the parity gate: canaries scored by every server and the trainer")
+    ] = ParityConfig()
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
     wandb: Annotated[
         WandbConfig | None,

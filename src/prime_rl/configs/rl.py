@@ -25,6 +25,7 @@ from prime_rl.configs.shared import (
     LogConfig,
     LoraConfig,
     ModelName,
+    ParityConfig,
     WandbConfig,
     WeightTransferConfig,
 )
@@ -43,6 +44,7 @@ SHARED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("ckpt",): ("orchestrator", "trainer"),
     ("weight_transfer",): SERVICES,  # a server reads its `type` only
     ("wandb",): ("orchestrator",),  # the one W&B run of the rl run is the orchestrator's
+    ("parity",): ("orchestrator", "trainer"),
 }
 
 
@@ -82,6 +84,10 @@ class RLConfig(BaseConfig):
         NoDecode,
         Field(description="how weights reach inference, for all services (broadcast: the trainer's rendezvous)"),
     ] = WeightTransferConfig()
+    parity: Annotated[
+        ParityConfig | None,
+        Field(description="the parity gate, for orchestrator and trainer (interval, max_kl, num_canaries)"),
+    ] = None
     inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1

@@ -209,6 +209,29 @@ class WeightTransferConfig(Section):
         return {cls.shorthand: data} if isinstance(data, str) else data
 
 
+class ParityConfig(Section):
+    """The parity gate (docs/orchestrator.md): fixed canary sequences, chosen from the run's first batch, are
+    scored by every server right after it loads the weights of a gate step and by the trainer with the same
+    weights; a mismatch KL above `max_kl` stops the run, naming the server. Weight checksums are compared at
+    every update whatever this says."""
+
+    interval: Annotated[
+        int,
+        Field(ge=0, description="compare at weight step 0 and every this many weight steps; 0 = no canaries"),
+    ] = 10
+    max_kl: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="stop the run when a server's mismatch KL (k3, mean over the canaries' sampled tokens) "
+            "against the trainer's logprobs exceeds this",
+        ),
+    ] = 1e-3
+    num_canaries: Annotated[
+        int, Field(ge=1, le=64, description="canary sequences (the first sample of as many groups, across envs)")
+    ] = 4
+
+
 # The `[weight_broadcast]` section of earlier versions: an unknown-key error for it says where its settings went.
 WEIGHT_BROADCAST_MOVED = {"weight_broadcast": "weight_transfer.host/port/timeout"}
 

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import OutputDir, Section, WeightTransferConfig
-from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, SelfHangTimeout
+from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, ParityConfig, SelfHangTimeout
 from prime_rl.configs.training import TrainingConfig
 
 
@@ -146,6 +146,9 @@ class TrainerConfig(TrainingConfig):
     weight_transfer: Annotated[
         WeightTransferConfig, NoDecode, Field(description="how new weights reach inference; broadcast: the rendezvous")
     ] = WeightTransferConfig()
+    parity: Annotated[
+        ParityConfig, Field(description="the parity gate: the trainer scores the canaries at gate steps")
+    ] = ParityConfig()
     bench: Annotated[
         bool, Field(description="benchmark: no weights or checkpoints written; print step time, tokens/s, MFU")
     ] = False

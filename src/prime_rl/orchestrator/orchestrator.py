@@ -38,6 +38,7 @@ from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.distill import Teacher, TeacherMismatch, check_vocabulary
 from prime_rl.orchestrator.evaluation import Evals
 from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
+from prime_rl.orchestrator.parity import ParityGate
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
 from prime_rl.orchestrator.server_metrics import ServerMetrics
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
@@ -75,6 +76,7 @@ class Loop:
     metrics: MetricsWriter
     wandb: NoSink | WandbSink
     teacher: Teacher | None = None  # on-policy distillation ([orchestrator.teacher])
+    parity: ParityGate | None = None  # weight checksums and canaries (parity.py)
 
 
 def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list) -> None:
@@ -154,6 +156,7 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
                 checkpoint(config, state, 0, mix, rng)
             loop = Loop(config, state, client, mix, rng, stream, evals, progress, heartbeat, metrics, wandb)
             loop.teacher = teacher
+            loop.parity = ParityGate(config, resumed is not None)
             try:
                 for step in range(state.step, config.max_steps):
                     await run_step(loop, step)
@@ -182,16 +185,19 @@ async def run_step(loop: Loop, step: int) -> None:
     loop.progress.step = step
     times: dict[str, float] = {}
     start = time.perf_counter()
+    await loop.parity.check_servers(loop.client)  # what each server holds against the trainer's checksums
     await wait_for_policy(loop.client, config, step, times)
+    await loop.parity.start_step(loop.client)  # checksums; at a gate step the servers score the canaries
     loop.evals.start(loop.client, step)
     if loop.stream is None:
         batch = await generate_batch(loop.client, loop.mix, config, loop.rng, loop.progress, loop.teacher)
     else:
         batch = await loop.stream.take(step, loop.progress)
     times |= batch.times
+    await loop.parity.choose_canaries(loop.client, batch)  # the run's first batch: before its rank files
     write_batch(config, step, batch, times)
     times["step"] = time.perf_counter() - start
-    m = step_metrics(batch, times, step)
+    m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
     state.total_samples += m["samples"]
     state.total_tokens += m["tokens"]
     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}

@@ -78,6 +78,7 @@ class Server:
     step: int = 0  # the weight step it holds, from /health and /update_weights
     receivers: int = 0  # its seats in a weight broadcast group, from /health (0: it takes no broadcasts)
     group: str | None = None  # the broadcast group its weights came from, from /health
+    checksum: str | None = None  # the weight checksum of what it loaded (protocol.parity), from /health and updates
     alive: bool = True
     requests: int = 0  # generation requests sent (for metrics and tests)
     errors: list[str] = field(default_factory=list)
@@ -130,6 +131,7 @@ class ServerPool:
         server.step = int(data.get("step", 0))
         server.receivers = int(data.get("weight_receivers", 0))
         server.group = data.get("weight_group")
+        server.checksum = data.get("checksum")
         return server.step
 
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
@@ -176,6 +178,7 @@ class ServerPool:
             if response.status_code != 200:
                 return f"HTTP {response.status_code}"
             server.step = int(response.json().get("step", 0))
+            server.checksum = response.json().get("checksum")
         except (httpx.TransportError, ValueError) as e:
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return None

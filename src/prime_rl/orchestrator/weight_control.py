@@ -3,7 +3,8 @@ live server (POST /update_weights), the base weights again (POST /reload_weights
 the trainer's broadcast group.
 
 `weight_dir` is what the pool serves: a server that rejoins, or that answered from a policy older than
-the step allows, is given it again by `load` (nothing to do before the first update).
+the step allows, is given it again by `load` (nothing to do before the first update). Each answer's weight
+checksum is kept on its server, which the parity gate (parity.py) compares with the trainer's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class WeightControl:
             data = await self._request(
                 "POST", f"{server_root(server.base)}/update_weights", {"weight_dir": self.weight_dir}
             )
-            server.step = int(data["step"])
+            server.step, server.checksum = int(data["step"]), data.get("checksum")
 
     async def update(self, weight_dir: str) -> int:
         """Load `weight_dir` on every live server; return the step they now serve.
@@ -57,7 +58,7 @@ class WeightControl:
 
         async def one(server: Server) -> None:
             data = await self._request("POST", f"{server_root(server.base)}/reload_weights", {})
-            server.step = int(data["step"])
+            server.step, server.checksum = int(data["step"]), data.get("checksum")
 
         await asyncio.gather(*(one(s) for s in self.pool.live()))
         steps = {s.step for s in self.pool.live()}
@@ -106,3 +107,4 @@ class WeightControl:
                 message = f"HTTP {response.status_code}: {response.text[:500]}"
             raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
         server.step, server.group = int(response.json()["step"]), rendezvous["group"]
+        server.checksum = response.json().get("checksum")

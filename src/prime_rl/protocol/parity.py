@@ -136,3 +136,68 @@ def read_checksum(weight_dir: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if isinstance(value, str) else None
+
+
+# ---- parity canaries (OUTPUT_DIR/parity/) ---------------------------------------------------------------
+#
+# canary.json  {"canaries": [{"env", "token_ids", "scored"}]}: fixed token sequences chosen once by the
+#              orchestrator; `scored` marks the sampled tokens (True) the comparison reads, prompts and env
+#              replies are False. Written before the rank files of the step that chose them.
+# step_n.json  {"step", "logprobs": [[...] per canary]}: the trainer's logprob of every token given its
+#              prefix (0.0 at index 0) with the weights of step n, written at the start of its step n.
+
+
+def parity_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "parity"
+
+
+def canary_file(output_dir: Path) -> Path:
+    return parity_dir(output_dir) / "canary.json"
+
+
+def trainer_scores_file(output_dir: Path, step: int) -> Path:
+    return parity_dir(output_dir) / f"step_{step}.json"
+
+
+def is_gate_step(step: int, interval: int) -> bool:
+    """Weight steps 0, interval, 2·interval, ... are compared; interval 0: none."""
+    return interval > 0 and step % interval == 0
+
+
+def write_canaries(output_dir: Path, canaries: list[dict]) -> None:
+    """canary.json from [{"env", "token_ids", "scored"}]."""
+    atomic_write_json(canary_file(output_dir), {"canaries": canaries})
+
+
+def read_canaries(output_dir: Path) -> list[dict] | None:
+    """The canaries, or None while there are none (not chosen yet, or an unreadable file: a clear message is
+    the caller's, which knows whether one is due)."""
+    try:
+        canaries = json.loads(canary_file(output_dir).read_text())["canaries"]
+        for c in canaries:
+            ids, scored = c["token_ids"], c["scored"]
+            if not (len(ids) == len(scored) >= 2 and all(type(i) is int and i >= 0 for i in ids)):
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return canaries
+
+
+def write_trainer_scores(output_dir: Path, step: int, logprobs: list[list[float]]) -> None:
+    atomic_write_json(trainer_scores_file(output_dir, step), {"step": step, "logprobs": logprobs})
+
+
+def read_trainer_scores(output_dir: Path, step: int) -> list[list[float]] | None:
+    """The trainer's canary logprobs at weight step `step`, None until written."""
+    try:
+        data = json.loads(trainer_scores_file(output_dir, step).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("logprobs") if isinstance(data, dict) and data.get("step") == step else None
+
+
+def clear_parity(output_dir: Path) -> None:
+    """A fresh run's canaries and scores are its own (an earlier run's would be compared with other weights)."""
+    root = parity_dir(output_dir)
+    for path in root.glob("*.json") if root.is_dir() else ():
+        path.unlink(missing_ok=True)

@@ -50,6 +50,7 @@ logger = logging.getLogger("prime_rl")
 def run(config: TrainerConfig) -> None:
     from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.ckpt import Progress
+    from prime_rl.trainer.rl.parity import score_canaries
     from prime_rl.trainer.step import step_metrics
 
     loss_fn = rl_loss(config.loss)  # a custom loss is imported here, once, from the config: before the model loads
@@ -79,6 +80,7 @@ def run(config: TrainerConfig) -> None:
             micro_batches = load_micro_batches(config, step, dist, times)
             if micro_batches is None:
                 service.stop_on_signal("trainer", config, state, progress, config.max_steps)
+            score_canaries(config, state.model, dist.device, step, dist.is_main)  # weights: step n (a gate step?)
             with timer(times, "train"):
                 stats = train_step(state.model, state.optimizer, micro_batches, config, dist, loss_fn)
                 lr = state.scheduler.get_last_lr()[0]

@@ -1,0 +1,202 @@
+"""The parity gate (docs/orchestrator.md): a run stops before it learns from a server that serves other weights,
+or computes them otherwise, than the trainer.
+
+Two checks, each ending the run with one line naming the server and the weight step:
+- weight checksums, twice a step: each live server's checksum of what it loaded (its /health at the step's
+  start, its /update_weights answer after the step's update, protocol.parity) against the trainer's for that
+  step (`weights/step_n/checksum.json`, or the broadcast announcement; kept once read, so a step the trainer
+  has pruned since is still known). A wrong dir, a partial load, a server swapped behind the orchestrator's
+  back: caught at the next step's start.
+- parity canaries, at weight steps 0, interval, ...: a few fixed token sequences (`parity/canary.json`, the
+  first sample of `num_canaries` groups of the run's first batch, across envs) scored by every server right
+  after it loaded the gate step, and by the trainer with the same weights (`parity/step_n.json`). The mismatch
+  KL over the sampled tokens (k3, as the trainer's `mismatch_kl`) above `max_kl` stops the run: a dtype, a
+  kernel, a quantised engine. The servers score before the step's generation; the comparison waits for no
+  one: it runs at the end of the first step whose end finds the trainer's file (the trainer writes it at the
+  start of its step n, a step or two later), and only the run's last step waits for it (bounded, named).
+  Canaries are scored only where a trainer beats in OUTPUT_DIR (a lone orchestrator fed by something else
+  has none to compare with).
+
+k3 per token, with d = trainer − server logprob: exp(d) − 1 − d ≥ 0 (e.g. d = 0.1: 0.00517); the KL is its mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.orchestrator.batch import Batch
+from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.pool import InferenceError, Server, server_root
+from prime_rl.protocol import read_beat, wait_until_async, weights_dir
+from prime_rl.protocol.broadcast import read_marker
+from prime_rl.protocol.parity import (
+    clear_parity,
+    is_gate_step,
+    read_canaries,
+    read_checksum,
+    read_trainer_scores,
+    trainer_scores_file,
+    write_canaries,
+)
+
+logger = logging.getLogger("prime_rl")
+
+MARKER_WAIT = 30.0  # seconds for the trainer to add a sent step's checksum to its announcement (milliseconds, really)
+
+
+class ParityError(InferenceError):
+    """A server serves other weights or another policy than the trainer's; the run stops (one line)."""
+
+
+def mismatch(trainer: list[float], server: list[float], scored: list[bool]) -> tuple[float, float, int]:
+    """(Σ k3, max |Δ logprob|, tokens) over the `scored` positions of one canary (see the module doc)."""
+    total, worst, n = 0.0, 0.0, 0
+    for t, s, keep in zip(trainer, server, scored, strict=True):
+        if keep:
+            d = t - s
+            total += math.expm1(d) - d
+            worst, n = max(worst, abs(d)), n + 1
+    return total, worst, n
+
+
+def server_name(server: Server) -> str:
+    """`host:port` of a server (its metric key)."""
+    return server_root(server.base).split("://", 1)[-1]
+
+
+class ParityGate:
+    def __init__(self, config: OrchestratorConfig, resumed: bool):
+        self.config, self.c = config, config.parity
+        if not resumed:
+            clear_parity(config.output_dir)
+        self.held = 0  # the weight step the servers hold this step
+        self.pending: dict[int, dict[str, list[list[float]]]] = {}  # gate step -> server -> canary logprobs
+        self.done: set[int] = set()  # gate steps compared
+        self.expected: dict[int, tuple[str, str]] = {}  # weight step -> (trainer's checksum, where it was read)
+
+    async def check_servers(self, client: InferenceClient) -> None:
+        """At a step's start, before any update: what every server holds now (/health) against the trainer's."""
+        await client.server_step()
+        await self.check_checksums(client)
+
+    async def start_step(self, client: InferenceClient) -> None:
+        """After the step's weights are in place: checksums, and the servers' canary scores at a gate step."""
+        self.held = min(s.step for s in client.pool.live())
+        await self.check_checksums(client)
+        canaries = read_canaries(self.config.output_dir)
+        if canaries is not None:  # none before the run's first batch: `choose_canaries` scores then
+            await self.score_gate_step(client, canaries)
+
+    async def score_gate_step(self, client: InferenceClient, canaries: list[dict]) -> None:
+        """The servers' scores of the canaries, when the weights they hold now are a gate step not yet scored."""
+        step = self.held
+        if not is_gate_step(step, self.c.interval) or step in self.done or step in self.pending:
+            return
+        if read_beat(self.config.output_dir, "trainer-rank0") is None:
+            logger.debug(f"parity: no trainer beats in {self.config.output_dir}: canaries not scored")
+            return
+        self.pending[step] = await self.score_servers(client, canaries)
+
+    async def check_checksums(self, client: InferenceClient) -> None:
+        for server in client.pool.live():
+            if server.step == 0 or server.checksum is None:
+                continue  # the base weights, or a server that reports none
+            expected = await self.trainer_checksum(server)
+            if expected is not None and expected[0] != server.checksum:
+                raise ParityError(
+                    f"checksum: server {server.base} at weight step {server.step}: loaded {server.checksum}, "
+                    f"the trainer exported {expected[0]} ({expected[1]}); it serves other weights than the trainer's"
+                )
+
+    async def trainer_checksum(self, server: Server) -> tuple[str, str] | None:
+        """(checksum, where it was read) of the trainer's weight step `server.step`, None where unknown."""
+        found = await self._read_trainer_checksum(server)
+        if found is None:  # pruned since (or not written: a dir from elsewhere)
+            return self.expected.get(server.step)
+        self.expected[server.step] = found  # read afresh each time: a resumed trainer may redo a step otherwise
+        for old in sorted(self.expected)[:-16]:  # a few recent steps are all a server can hold
+            del self.expected[old]
+        return found
+
+    async def _read_trainer_checksum(self, server: Server) -> tuple[str, str] | None:
+        out, step = self.config.output_dir, server.step
+        if server.group is not None:  # from a broadcast: the announcement gets its checksum once it was sent
+            await wait_until_async(
+                lambda: (m := read_marker(out)) is None or m["step"] != step or m["checksum"] is not None,
+                f"the trainer's checksum of broadcast weight step {step}",
+                MARKER_WAIT,
+            )
+            marker = read_marker(out)
+            if marker is not None and marker["step"] == step and marker["group"] == server.group:
+                return marker["checksum"], f"broadcast announcement of step {step}"
+        checksum = read_checksum(weights_dir(out, step))
+        return None if checksum is None else (checksum, str(weights_dir(out, step) / "checksum.json"))
+
+    async def score_servers(self, client: InferenceClient, canaries: list[dict]) -> dict[str, list[list[float]]]:
+        async def one(server: Server) -> tuple[str, list[list[float]]]:
+            return server.base, [await client.score(c["token_ids"], server=server) for c in canaries]
+
+        return dict(await asyncio.gather(*(one(s) for s in client.pool.live())))
+
+    async def choose_canaries(self, client: InferenceClient, batch: Batch) -> None:
+        """The run's first batch (before its rank files): the canaries, scored at once if the step is a gate."""
+        if self.c.interval == 0 or read_canaries(self.config.output_dir) is not None:
+            return
+        if read_beat(self.config.output_dir, "trainer-rank0") is None:
+            return  # no trainer to compare with (see the module doc)
+        by_env: dict[str, list] = {}
+        for group in batch.groups:
+            by_env.setdefault(group.env, []).append(group)
+        canaries = []
+        for i in range(max(len(groups) for groups in by_env.values())):  # round-robin across envs
+            for env, groups in by_env.items():
+                r = groups[i].rollouts[0] if i < len(groups) else None
+                if r is not None and len(canaries) < self.c.num_canaries and any(r.completion_mask):
+                    scored = [False] * len(r.prompt_ids) + list(r.completion_mask)
+                    canaries.append({"env": env, "token_ids": [*r.prompt_ids, *r.completion_ids], "scored": scored})
+        if not canaries:
+            return
+        write_canaries(self.config.output_dir, canaries)
+        logger.info(f"parity: {len(canaries)} canaries ({sum(len(c['token_ids']) for c in canaries)} tokens) chosen")
+        await self.score_gate_step(client, canaries)
+
+    async def finish_step(self, client: InferenceClient, step: int) -> dict[str, float]:
+        """Once step `step`'s rank files are written: every scored gate step whose trainer file is there is
+        compared (the run's last step waits for them, bounded); the metrics, or ParityError above `max_kl`."""
+        out, config = self.config.output_dir, self.config
+        metrics: dict[str, float] = {}
+        for gate in sorted(self.pending):
+            if step == config.max_steps - 1:
+                await wait_until_async(
+                    lambda gate=gate: read_trainer_scores(out, gate) is not None,
+                    f"the trainer's canary logprobs at weight step {gate} ({trainer_scores_file(out, gate)})",
+                    config.weights_timeout,
+                    output_dir=out,
+                    writer="trainer-rank0",
+                    heartbeat_timeout=config.heartbeat_timeout,
+                )
+            trainer = read_trainer_scores(out, gate)
+            if trainer is not None:
+                metrics |= self.compare(client, gate, trainer, self.pending.pop(gate))
+                self.done.add(gate)
+        return metrics
+
+    def compare(self, client: InferenceClient, step: int, trainer: list, scored: dict) -> dict[str, float]:
+        canaries = read_canaries(self.config.output_dir)
+        metrics = {}
+        for base, scores in scored.items():
+            parts = [mismatch(t, s, c["scored"]) for t, s, c in zip(trainer, scores, canaries, strict=True)]
+            tokens = sum(n for _, _, n in parts)
+            kl, worst = sum(k for k, _, _ in parts) / max(tokens, 1), max(w for _, w, _ in parts)
+            name = server_name(next(s for s in client.pool.servers if s.base == base))
+            metrics |= {f"parity_kl/{name}": kl, f"parity_max_dlogprob/{name}": worst}
+            if kl > self.c.max_kl:
+                raise ParityError(
+                    f"parity: server {base} at weight step {step}: mismatch KL {kl:.3g} > {self.c.max_kl:g} (max "
+                    f"|Δ logprob| {worst:.3g} over {tokens} canary tokens); it does not compute the trainer's policy"
+                )
+        logger.info(f"parity at weight step {step}: " + ", ".join(f"{k} {v:.2e}" for k, v in metrics.items()))
+        return metrics | {"parity_step": step}

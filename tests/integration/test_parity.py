@@ -1,0 +1,86 @@
+"""The parity gate in a real `rl` run (docs/orchestrator.md): a server that serves other weights than the trainer
+exported, or computes the trainer's weights otherwise, stops the run with one line naming it."""
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from prime_rl.protocol import weights_dir
+from prime_rl.utils.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def rl_args(model, out, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "prime_rl.entrypoints.rl", "--model.name", str(model), "--output-dir", str(out),
+        "--inference.server.port", str(port), "--orchestrator.batch-size", "8",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.seq-len", "128",
+        "--orchestrator.sampling.max-tokens", "8", *extra,
+    ]  # fmt: skip
+
+
+def orchestrator_error(out) -> str:
+    log = (out / "logs" / "orchestrator.log").read_text()
+    return next((line for line in log.splitlines() if " ERROR " in line), log[-3000:])
+
+
+def test_a_server_given_other_weights_behind_the_runs_back_stops_it_within_a_step(tiny_model, tmp_path, free_port):
+    """Right after the run updated the server to step n, it loads weights/step_{n-1}'s tensors from a dir named
+    step_n (POST /update_weights straight to it, applied once the step's requests in flight are done): it says
+    it serves step n, and its checksum says otherwise."""
+    out = tmp_path / "out"
+    extra = ["--max-steps", "500", "--async-level", "1", "--trainer.keep-weights", "50"]
+    extra += ["--orchestrator.batch-size", "16", "--orchestrator.sampling.max-tokens", "32"]  # generation takes a while
+    console = open(tmp_path / "rl.console", "w")  # noqa: SIM115 (closed below; a pipe nobody reads would block rl)
+    proc = subprocess.Popen(rl_args(tiny_model, out, free_port, *extra), stdout=console, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{free_port}"
+        deadline = time.monotonic() + 300  # the start (three services) on a busy 2-core machine
+        first = step = None
+        while first is None or step == first:  # until the run has just given it a new step (from 3 on)
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "rl.console").read_text()[-3000:]
+            time.sleep(0.02)
+            try:
+                step = httpx.get(f"{url}/health", timeout=5).json()["step"]
+            except httpx.TransportError:
+                continue
+            first = step if first is None and step >= 2 else first
+        fault = tmp_path / "fault" / f"step_{step}"
+        shutil.copytree(weights_dir(out, step - 1), fault)
+        faulted = time.monotonic()
+        answer = httpx.post(f"{url}/update_weights", json={"weight_dir": str(fault)}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["step"] == step
+        proc.wait(timeout=120)
+        seconds = time.monotonic() - faulted
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        console.close()
+    assert proc.returncode != 0
+    line = orchestrator_error(out)
+    print(f"\n{seconds:.1f} s from the fault to the end of the run: {line}")
+    expected = rf"checksum: server {url}/v1 at weight step {step}: loaded {answer.json()['checksum']}, the trainer "
+    assert re.search(expected + r"exported [0-9a-f]{16} \(.*checksum.json\)", line), line
+    assert len(read_metrics(out, "orchestrator")) <= step + 2  # the step it struck in, or the next: no later
+
+
+def test_a_server_computing_in_another_dtype_fails_the_canaries(tiny_model, tmp_path, free_port):
+    """bfloat16 serving of float32 weights: checksums agree (the same weights arrive), the canaries' KL does not
+    (7.2e-7 on this tiny model's near-uniform distributions, against ~5e-14 in float32: the bound is set between)."""
+    out = tmp_path / "bf16"
+    extra = ["--max-steps", "3", "--inference.engine.dtype", "bfloat16", "--parity.max-kl", "1e-7"]
+    result = subprocess.run(rl_args(tiny_model, out, free_port, *extra), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and (out / "logs" / "orchestrator.log").is_file(), result.stderr[-3000:]
+    line = orchestrator_error(out)
+    print(f"\n{line}")
+    assert re.search(
+        rf"parity: server http://127.0.0.1:{free_port}/v1 at weight step 0: mismatch KL \S+ > 1e-07 ", line
+    )
+    assert "it does not compute the trainer's policy" in line
