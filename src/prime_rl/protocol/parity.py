@@ -24,6 +24,9 @@ CUDA give the same integer.
 
 The trainer writes `checksum.json` {"checksum", "tensors"} into each `weights/step_n` (before `STABLE`) and
 adds "checksum" to the broadcast announcement once the step is sent.
+
+Parity canaries (`OUTPUT_DIR/parity/`, JSON only): their paths and formats are at the end of this module; the
+orchestrator's gate (orchestrator/parity.py) and the trainer (trainer/rl/parity.py) read and write them here.
 """
 
 from __future__ import annotations
