@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import OutputDir, Section, WeightTransferConfig
+from prime_rl.configs.fields import FLAG_TABLE
 from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, ParityConfig, SelfHangTimeout
 from prime_rl.configs.training import TrainingConfig
+
+# A custom loss's keyword argument: a flag's text that reads as a number or a bool becomes one (tried in order)
+KwargValue = Annotated[
+    StrictBool | int | float | bool | str | list[Any] | dict[str, Any], Field(union_mode="left_to_right")
+]
 
 
 class MaskConfig(Section):
@@ -100,7 +106,14 @@ class LossConfig(Section):
             "(LossInputs, **kwargs) for the per-token loss [1, L]",
         ),
     ] = None
-    kwargs: Annotated[dict[str, Any], Field(description="custom: keyword arguments passed to the function")] = {}
+    kwargs: Annotated[
+        dict[str, KwargValue],
+        FLAG_TABLE,
+        Field(
+            description="custom: keyword arguments passed to the function (flags: --loss.kwargs.NAME VALUE; a "
+            "value that reads as a number or true/false is one)"
+        ),
+    ] = {}
 
     @model_validator(mode="after")
     def _custom_has_path(self):

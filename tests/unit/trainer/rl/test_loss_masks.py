@@ -165,3 +165,16 @@ def test_custom_loss_config_needs_its_path_and_only_then():
         LossConfig(import_path="a.b:c")
     with pytest.raises(ValidationError, match="import_path"):
         LossConfig(type="custom", import_path="not a path")
+
+
+def test_custom_loss_kwargs_from_flags_keep_their_types(tmp_path):
+    from prime_rl.configs import load_config
+    from prime_rl.configs.trainer import TrainerConfig
+
+    flags = ["--output-dir", str(tmp_path), "--loss.type", "custom", "--loss.import-path", "custom_loss_aipo:aipo"]
+    flags += ["--loss.kwargs.max_ratio", "1.5", "--loss.kwargs.steps", "3", "--loss.kwargs.on", "true"]
+    flags += ["--loss.kwargs.name", "x"]
+    kwargs = load_config(TrainerConfig, flags).loss.kwargs
+    assert kwargs == {"max_ratio": 1.5, "steps": 3, "on": True, "name": "x"}
+    assert type(kwargs["steps"]) is int and type(kwargs["on"]) is bool
+    assert LossConfig(type="custom", import_path="m:f", kwargs={"n": 1, "flag": True}).kwargs == {"n": 1, "flag": True}
