@@ -60,10 +60,6 @@ class MaskConfig(Section):
                 raise ValueError(f"loss.mask.{name}_low ({low}) must be below loss.mask.{name}_high ({high})")
         return self
 
-    @property
-    def enabled(self) -> bool:
-        return any(v is not None for v in self.model_dump().values())
-
 
 class LossConfig(Section):
     type: Annotated[
