@@ -728,7 +728,7 @@ def test_lora_rl_ships_adapters_and_serves_exactly_the_trainers_policy(tiny_mode
     assert list_steps(weights_root(out)) == list(range(1, LORA_STEPS + 1))
     for step in range(1, LORA_STEPS + 1):  # adapters only: no config, tokenizer or base tensor is shipped
         assert sorted(p.name for p in weights_dir(out, step).iterdir()) == [
-            "STABLE", "adapter_config.json", "adapter_model.safetensors"
+            "STABLE", "adapter_config.json", "adapter_model.safetensors", "checksum.json"
         ]  # fmt: skip
     served = (out / "logs" / "inference.log").read_text()
     assert all(f"now serving weights step {step}" in served for step in range(1, LORA_STEPS))
