@@ -145,7 +145,7 @@ class EvalEnvConfig(EnvConfig):
 class TeacherConfig(Section):
     """On-policy distillation (`[orchestrator.teacher]`): a teacher server scores every rollout's tokens, and on
     each model token t the advantage becomes reward_weight · A_env + kl_coef · (log p_teacher(t) − log μ(t)),
-    μ being the student's sampling logprob (docs/orchestrator.md)."""
+    μ being the student's sampling logprob (docs/design.md §6)."""
 
     base_url: Annotated[
         list[str],

@@ -1,4 +1,4 @@
-"""On-policy distillation (`[orchestrator.teacher]`, docs/orchestrator.md): a teacher server scores the student's
+"""On-policy distillation (`[orchestrator.teacher]`, docs/design.md §6): a teacher server scores the student's
 own samples, and its per-token reverse-KL signal becomes the advantage.
 
 Every rollout's prompt + completion goes to the teacher as one scoring request (`InferenceClient.score`:
