@@ -20,18 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from reverse_text import run  # noqa: E402  (benchmarks/ is this script's sys.path[0])
+
 from prime_rl.protocol import final_weights_dir  # noqa: E402
 from prime_rl.utils.metrics import read_metrics  # noqa: E402
+from prime_rl.utils.net import free_port  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "examples" / "reverse_text"
 OBJECTIVES = {  # name → extra rl flags
@@ -43,21 +43,6 @@ OBJECTIVES = {  # name → extra rl flags
 }  # fmt: skip
 ENV = dict(os.environ)  # OMP_NUM_THREADS set in main
 PLOT = ROOT / "docs" / "examples" / "reverse_text_objectives.png"
-
-
-def run(cmd: list[str], log: Path, timeout: float) -> float:
-    start = time.perf_counter()
-    with log.open("w") as f:
-        result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT, env=ENV)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:5])} exited {result.returncode}; see {log}")
-    return time.perf_counter() - start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slug(objective: str) -> str:
@@ -78,7 +63,7 @@ def run_rl(out: Path, sft: Path, objective: str, seed: int) -> Path:
             [*py, "@", str(CONFIGS / "rl.toml"), "--output-dir", str(rl / "run"), "--model.name", str(sft),
              "--orchestrator.seed", str(seed), "--inference.seed", str(seed),
              "--inference.server.port", str(free_port()), *OBJECTIVES[objective]],
-            out / f"{rl.name}.out", 1800)  # fmt: skip
+            ENV, out / f"{rl.name}.out", 1800)  # fmt: skip
         (rl / "result.json").write_text(json.dumps({"objective": objective, "seed": seed, "seconds": seconds}))
     return rl
 
@@ -167,7 +152,7 @@ def main() -> None:
         sft = args.out / "sft"
         if args.sft_weights is None and not final_weights_dir(sft).exists():
             seconds = run([sys.executable, "-m", "prime_rl.entrypoints.sft", "@", str(CONFIGS / "sft.toml"),
-                           "--output-dir", str(sft), "--seed", "0"], args.out / "sft.out", 3600)  # fmt: skip
+                           "--output-dir", str(sft), "--seed", "0"], ENV, args.out / "sft.out", 3600)  # fmt: skip
             print(f"SFT: {seconds:.0f} s", flush=True)
         for objective, seed in cases:
             run_rl(args.out, args.sft_weights or final_weights_dir(sft), objective, seed)

@@ -24,7 +24,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from prime_rl.protocol import final_weights_dir  # noqa: E402
 from prime_rl.utils.metrics import read_metrics  # noqa: E402
+from prime_rl.utils.net import free_port  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "examples" / "reverse_text"
 
@@ -48,12 +48,6 @@ def run(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[2:5])} exited {result.returncode}; see {log}")
     return time.perf_counter() - start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mean_ends(values: list[float]) -> tuple[float, float]:
