@@ -97,11 +97,20 @@ WRITTEN_BY = {
     "outputs/calc/train.jsonl": ("docs/examples/calc_tool.md", "make_calc_model.py data outputs/calc/train.jsonl"),
     "outputs/calc/sft/weights/step_1000": ("docs/examples/calc_tool.md", "configs/examples/calc/sft.toml"),
     "outputs/checkpoints/step_20/trainer": ("docs/trainer.md", "uv run trainer ... --max-steps 20"),
+    "outputs/distill/student": ("docs/examples/distillation.md", "uv run tiny-model outputs/distill/student"),
+    "outputs/distill/sft/weights/final": ("docs/examples/distillation.md", "--output-dir outputs/distill/sft"),
+    "outputs/distill/rl/weights": ("docs/examples/distillation.md", "configs/examples/distill/rl.toml"),
+    "outputs/reverse-text/rl/weights/step_60": (
+        "docs/examples/reverse_text.md",
+        "configs/examples/reverse_text/rl.toml",
+    ),
 }
 STAND_IN = {
     "outputs/reverse-text/sft/weights/final": "assets/reverse-qwen3",
     "outputs/calc/init": "assets/calc-qwen3",
     "outputs/calc/train.jsonl": "configs/sft/debug/data.jsonl",
+    "outputs/distill/sft/weights/final": "assets/reverse-qwen3",
+    "outputs/reverse-text/rl/weights/step_60": "assets/reverse-qwen3",
 }
 
 
@@ -190,7 +199,12 @@ def why_not_run(line: Line) -> str | None:
         return "development tooling: the suite, linters and CI script this test is part of"
     if kind in ("cluster", "export") or "--slurm" in c or "slurm_cluster.sh" in c:
         return "a Slurm cluster or several nodes (tests/integration/test_slurm.py runs a one-node cluster)"
-    if kind == "cp" or "make_calc_model.py" in c or re.search(r"configs/examples/(reverse_text|calc)/", c):
+    if (
+        kind == "cp"
+        or "make_calc_model.py" in c
+        or "outputs/distill/" in c
+        or re.search(r"configs/examples/(reverse_text|calc|distill)/", c)
+    ):
         return "a minutes-to-hours example run (test_example_reverse_text.py runs reverse-text scaled down)"
     if "torchrun" in c:
         return "several trainer ranks or nodes (tests/integration/test_trainer.py runs torchrun on CPU)"

@@ -4,8 +4,9 @@
     uv run plot outputs/a outputs/b --out ablation           # runs overlaid, one colour per run
 
 Panels (each skipped when no run has its metric): reward (training, and eval as markers with error bars of one
-standard error), completion length, truncated fraction, mismatch KL, off-policy gap, step time split (generate,
-train, hand-off: the waits for weights and rollouts), tokens/s, and the SFT loss (log scale, held-out as markers).
+standard error), completion length, truncated fraction, mismatch KL, teacher KL (distillation), off-policy gap,
+step time split (generate, train, hand-off: the waits for weights and rollouts), tokens/s, and the SFT loss (log
+scale, held-out as markers).
 A per-step series of 10 or more points is drawn thin under its centred moving average over ~5 % of its steps
 (the legend says how many); the reward axis spans at least 0.1; steps are whole numbers. The title names each
 run: its W&B name where the orchestrator had one, else its output dir. Data loading: prime_rl.utils.plot_data.
@@ -70,6 +71,8 @@ PANELS: dict[str, Panel] = {
         [Line("", lambda m: series(m["orchestrator"], "truncated_fraction"), "-")], min_span=0.1
     ),
     "mismatch KL (trainer vs inference)": Panel([Line("", lambda m: series(m["trainer"], "mismatch_kl"), "-")]),
+    # On-policy distillation ([orchestrator.teacher]): the student's reverse KL to the teacher on its own samples.
+    "teacher KL (student vs teacher)": Panel([Line("", lambda m: series(m["orchestrator"], "teacher_kl"), "-")]),
     # A configured bound, not noise: its steps are drawn as they are.
     "off-policy gap (steps)": Panel([Line("max", lambda m: series(m["orchestrator"], "off_policy_gap"), "-", False)]),
     "step time split (s)": Panel(
