@@ -150,7 +150,7 @@ LORA = ["--model.lora.rank", "4", "--model.lora.alpha", "8"]
 
 def test_lora_on_two_fsdp_ranks_trains_the_adapter_of_one_rank(tiny_model, runs, one_rank):
     """FSDP2 over the LoRA-wrapped model (frozen base, trainable adapters in the same units): the 2-rank
-    step's adapter equals one rank's on the same 4 micro batches, and only the adapter is written."""
+    step's adapter equals one rank's on the same 4 micro batches, and only the adapter (and its checksum) is written."""
     from prime_rl.configs.trainer import TrainerConfig
     from prime_rl.trainer.model import build_training
     from prime_rl.trainer.rl.train import train_step
@@ -160,7 +160,7 @@ def test_lora_on_two_fsdp_ranks_trains_the_adapter_of_one_rank(tiny_model, runs,
     rc, output = _finish(proc)
     assert rc == 0, output[-6000:]
     assert sorted(p.name for p in weights_dir(out, 1).iterdir()) == [
-        "STABLE", "adapter_config.json", "adapter_model.safetensors"
+        "STABLE", "adapter_config.json", "adapter_model.safetensors", "checksum.json"
     ]  # fmt: skip
     two_ranks = load_file(weights_dir(out, 1) / "adapter_model.safetensors")
 
