@@ -23,15 +23,8 @@ logger = logging.getLogger("prime_rl")
 def canary_batch(token_ids: list[int]) -> MicroBatch:
     """One canary as a packed row of one sample, scored at temperature 1 (as the servers' prompt logprobs)."""
     n = len(token_ids)
-    return MicroBatch(
-        input_ids=torch.tensor([token_ids], dtype=torch.int64),
-        position_ids=torch.arange(n, dtype=torch.int64)[None],
-        cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
-        loss_mask=torch.ones(1, n, dtype=torch.bool),
-        advantages=torch.zeros(1, n),
-        inference_logprobs=torch.zeros(1, n),
-        temperature=1.0,
-    )
+    sample = {"input_ids": token_ids, "loss_mask": [True] * n, "advantages": [0.0] * n, "inference_logprobs": [0.0] * n}
+    return MicroBatch.pack([sample], temperature=1.0)
 
 
 def score_canaries(config: TrainerConfig, model: torch.nn.Module, device: torch.device, step: int, main: bool) -> None:
