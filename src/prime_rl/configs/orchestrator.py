@@ -38,7 +38,19 @@ class ClientConfig(Section):
         EnvVarName, Field(description="name of the env var holding the inference API key (unset var = no key)")
     ] = "INFERENCE_SERVER_API_KEY"
     timeout: Annotated[float, Field(gt=0, description="seconds before one HTTP request is abandoned")] = 600.0
-    max_concurrency: Annotated[int, Field(ge=1, description="most requests in flight at once per server")] = 64
+    max_concurrency: Annotated[
+        int, Field(ge=1, description="most requests in flight at once per server (the ceiling when adaptive)")
+    ] = 64
+    concurrency: Annotated[
+        Literal["fixed", "adaptive"],
+        Field(
+            description="fixed = max_concurrency requests per server; adaptive = each server's limit follows its "
+            "own load (queue, KV-cache use from its /metrics) between min_concurrency and max_concurrency"
+        ),
+    ] = "fixed"
+    min_concurrency: Annotated[
+        int, Field(ge=1, description="adaptive concurrency: the floor of a server's in-flight limit")
+    ] = 4
     max_retries: Annotated[
         int, Field(ge=0, description="retries of a request after a connection error, 5xx or 429 (with backoff)")
     ] = 3
@@ -229,6 +241,14 @@ class OrchestratorConfig(BaseConfig):
         int,
         Field(ge=0, description="continuous mode: drop rollouts from a policy older than step - this"),
     ] = 8
+    inflight_updates: Annotated[
+        Literal["continue", "finish"],
+        Field(
+            description="continuous mode: continue = a weight update swaps inside running requests (their KV "
+            "recomputed, each token labelled with its policy step) where the backend can; finish = it waits for "
+            "them to end"
+        ),
+    ] = "continue"
     max_turns: Annotated[
         int | None, Field(ge=1, description="most model turns of a multi-turn episode; unset = the env's max_turns")
     ] = None

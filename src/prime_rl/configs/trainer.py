@@ -91,6 +91,14 @@ class LossConfig(Section):
         Field(description="KL penalty estimator: k3 = mu/pi - 1 - log(mu/pi); k2 = (log pi/mu)^2 / 2"),
     ] = "k3"
     entropy_coef: Annotated[float, Field(ge=0, description="weight of an entropy bonus per token; 0 = off")] = 0.0
+    max_token_lag: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            description="tokens sampled by a policy more than this many steps older than the trained step are "
+            "masked (counted in is_masked/lag); unset = off",
+        ),
+    ] = None
     mask: Annotated[MaskConfig, Field(description="importance-ratio masks (token band, sequence band, binary TV)")] = (
         MaskConfig()
     )

@@ -5,7 +5,7 @@ For each step n (`run_step`):
 2. `wait_for_policy` (policy.py): every live server samples from weights no older than n - async_level;
    each rollout records the weight step that sampled it, and `oldest_policy` says which ones step n may use.
 3. The step's groups with their advantages (batch.py): `generate_batch` (barrier mode) or
-   `RolloutStream.take` (continuous mode, `max_inflight` set).
+   `RolloutStream.take` (stream.py: continuous mode, `max_inflight` set).
 4. `build_samples` + `pack_micro_batches` + `write_rank_files`: one atomic `rollouts/step_n/rank_r.pt`
    per trainer rank.
 5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B, with the servers' numbers), one INFO line.
@@ -27,7 +27,6 @@ from prime_rl.envs import EnvError
 from prime_rl.orchestrator.batch import (
     Batch,
     EnvMix,
-    RolloutStream,
     build_mix,
     build_samples,
     generate_batch,
@@ -42,6 +41,7 @@ from prime_rl.orchestrator.parity import ParityGate
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
 from prime_rl.orchestrator.server_metrics import ServerMetrics
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
+from prime_rl.orchestrator.stream import RolloutStream
 from prime_rl.protocol import (
     DiskFull,
     Heartbeat,

@@ -16,6 +16,8 @@ Optional per-sample and per-token extras (empty when unused):
     kept_offsets [0 0 0 2 2 2]          # int64 [L+1] with kept_ids (int32): CSR of the sampling mask, the
     kept_ids     [7 9]                  # token ids the sampler could draw at each position (top-p/top-k);
                                         # an empty range (here all but position 2) = the full vocabulary
+    policy_steps [[-1 3 4 -1 3]]        # int32 [1, L]: the weight step that sampled each generated token
+                                        # (protocol/spans.py), -1 where no policy did (prompt, env replies)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from prime_rl.protocol.files import atomic_write
 from prime_rl.protocol.paths import rank_file
 
-RANK_FILE_VERSION = 2
+RANK_FILE_VERSION = 3
 
 
 @dataclass
@@ -44,6 +46,7 @@ class MicroBatch:
     sample_env: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # int32 [k] or [0]
     kept_offsets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [L+1] or [0]
     kept_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # int32 [M]
+    policy_steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [1, L] or [0]
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,11 @@ class MicroBatch:
             raise ValueError(f"micro batch sample_env: expected int32 [{samples}], got {env.dtype} {list(env.shape)}")
         if env.numel() and (int(env.min()) < -1 or int(env.max()) >= len(self.env_names)):
             raise ValueError(f"micro batch sample_env indexes {len(self.env_names)} env names: {env.tolist()}")
+        steps = self.policy_steps
+        if steps.numel() and (steps.dtype != torch.int32 or tuple(steps.shape) != (1, length)):
+            raise ValueError(
+                f"micro batch policy_steps: expected int32 [1, {length}], got {steps.dtype} {list(steps.shape)}"
+            )
         off, ids = self.kept_offsets, self.kept_ids
         if off.numel():
             if off.dtype != torch.int64 or tuple(off.shape) != (length + 1,) or off[0] != 0 or off[-1] != ids.numel():
@@ -97,8 +105,9 @@ class MicroBatch:
     def pack(cls, samples: list[dict], temperature: float, env_names: list[str] = ()) -> MicroBatch:
         """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row.
 
-        Optional keys: `env` (int, index into `env_names`, given to pack_rows) and `kept` (per token a list of
-        token ids the sampler could draw, [] = the full vocabulary)."""
+        Optional keys: `env` (int, index into `env_names`, given to pack_rows), `kept` (per token a list of
+        token ids the sampler could draw, [] = the full vocabulary) and `policy_steps` (per token the weight step
+        that sampled it, -1 = none; samples without it get -1 throughout)."""
 
         def cat(key: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in samples]).unsqueeze(0)
@@ -118,6 +127,7 @@ class MicroBatch:
             sample_env=torch.tensor([s.get("env", -1) for s in samples], dtype=torch.int32)
             if env_names
             else torch.zeros(0, dtype=torch.int32),
+            policy_steps=_policy_steps(samples),
             **_kept_csr(samples, int(cu[-1])),
         )
 
@@ -136,6 +146,17 @@ class MicroBatch:
             temperature,
             env_names,
         )
+
+
+def _policy_steps(samples: list[dict]) -> torch.Tensor:
+    """The samples' per-token policy steps in one row; empty when no sample has them."""
+    if not any(s.get("policy_steps") is not None for s in samples):
+        return torch.zeros(0, dtype=torch.int32)
+    rows = [s.get("policy_steps") or [-1] * len(s["input_ids"]) for s in samples]
+    for row, s in zip(rows, samples, strict=True):
+        if len(row) != len(s["input_ids"]):
+            raise ValueError(f"{len(row)} policy steps for {len(s['input_ids'])} tokens")
+    return torch.cat([torch.as_tensor(r, dtype=torch.int32) for r in rows]).unsqueeze(0)
 
 
 def _kept_csr(samples: list[dict], length: int) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ from prime_rl.orchestrator.batch import (
     DataStream,
     EnvMix,
     EnvSlot,
-    RolloutStream,
     build_samples,
     generate_batch,
     step_metrics,
@@ -25,6 +24,7 @@ from prime_rl.orchestrator.batch import (
 from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.orchestrator.stream import RolloutStream
 
 
 class OddOnly:
