@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.distill import Teacher, teacher_kl
 from prime_rl.orchestrator.packing import make_sample
 from prime_rl.orchestrator.pool import SmoothRoundRobin
-from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source, derive_seed
+from prime_rl.orchestrator.rollout import Group, Rollout, RolloutSource, build_source, derive_seed
 from prime_rl.orchestrator.sinks import ProgressLine
 from prime_rl.utils.memory import peak_rss_gib
 from prime_rl.utils.timer import timer
@@ -174,15 +175,15 @@ async def generate_batch(
 
 
 def build_samples(batch: Batch, truncated: str, env_names: list[str] = ()) -> list[dict]:
-    """The batch's rollouts as trainer samples, each tagged with its environment's index in `env_names`."""
+    """The batch's rollouts as trainer samples, each tagged with its environment's index in `env_names` and
+    carrying the policy step of each token (`policy_steps` in the rank files)."""
     index = {name: i for i, name in enumerate(env_names)}
     samples = []
     for group, advantages in zip(batch.groups, batch.advantages, strict=True):
         for r, a in zip(group.rollouts, advantages, strict=True):
             mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
-            samples.append(
-                make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask, index.get(group.env, -1), r.kept)
-            )
+            env = index.get(group.env, -1)
+            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask, env, r.kept, r.token_steps))
     return samples
 
 
@@ -229,7 +230,23 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
         metrics["weights_served_at"] = times["served_at"]
     if (kl := teacher_kl(rollouts)) is not None:  # distillation: mean log μ − log p_teacher per model token
         metrics["teacher_kl"] = kl
-    return metrics | breakdowns(batch, gaps)
+    return metrics | token_lags(rollouts, step) | breakdowns(batch, gaps)
+
+
+def token_lags(rollouts: list[Rollout], step: int) -> dict[str, Any]:
+    """Per-token lag over the model tokens: step − the policy step that sampled each token.
+
+    `token_lag/{k}` counts the tokens k steps old (the histogram), beside `token_lag_mean` and `token_lag_max`.
+    Example at step 5, tokens sampled by steps [4, 4, 5] → token_lag/0 = 1, token_lag/1 = 2, mean 0.67, max 1."""
+    lags = [step - s for r in rollouts for s in r.token_steps if s >= 0]
+    if not lags:
+        return {}
+    counts = Counter(lags)
+    return {
+        "token_lag_mean": statistics.fmean(lags),
+        "token_lag_max": max(lags),
+        **{f"token_lag/{k}": counts[k] for k in sorted(counts)},
+    }
 
 
 def breakdowns(batch: Batch, gaps: list[int]) -> dict[str, Any]:

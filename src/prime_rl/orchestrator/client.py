@@ -7,10 +7,13 @@ the same server with exponential backoff; when its retries run out the pool take
 request goes to another live one. Anything else (4xx, malformed JSON) raises `InferenceError` naming the
 URL and the server's answer.
 
-Every completion is stamped with the weight step the server reports for it (`x-weight-step`, the policy
-that computed all of its tokens), never with the client's guess of what the server holds. One below the
-floor (`set_floor`: the oldest policy the current step may use, policy.oldest_policy) is thrown away:
-that server gets the pool's weights again and the request is retried.
+Every completion is stamped with the weight step the server reports for it (`x-weight-step`), never with the
+client's guess of what the server holds. One below the floor (`set_floor`: the oldest policy the current step
+may use, policy.oldest_policy) is thrown away: that server gets the pool's weights again and the request is
+retried. Each generated token also gets the policy step that sampled it (`Completion.token_steps`): from the
+choice's `weight_steps` spans (protocol/spans.py; a server that swapped weights inside the request sends
+several), or, where a server sends none (an older server, vLLM), the response's `x-weight-step` for every token.
+Malformed spans are an InferenceError naming the server.
 
 With LoRA (`adapter`, the servers' `model.lora.name`), requests name the adapter once the servers hold one
 (after `update_weights`) and the base model before it and after `reload_weights`; the name is chosen at each
@@ -30,15 +33,16 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.pool import InferenceError, Server, ServerDown, ServerPool, server_root
+from prime_rl.orchestrator.pool import InferenceError, Server, ServerDown, ServerPool
 from prime_rl.orchestrator.weight_control import WeightControl
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 from prime_rl.protocol.http import weight_step as weight_step_of
+from prime_rl.protocol.spans import steps_of
 
 logger = logging.getLogger("prime_rl")
 
@@ -53,8 +57,30 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
-    weight_step: int  # the policy step the server held when it sampled this
+    weight_step: int  # the policy step the server reported for the response (x-weight-step)
     kept: list[list[int]] | None = None  # per token the ids it was drawn among ([] = all), when masks were asked
+    token_steps: list[int] | None = None  # per token the policy step that sampled it (None: weight_step for all)
+
+    def __post_init__(self) -> None:
+        if self.token_steps is None:
+            self.token_steps = [self.weight_step] * len(self.completion_ids)
+        if len(self.token_steps) != len(self.completion_ids):
+            raise ValueError(f"{len(self.token_steps)} token steps for {len(self.completion_ids)} tokens")
+
+
+class Choice(NamedTuple):
+    """One parsed choice of a response (the server's step is added by the client: `Completion`)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    kept: list[list[int]] | None  # the sampling masks, None when the server sent none
+    token_steps: list[int] | None  # from the choice's `weight_steps`, None when the server sent none
+
+    def completion(self, weight_step: int) -> Completion:
+        return Completion(*self[:5], weight_step=weight_step, kept=self.kept, token_steps=self.token_steps)
 
 
 def parse_token_id(token: str) -> int:
@@ -82,9 +108,19 @@ def _kept_sets(sets: Any, ids: list[int], index: int) -> list[list[int]] | None:
     return [[int(i) for i in k] for k in sets]
 
 
-def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str, Any]]:
-    """(prompt_ids, completion_ids, logprobs, text, finish_reason, kept sets or None) per choice of a chat
-    completion."""
+def _token_steps(choice: dict, ids: list[int]) -> list[int] | None:
+    """A choice's `weight_steps` spans as one policy step per token (None: the server sent none)."""
+    spans = choice.get("weight_steps")
+    if spans is None:
+        return None
+    try:
+        return steps_of(spans, len(ids))
+    except ValueError as e:
+        raise ValueError(f"choice {choice['index']}: {e}") from None
+
+
+def parse_chat_response(data: dict) -> list[Choice]:
+    """The choices of a chat completion, in index order."""
     prompt_ids = data.get("prompt_token_ids")
     if not isinstance(prompt_ids, list):
         raise ValueError("response lacks prompt_token_ids (the server must support return_token_ids)")
@@ -98,11 +134,12 @@ def parse_chat_response(data: dict) -> list[tuple[list[int], list[int], list[flo
         masks = [t["sampling_mask"] for t in content] if content and "sampling_mask" in content[0] else None
         kept = _kept_sets(masks, ids, choice["index"])
         logprobs = [float(t["logprob"]) for t in content]
-        out.append((list(prompt_ids), ids, logprobs, text, choice["finish_reason"], kept))
+        steps = _token_steps(choice, ids)
+        out.append(Choice(list(prompt_ids), ids, logprobs, text, choice["finish_reason"], kept, steps))
     return out
 
 
-def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], list[float], str, str, Any]]:
+def parse_completion_response(data: dict) -> list[Choice]:
     """The same for /v1/completions, whose logprobs are {"tokens": [...], "token_logprobs": [...]}."""
     out = []
     for choice in sorted(data["choices"], key=lambda c: c["index"]):
@@ -116,7 +153,9 @@ def parse_completion_response(data: dict) -> list[tuple[list[int], list[int], li
         ids = _check_ids(choice, [parse_token_id(t) for t in tokens])
         text = choice.get("text") or ""
         kept = _kept_sets(logprobs.get("sampling_mask"), ids, choice["index"])
-        out.append((list(prompt_ids), ids, [float(x) for x in token_logprobs], text, choice["finish_reason"], kept))
+        values = [float(x) for x in token_logprobs]
+        steps = _token_steps(choice, ids)
+        out.append(Choice(list(prompt_ids), ids, values, text, choice["finish_reason"], kept, steps))
     return out
 
 
@@ -157,6 +196,7 @@ class InferenceClient:
         model: str,
         transport: httpx.AsyncBaseTransport | None = None,
         adapter: str | None = None,
+        inflight: str | None = None,
     ):
         self.config = config
         self.model = model
@@ -169,10 +209,12 @@ class InferenceClient:
             timeout=config.timeout,
             headers=headers,
             transport=transport,
-            limits=httpx.Limits(max_connections=config.max_concurrency * len(config.base_url)),
+            # one connection per server beyond its requests: /metrics and /health reads never wait for a slot
+            limits=httpx.Limits(max_connections=(config.max_concurrency + 1) * len(config.base_url)),
         )
         self.pool = ServerPool(config, self._http, self._request)
-        self.weights = WeightControl(self.pool, self._request, self._http)
+        # `inflight`: what weight updates ask of requests in flight (weight_control.inflight_ask)
+        self.weights = WeightControl(self.pool, self._request, self._http, inflight)
         self._floor = 0  # the oldest weight step a completion may come from: `set_floor`
 
     async def __aenter__(self) -> InferenceClient:
@@ -261,13 +303,13 @@ class InferenceClient:
                 raise InferenceError(
                     f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
                 )
-            if body.get("return_sampling_mask") and any(c[5] is None for c in choices):
+            if body.get("return_sampling_mask") and any(c.kept is None for c in choices):
                 raise InferenceError(
                     f"POST {url} returned no sampling masks: training with top_p < 1 or top_k > 0 needs each "
                     "token's kept set (return_sampling_mask), which this server does not return (the built-in "
                     "engine does); use top_p = 1 and top_k = 0 here"
                 )
-            return [Completion(*choice[:5], weight_step=weight_step, kept=choice[5]) for choice in choices]
+            return [choice.completion(weight_step) for choice in choices]
 
     @property
     def request_model(self) -> str:
@@ -359,13 +401,6 @@ class InferenceClient:
         """From now on, completions sampled by a policy older than `step` are thrown away and asked again
         (their server gets the pool's weights first). Set at each step's start by policy.wait_for_policy."""
         self._floor = step
-
-    async def read_metrics(self, server: Server, timeout: float) -> str:
-        """One quick GET of a server's Prometheus `/metrics` (no retries, no slot: it must never hold up
-        generation); raises httpx.HTTPError when it does not answer 200."""
-        response = await self._http.get(f"{server_root(server.base)}/metrics", timeout=timeout)
-        response.raise_for_status()
-        return response.text
 
     # ---- pool health and weight control -----------------------------------------------------------
 

@@ -42,6 +42,7 @@ from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
 from prime_rl.orchestrator.server_metrics import ServerMetrics
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
 from prime_rl.orchestrator.stream import RolloutStream
+from prime_rl.orchestrator.weight_control import inflight_ask
 from prime_rl.protocol import (
     DiskFull,
     Heartbeat,
@@ -141,7 +142,9 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
         progress = ProgressLine(config.progress, config.max_steps)
         async with AsyncExitStack() as stack:
             client = await stack.enter_async_context(
-                InferenceClient(config.client, config.model.name, adapter=config.model.adapter)
+                InferenceClient(
+                    config.client, config.model.name, adapter=config.model.adapter, inflight=inflight_ask(config)
+                )
             )
             teacher = await open_teacher(config, stack)
             stream = RolloutStream(client, mix, config, rng, teacher) if config.max_inflight is not None else None
@@ -198,6 +201,7 @@ async def run_step(loop: Loop, step: int) -> None:
     write_batch(config, step, batch, times)
     times["step"] = time.perf_counter() - start
     m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
+    m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
     state.total_samples += m["samples"]
     state.total_tokens += m["tokens"]
     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}

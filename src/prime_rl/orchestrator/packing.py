@@ -4,7 +4,8 @@ The packing rules shared with the trainer (first-fit-decreasing rows, all-masked
 `protocol/packing.py`; this module owns what is the orchestrator's own:
 
 1. `make_sample`: one rollout becomes one sample: prompt + completion tokens, the loss mask (sampled
-   completion tokens only), the rollout's advantage on those tokens and the sampler's logprobs (μ) there.
+   completion tokens only), the rollout's advantage on those tokens, the sampler's logprobs (μ) there and
+   the policy step that sampled each token (-1 on the prompt and env replies).
 2. `pack_rows` (protocol): samples are packed first-fit-decreasing into rows of at most `seq_len` tokens;
    a sample longer than that is `SampleTooLong`, never truncated.
 3. `split_over_ranks`: rows are dealt out longest first, each to the rank with the fewest rows (ties:
@@ -35,6 +36,7 @@ def make_sample(
     completion_mask: list[bool] | None = None,
     env: int = -1,
     kept: list[list[int]] | None = None,
+    policy_steps: list[int] | None = None,
 ) -> dict:
     """One rollout as the per-token lists that `MicroBatch.pack` lays end to end.
 
@@ -42,7 +44,8 @@ def make_sample(
     of multi-turn rollouts are part of the completion but masked, and carry no advantage. `advantage` is the
     rollout's, or one per completion token (distillation: [0.5, -1.2] for two tokens). `env` is the
     index of the rollout's environment in the step's env names; `kept` the token ids the sampler could draw
-    at each completion token (top-p/top-k; [] = the whole vocabulary), None when it sampled without a filter.
+    at each completion token (top-p/top-k; [] = the whole vocabulary), None when it sampled without a filter;
+    `policy_steps` the weight step that sampled each completion token (-1: none, e.g. env replies), None: unknown.
     """
     if len(logprobs) != len(completion_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(completion_ids)} completion tokens")
@@ -64,6 +67,10 @@ def make_sample(
         if len(kept) != len(completion_ids):
             raise ValueError(f"{len(kept)} kept sets for {len(completion_ids)} completion tokens")
         sample["kept"] = [[]] * n_prompt + [list(k) if m else [] for k, m in zip(kept, mask, strict=True)]
+    if policy_steps is not None:
+        if len(policy_steps) != len(completion_ids):
+            raise ValueError(f"{len(policy_steps)} policy steps for {len(completion_ids)} completion tokens")
+        sample["policy_steps"] = [-1] * n_prompt + [int(s) for s in policy_steps]
     return sample
 
 

@@ -16,6 +16,10 @@ lists them) and into every local render; each model turn is decoded from its tok
 `{"role": "assistant", "content", "tool_calls"}` and answers with `role: "tool"` messages, which become
 masked env tokens like any reply.
 
+Policy steps: each completion token keeps the weight step that sampled it (`token_steps`, -1 on env replies),
+from the server's per-token spans (client.py), so a turn that ran across a weight update is labelled exactly;
+`weight_step` / `weight_step_max` are the oldest / newest of them.
+
 Sampling masks: a training source (`masks`, build_source) asks for each token's kept set when top-p / top-k is
 on; a rollout keeps them per completion token (`kept`, [] on env replies) for the trainer to score over.
 
@@ -50,17 +54,47 @@ class Rollout:
     logprobs: list[float]  # the sampler's logprob on model tokens, 0 on env tokens
     completion: str | list[dict[str, Any]]  # what score() sees: text, or the messages after the prompt
     finish_reason: str  # of the last model turn; "length" = cut at max_tokens
-    weight_step: int  # oldest policy step that sampled any of its turns
-    weight_step_max: int = -1  # newest (differs from weight_step only when turns straddled an update)
+    weight_step: int  # oldest policy step that sampled any of its tokens
+    weight_step_max: int = -1  # newest (differs from weight_step only when its tokens straddled an update)
     turns: int = 1
     cut: bool = False  # the episode ran out of seq_len before the env ended it
     kept: list[list[int]] | None = None  # per completion token its kept set ([] = all, env tokens): with masks
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     teacher_logprobs: list[float] | None = None  # distillation: the teacher's logprob of each completion token
+    # per completion token the policy step that sampled it, -1 on env tokens (None: weight_step on model tokens)
+    token_steps: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.token_steps is None:
+            self.token_steps = [self.weight_step if m else -1 for m in self.completion_mask]
+        self._span_steps()
+
+    def _span_steps(self) -> None:
+        """weight_step / weight_step_max: the oldest / newest step of its sampled tokens (kept when none)."""
+        sampled = [s for s in self.token_steps if s >= 0]
+        if sampled:
+            self.weight_step, self.weight_step_max = min(sampled), max(sampled)
         self.weight_step_max = max(self.weight_step_max, self.weight_step)
+
+    def add_env_tokens(self, ids: list[int]) -> None:
+        """Append an env reply: masked, no logprob, no policy step, no kept set."""
+        self.completion_ids += ids
+        self.completion_mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.token_steps += [-1] * len(ids)
+        extend_kept(self, None, len(ids))
+
+    def add_turn(self, turn: Completion) -> None:
+        """Append a model turn: its tokens, logprobs, policy steps and kept sets."""
+        self.completion_ids += turn.completion_ids
+        self.completion_mask += [True] * len(turn.completion_ids)
+        self.logprobs += turn.logprobs
+        self.token_steps += turn.token_steps
+        extend_kept(self, turn.kept, len(turn.completion_ids))
+        self.finish_reason = turn.finish_reason
+        self.turns += 1
+        self._span_steps()
 
     @property
     def truncated(self) -> bool:
@@ -87,7 +121,7 @@ class Group:
 def from_completion(example: Example, c: Completion) -> Rollout:
     return Rollout(
         example, c.prompt_ids, c.completion_ids, [True] * len(c.completion_ids), c.logprobs, c.text,
-        c.finish_reason, c.weight_step, kept=c.kept,
+        c.finish_reason, c.weight_step, kept=c.kept, token_steps=list(c.token_steps),
     )  # fmt: skip
 
 
@@ -186,23 +220,13 @@ async def play_episode(client: InferenceClient, game: Episode, example: Example,
         if budget < 1:
             rollout.cut = True  # no room for another model turn in one packed row
             break
-        rollout.completion_ids += env_ids
-        rollout.completion_mask += [False] * len(env_ids)
-        rollout.logprobs += [0.0] * len(env_ids)
-        extend_kept(rollout, None, len(env_ids))
+        rollout.add_env_tokens(env_ids)
         messages += replies
         ids = rollout.prompt_ids + rollout.completion_ids
         (turn,) = await client.complete(
             ids, 1, sampling, turn_seed(rollout.turns), max_tokens=min(sampling.max_tokens, budget), masks=game.masks
         )
-        rollout.completion_ids += turn.completion_ids
-        rollout.completion_mask += [True] * len(turn.completion_ids)
-        rollout.logprobs += turn.logprobs
-        extend_kept(rollout, turn.kept, len(turn.completion_ids))
-        rollout.finish_reason = turn.finish_reason
-        rollout.weight_step = min(rollout.weight_step, turn.weight_step)
-        rollout.weight_step_max = max(rollout.weight_step_max, turn.weight_step)
-        rollout.turns += 1
+        rollout.add_turn(turn)
         messages.append(renderer.message(turn))
         last_ids = turn.completion_ids
     rollout.completion = messages[len(example.prompt) :]

@@ -5,29 +5,58 @@ the trainer's broadcast group.
 `weight_dir` is what the pool serves: a server that rejoins, or that answered from a policy older than
 the step allows, is given it again by `load` (nothing to do before the first update). Each answer's weight
 checksum is kept on its server, which the parity gate (parity.py) compares with the trainer's.
+
+Requests in flight (`inflight`): continuous mode with `inflight_updates = "continue"` asks each update to swap
+inside running requests (`"inflight": "continue"`: they go on under the new weights, each token labelled with
+the step that sampled it); otherwise nothing is asked and servers finish them first. A server that answers
+`"inflight": "finish"` (its backend cannot continue them) is said once in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 
+from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.pool import InferenceError, Request, Server, ServerDown, ServerPool, server_root
+
+logger = logging.getLogger("prime_rl")
+
+
+def inflight_ask(config: OrchestratorConfig) -> str | None:
+    """What weight updates ask of requests in flight: "continue" in continuous mode (`max_inflight` set) with
+    inflight_updates = "continue"; None otherwise (barrier mode: the servers finish them, as by default)."""
+    return "continue" if config.max_inflight is not None and config.inflight_updates == "continue" else None
 
 
 class WeightControl:
-    def __init__(self, pool: ServerPool, request: Request, http: httpx.AsyncClient):
+    def __init__(self, pool: ServerPool, request: Request, http: httpx.AsyncClient, inflight: str | None = None):
         self.pool, self._request, self._http = pool, request, http
         self.weight_dir: str | None = None  # what the pool serves (the last update); None: each server's base
+        self.inflight = inflight  # what updates ask of requests in flight ("continue"); None: the server's default
+        self._finishing: set[str] = set()  # servers said to swap between requests (logged once each)
+
+    def _ask(self, body: dict) -> dict:
+        """An /update_weights body with what it asks of requests in flight, if anything."""
+        return body if self.inflight is None else body | {"inflight": self.inflight}
+
+    def _answered(self, server: Server, data: dict) -> None:
+        """Keep a server's /update_weights answer: its step, checksum, and whether it continued requests."""
+        server.step, server.checksum = int(data["step"]), data.get("checksum")
+        if self.inflight == "continue" and data.get("inflight") == "finish" and server.base not in self._finishing:
+            self._finishing.add(server.base)
+            logger.info(
+                f"{server.base} swaps weights between requests (answered inflight 'finish'): its responses each "
+                "come from one policy, and updates wait for its longest request"
+            )
 
     async def load(self, server: Server) -> None:
         """Give one server the weights the pool serves (nothing to do before the first update)."""
         if self.weight_dir is not None:
-            data = await self._request(
-                "POST", f"{server_root(server.base)}/update_weights", {"weight_dir": self.weight_dir}
-            )
-            server.step, server.checksum = int(data["step"]), data.get("checksum")
+            body = self._ask({"weight_dir": self.weight_dir})
+            self._answered(server, await self._request("POST", f"{server_root(server.base)}/update_weights", body))
 
     async def update(self, weight_dir: str) -> int:
         """Load `weight_dir` on every live server; return the step they now serve.
@@ -93,7 +122,7 @@ class WeightControl:
 
     async def _join(self, server: Server, step: int, rendezvous: dict, world_size: int, rank: int) -> None:
         """One server's POST /update_weights for a broadcast: it answers once it holds the step."""
-        body = {"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}}
+        body = self._ask({"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}})
         url = f"{server_root(server.base)}/update_weights"
         try:
             response = await self._http.post(url, json=body, timeout=rendezvous["timeout"] + 30)
@@ -106,5 +135,5 @@ class WeightControl:
             except (ValueError, KeyError, TypeError):
                 message = f"HTTP {response.status_code}: {response.text[:500]}"
             raise InferenceError(f"{server.base} could not take weight step {step}: {message}")
-        server.step, server.group = int(response.json()["step"]), rendezvous["group"]
-        server.checksum = response.json().get("checksum")
+        self._answered(server, response.json())
+        server.group = rendezvous["group"]
