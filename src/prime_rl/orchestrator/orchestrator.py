@@ -41,7 +41,7 @@ from prime_rl.orchestrator.parity import ParityGate
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
 from prime_rl.orchestrator.server_metrics import ServerMetrics
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
-from prime_rl.orchestrator.stream import RolloutStream
+from prime_rl.orchestrator.stream import RolloutStream, group_metrics
 from prime_rl.orchestrator.weight_control import inflight_ask
 from prime_rl.protocol import (
     DiskFull,
@@ -202,6 +202,8 @@ async def run_step(loop: Loop, step: int) -> None:
     times["step"] = time.perf_counter() - start
     m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
     m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
+    # trained/* beside generated/* (continuous mode): lengths, turns and rewards, so a length bias shows
+    m |= loop.stream.window_metrics(batch) if loop.stream is not None else group_metrics("trained", batch.groups)
     state.total_samples += m["samples"]
     state.total_tokens += m["tokens"]
     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}

@@ -1,5 +1,5 @@
 """Batches: exactly batch_size rollouts, zero-advantage groups replaced, truncation options, environments
-mixed by ratio, and the continuous mode's stream (stale groups dropped, first complete groups taken).
+mixed by ratio (continuous mode's stream: test_stream.py).
 
 The server is httpx's MockTransport (chat answers, stamped with a weight step), so the tests are about the
 batch logic; tests/integration runs the same against real servers.
@@ -24,7 +24,6 @@ from prime_rl.orchestrator.batch import (
 from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.sinks import ProgressLine
-from prime_rl.orchestrator.stream import RolloutStream
 
 
 class OddOnly:
@@ -114,45 +113,3 @@ def test_two_environments_mix_by_ratio_and_get_their_own_metrics():
     # Resuming after 73 picks continues the rotation where it stopped.
     again = EnvMix([slot(OddOnly(), config, "big", 3), slot(AllRight(), config, "small", 1)], picks=73)
     assert [again.next().name for _ in range(4)] == envs[73:77]
-
-
-def test_continuous_stream_takes_the_first_complete_groups_and_drops_stale_ones():
-    """Example 0 takes 10x longer than the others; the servers move to weight step 3 while it runs."""
-    state = {"step": 0}
-
-    async def slow_handler(request):
-        body = json.loads(request.content)
-        i = int(body["messages"][0]["content"])
-        stamp = state["step"]  # the policy that sampled it: the one held when the request started
-        await asyncio.sleep(0.5 if i == 0 else 0.05)
-        response = handler(request)
-        response.headers["x-weight-step"] = str(stamp)
-        return response
-
-    config = OrchestratorConfig(batch_size=4, rollouts_per_example=2, max_inflight=8, max_off_policy_steps=2,
-                                async_level=1)  # fmt: skip
-    mix = EnvMix([slot(AllRight(), config)])
-    client = InferenceClient(config.client, "m", transport=httpx.MockTransport(slow_handler))
-
-    async def run():
-        stream = RolloutStream(client, mix, config, None)
-        try:
-            batches = [await stream.take(0, ProgressLine(False, 1))]
-            state["step"] = 3  # requests that start from now on are sampled by step 3
-            for _ in range(2):
-                batches.append(await stream.take(3, ProgressLine(False, 1)))
-            await asyncio.sleep(0.5)  # example 0 finishes
-            for _ in range(2):
-                batches.append(await stream.take(3, ProgressLine(False, 1)))
-            return batches
-        finally:
-            await stream.close()
-
-    batches = asyncio.run(run())
-    taken = [[(g.example.info["i"], g.weight_step) for g in b.groups] for b in batches]
-    # Step 0 takes the first two complete groups; example 0 (10x longer) does not hold it up.
-    assert taken[0] == [(1, 0), (2, 0)]
-    # Examples 3 and 0 were sampled by step 0, which is 3 > max_off_policy_steps = 2 behind step 3: dropped.
-    assert [b.stale for b in batches[:3]] == [0, 1, 0] and sum(b.stale for b in batches[3:]) == 1
-    assert taken[1:3] == [[(4, 3), (5, 3)], [(6, 3), (7, 3)]]
-    assert all(w == 3 for b in taken[1:] for _, w in b) and all(len(b.rollouts) == 4 for b in batches)
