@@ -212,7 +212,7 @@ def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, 
         "turns_mean": statistics.fmean(r.turns for r in rollouts),
         "truncated_fraction": statistics.fmean(r.truncated for r in rollouts),
         "weight_step": min(weight_steps),
-        "weight_step_max": max(weight_steps),
+        "weight_step_max": max(r.weight_step_max for r in rollouts),  # the newest policy behind any token
         "off_policy_gap": max(gaps),
         "off_policy_gap_mean": statistics.fmean(gaps),
         "skipped_groups": batch.skipped,

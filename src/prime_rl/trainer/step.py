@@ -12,7 +12,9 @@ batches and ranks, so the update does not depend on how the samples were split; 
 Reported metrics: the callback returns, per key, either a sum over its loss tokens (the step reports
 Σ / loss tokens of the step) or a (sum, count) pair (the step reports Σ sum / Σ count, e.g. a mean over one
 environment's tokens; left out when Σ count is 0). Both are summed over micro batches and ranks first, so a
-mean does not depend on the split. Every rank must report the same keys (one collective over the sorted keys).
+mean does not depend on the split. A `Peak` is the largest over micro batches and ranks instead (left out when
+no micro batch had one: −inf). Every rank must report the same keys (one collective over the sorted keys,
+one more for peaks).
 """
 
 from __future__ import annotations
@@ -37,9 +39,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prime_rl")
 
-# A reported value: a scalar sum over the micro batch's loss tokens (divided by the step's loss tokens), or a
-# (sum, count) pair (divided by the step's total count of the key)
-Reported = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+@dataclass(frozen=True)
+class Peak:
+    """A reported value taken as the maximum over micro batches and ranks (−inf: none in this micro batch)."""
+
+    value: torch.Tensor
+
+
+# A reported value: a scalar sum over the micro batch's loss tokens (divided by the step's loss tokens), a
+# (sum, count) pair (divided by the step's total count of the key), or a Peak (the maximum)
+Reported = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Peak
 # (policy output, micro batch, loss mask, scale) → (the term to backpropagate, values to report: "loss", a sum
 # divided by N, and any others)
 LossFn = Callable[[PolicyOutput, MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict[str, Reported]]]
@@ -83,6 +93,7 @@ def train_step(
         torch.cuda.reset_peak_memory_stats(dist.device)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}  # keys reported as (sum, count) pairs
+    peaks: dict[str, torch.Tensor] = {}  # keys reported as Peak
     for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
         set_micro_batch_sync(model, dist, last=i == len(micro_batches) - 1)
         out = forward_logprobs(model, mb, dist.device, entropy_grad, where=mask)
@@ -90,6 +101,10 @@ def train_step(
         term.backward()
         stamp()  # a step of a big model takes minutes: each micro batch shows the launcher it advances
         for key, value in reported.items():
+            if isinstance(value, Peak):
+                peak = value.value.detach().double()
+                peaks[key] = torch.maximum(peaks[key], peak) if key in peaks else peak
+                continue
             if isinstance(value, tuple):
                 value, count = value
                 counts[key] = counts.get(key, 0.0) + count.detach().double()
@@ -104,7 +119,7 @@ def train_step(
         logger.warning(f"non-finite gradient norm ({grad_norm}); skipping this update")
     optimizer.zero_grad(set_to_none=True)
 
-    totals, total_counts = reduce_reported(sums, counts, dist)
+    totals, total_counts, maxima = reduce_reported(sums, counts, peaks, dist)
     peak, rss = all_reduce([peak_memory_gib(dist.device), peak_rss_gib()], dist.device, op="max")
     return StepStats(
         loss=totals.pop("loss", 0.0) / denominator,
@@ -114,7 +129,7 @@ def train_step(
         num_samples=int(num_samples),
         peak_memory_gib=peak,
         peak_rss_gib=rss,
-        means=reported_means(totals, total_counts, num_loss_tokens),
+        means=reported_means(totals, total_counts, num_loss_tokens) | maxima,
     )
 
 
@@ -131,20 +146,27 @@ def reported_means(totals: dict[str, float], counts: dict[str, float], loss_toke
 
 
 def reduce_reported(
-    sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], dist: Dist
-) -> tuple[dict[str, float], dict[str, float]]:
-    """The reported sums and counts summed over ranks, in one collective over the sorted keys.
+    sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], peaks: dict[str, torch.Tensor], dist: Dist
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """The reported sums and counts summed over ranks, in one collective over the sorted keys, and the peaks'
+    maxima in one more (a peak still −inf, i.e. none on any rank, is left out).
 
     The keys must be the same on every rank (a mismatch would pair the wrong values): checked by their count."""
-    keys, count_keys = sorted(sums), sorted(counts)
-    most, neg_fewest = all_reduce([len(keys) + len(count_keys), -len(keys) - len(count_keys)], dist.device, op="max")
+    keys, count_keys, peak_keys = sorted(sums), sorted(counts), sorted(peaks)
+    local = len(keys) + len(count_keys) + len(peak_keys)
+    most, neg_fewest = all_reduce([local, -local], dist.device, op="max")
     if most != -neg_fewest:
         raise TrainerError(f"ranks reported different metric keys ({-neg_fewest:.0f} to {most:.0f}); this rank: {keys}")
-    if not keys:
-        return {}, {}
-    local = torch.stack([sums[k] for k in keys] + [counts[k] for k in count_keys]).tolist()  # one device sync
-    values = all_reduce(local, dist.device)
-    return dict(zip(keys, values[: len(keys)], strict=True)), dict(zip(count_keys, values[len(keys) :], strict=True))
+    totals, total_counts, maxima = {}, {}, {}
+    if keys:
+        local = torch.stack([sums[k] for k in keys] + [counts[k] for k in count_keys]).tolist()  # one device sync
+        values = all_reduce(local, dist.device)
+        totals = dict(zip(keys, values[: len(keys)], strict=True))
+        total_counts = dict(zip(count_keys, values[len(keys) :], strict=True))
+    if peak_keys:
+        values = all_reduce(torch.stack([peaks[k] for k in peak_keys]).tolist(), dist.device, op="max")
+        maxima = {k: v for k, v in zip(peak_keys, values, strict=True) if math.isfinite(v)}
+    return totals, total_counts, maxima
 
 
 def samples_with_loss(cu_seqlens: torch.Tensor, mask: torch.Tensor) -> int:

@@ -24,6 +24,10 @@ than re-weighting the other tokens, and the update stays independent of the micr
 Example: log r = [ln 3, 0, ln 0.25] on one sample, token band [0.5, 2] → k = [0, 1, 0]; s = (3 · 1 · 0.25)^⅓
 = 0.91, inside a sequence band [0.5, 2] → nothing more.
 
+Lag mask (`loss.max_token_lag`, off by default): trainer step n trains on rollouts/step_n, so a token sampled by
+policy step p is n − p steps old (`token_lag`); tokens older than max_token_lag are masked the same way (k_t = 0,
+still counted in N; `is_masked/lag`). Tokens no policy step is known for (policy_steps −1) are never masked.
+
 Normalisation: `token` → ω_t = 1, N = loss tokens of the whole step (all micro batches, all ranks);
 `sequence` → ω_t = 1 / (loss tokens of t's sample), N = samples of the step, so every sample weighs the
 same whatever its length. Either way the update is independent of how the orchestrator split the
@@ -44,7 +48,7 @@ from prime_rl.trainer.errors import TrainerError
 if TYPE_CHECKING:
     from prime_rl.configs.trainer import LossConfig, MaskConfig
 
-MASK_RULES = ("token", "sequence", "tv")
+MASK_RULES = ("token", "sequence", "tv", "lag")
 
 
 def sample_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -75,6 +79,13 @@ def sample_mean(values: torch.Tensor, loss_mask: torch.Tensor, samples: torch.Te
     sums = torch.zeros(int(samples.max()) + 1, device=v.device, dtype=v.dtype).scatter_add_(0, samples[0], v[0])
     counts = torch.zeros_like(sums).scatter_add_(0, samples[0], mask[0].to(v.dtype)).clamp(min=1.0)
     return (sums / counts)[samples]
+
+
+def token_lag(policy_steps: torch.Tensor, step: int) -> torch.Tensor:
+    """Long [1, L]: how many steps older than the trained `step` each token's policy is; −1 where no policy
+    step is known (policy_steps −1). Example: policy_steps [[−1, 3, 5]] at step 5 → [[−1, 2, 0]]."""
+    steps = policy_steps.long()
+    return torch.where(steps >= 0, step - steps, -1)
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,7 @@ class LossTerms:
     loss_sum: torch.Tensor  # Σ m·k·ω·ℓ (+ kl/entropy terms), detached and unscaled: step loss = global sum / N
     mismatch_kl: torch.Tensor  # [1, L] m·((r − 1) − log r): k3 estimate of KL(μ‖π) per token, detached
     clipped: torch.Tensor  # number of loss tokens whose ratio was truncated or clipped
-    masked: torch.Tensor  # bool [1, L]: loss tokens masked by any ratio rule
+    masked: torch.Tensor  # bool [1, L]: loss tokens masked by any rule (ratio masks, lag)
     rule_masks: dict[str, torch.Tensor] = field(default_factory=dict)  # enabled rule → bool [1, L] (loss tokens)
 
     @property
@@ -134,12 +145,14 @@ def policy_loss(
     scale: float,
     entropy: torch.Tensor | None = None,
     custom: CustomLoss | None = None,
+    lag: torch.Tensor | None = None,
 ) -> LossTerms:
     """The configured objective (module docstring) over one micro batch; `loss` = Σ m·k·ω·ℓ · scale.
 
     Pass `scale = world_size / N`: FSDP averages gradients over ranks, so the world size cancels.
     `samples` is `sample_index(cu_seqlens, L)`; `entropy` (differentiable) is needed when entropy_coef > 0;
-    `custom` is `load_custom_loss(cfg.import_path)` when cfg.type is "custom".
+    `custom` is `load_custom_loss(cfg.import_path)` when cfg.type is "custom"; `lag` is `token_lag(...)` (None:
+    no token's policy step is known, so max_token_lag masks nothing).
     """
     # Unmasked positions (prompts, padding) may hold placeholder μ logprobs whose ratio overflows;
     # `where` keeps their inf/nan out of the sums, where multiplying by a 0/1 mask would not.
@@ -159,6 +172,8 @@ def policy_loss(
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
     rules = ratio_masks(log_ratio.detach(), logprobs.detach(), inference_logprobs, loss_mask, samples, cfg.mask)
+    if cfg.max_token_lag is not None:  # always reported when set, so every rank has the same keys
+        rules["lag"] = (lag > cfg.max_token_lag) & loss_mask if lag is not None else torch.zeros_like(loss_mask)
     masked = torch.zeros_like(loss_mask)
     for rule in rules.values():
         masked = masked | rule

@@ -10,6 +10,7 @@ micro batches (gradient accumulation), the ranks clip and step AdamW together, a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -82,7 +83,7 @@ def run(config: TrainerConfig) -> None:
                 service.stop_on_signal("trainer", config, state, progress, config.max_steps)
             score_canaries(config, state.model, dist.device, step, dist.is_main)  # weights: step n (a gate step?)
             with timer(times, "train"):
-                stats = train_step(state.model, state.optimizer, micro_batches, config, dist, loss_fn)
+                stats = train_step(state.model, state.optimizer, micro_batches, config, dist, loss_fn, step)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
             optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
@@ -210,35 +211,45 @@ def generated_micro_batches(config: TrainerConfig, step: int, dist: Dist) -> lis
 
 
 def train_step(
-    model, optimizer, micro_batches: list[MicroBatch], config: TrainerConfig, dist: Dist, loss_fn: LossFn | None = None
+    model,
+    optimizer,
+    micro_batches: list[MicroBatch],
+    config: TrainerConfig,
+    dist: Dist,
+    loss_fn: LossFn | None = None,
+    step: int | None = None,
 ) -> StepStats:
     """One optimizer step of the RL loss (`loss.py`) over this rank's micro batches (`step.train_step`);
-    `loss_fn` = `rl_loss(config.loss)`, built once per run (built here when not given)."""
-    from prime_rl.trainer.step import train_step as step
+    `loss_fn` = `rl_loss(config.loss)`, built once per run (built here when not given). `step` is the trained
+    step n (the micro batches are rollouts/step_n): the token lags (n − each token's policy step) are measured
+    and max_token_lag applied against it; None: no lag is measured or masked."""
+    from prime_rl.trainer.step import train_step as optimize
 
     c = config.loss
-    loss_fn = loss_fn or rl_loss(c)
-    return step(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, c.entropy_coef > 0)
+    loss_fn = functools.partial(loss_fn or rl_loss(c), step=step)
+    return optimize(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, c.entropy_coef > 0)
 
 
 def rl_loss(c: LossConfig) -> LossFn:
     """The step's loss callback: `policy_loss` on the policy's logprobs, reporting per loss token the entropy,
-    mismatch KL, fraction clipped and fraction masked (any ratio rule, and each enabled rule: `is_masked/<rule>`),
-    and per environment of the micro batch (`mb.env_names`) the same means over that environment's loss tokens
-    (`mismatch_kl/<env>`, `is_masked/<env>`, `entropy/<env>`). A custom loss is imported here (TrainerError
-    when it does not import)."""
+    mismatch KL, fraction clipped and fraction masked (any rule, and each enabled rule: `is_masked/<rule>`),
+    per environment of the micro batch (`mb.env_names`) the same means over that environment's loss tokens
+    (`mismatch_kl/<env>`, `is_masked/<env>`, `entropy/<env>`), and, given the trained `step`, the lag of the loss
+    tokens whose policy step is known (`token_lag_mean`, `token_lag_max`). A custom loss is imported here
+    (TrainerError when it does not import)."""
     import torch
 
-    from prime_rl.trainer.rl.loss import load_custom_loss, policy_loss, sample_index
+    from prime_rl.trainer.rl.loss import load_custom_loss, policy_loss, sample_index, token_lag
 
     custom = load_custom_loss(c.import_path) if c.type == "custom" else None
 
-    def loss(out, mb, mask, scale):
+    def loss(out, mb, mask, scale, step: int | None = None):
         device = mask.device
         samples = sample_index(mb.cu_seqlens.to(device), mb.num_tokens)
         inference_logprobs, advantages = mb.inference_logprobs.to(device), mb.advantages.to(device)
+        lag = token_lag(mb.policy_steps.to(device), step) if step is not None and mb.policy_steps.numel() else None
         terms = policy_loss(
-            out.logprobs, inference_logprobs, advantages, mask, samples, c, scale, entropy=out.entropy, custom=custom
+            out.logprobs, inference_logprobs, advantages, mask, samples, c, scale, out.entropy, custom, lag
         )
         entropy = torch.where(mask, out.entropy.detach(), 0.0)
         reported = {
@@ -249,10 +260,27 @@ def rl_loss(c: LossConfig) -> LossFn:
             "is_masked": terms.masked.sum().float(),
             **{f"is_masked/{rule}": m.sum().float() for rule, m in terms.rule_masks.items()},
         }
+        if step is not None:  # every rank reports them, with or without policy steps
+            reported |= lag_metrics(lag, mask)
         per_token = {"mismatch_kl": terms.mismatch_kl, "is_masked": terms.masked.float(), "entropy": entropy}
         return terms.loss, reported | per_env(mb, samples, mask, per_token)
 
     return loss
+
+
+def lag_metrics(lag, mask) -> dict:
+    """`token_lag_mean` (a sum over, and the count of, the loss tokens whose policy step is known) and
+    `token_lag_max` (a Peak; −inf when none): a micro batch without policy steps (`lag` None) has none."""
+    import torch
+
+    from prime_rl.trainer.step import Peak
+
+    if lag is None:
+        lag = torch.full_like(mask, -1, dtype=torch.long)
+    known = mask & (lag >= 0)
+    values = torch.where(known, lag, 0).float()
+    peak = torch.where(known, lag.float(), float("-inf")).max()
+    return {"token_lag_mean": (values.sum(), known.sum().float()), "token_lag_max": Peak(peak)}
 
 
 def per_env(mb: MicroBatch, samples, mask, per_token: dict) -> dict:
