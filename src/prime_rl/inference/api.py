@@ -144,6 +144,7 @@ class BuiltinModel:
     receivers = 1  # seats in a weight broadcast group
     base_name = None  # a LoRA adapter is merged: every name gets the current weights
     unservable = None  # an update is swapped in whole or not at all
+    continues = True  # a swap may happen between two decode steps; running rows continue on the new weights
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -158,8 +159,8 @@ class BuiltinModel:
             loaded = await self.engine.load_weights(source)
         return loaded.step, loaded
 
-    async def apply(self, prepared: LoadedWeights) -> None:
-        await self.engine.swap(prepared.tensors, prepared.step)
+    async def apply(self, prepared: LoadedWeights, inflight: str = "finish") -> None:
+        await self.engine.swap(prepared.tensors, prepared.step, inflight)
         self.checksum = prepared.checksum
 
     def health(self) -> dict[str, Any]:

@@ -3,12 +3,18 @@
 `ControlPlane` is an ASGI middleware in front of a backend's OpenAI app (our FastAPI app, or vLLM's):
 - the API key on every route but `/health` (constant-time compare), a bounded request body (413);
 - `GET /health` → {"status": "ok", "step", "checksum", "backend", ...the backend's own counters};
-- `POST /update_weights {"weight_dir"}` and `POST /reload_weights`: the dir is checked and read first
-  (a bad one is a 400 and the old weights keep serving), then the swap waits until the generation requests
-  in flight have finished on the old weights while new ones wait at the gate, and applies; the answer
-  carries the weight checksum of what the backend read or received (protocol.parity; null: base weights);
-- every completion response carries `x-weight-step: n`, the policy that computed all of its tokens: a
-  request enters the gate holding the step it will be served with, and no swap happens while it runs;
+- `POST /update_weights {"weight_dir", "inflight"}` and `POST /reload_weights`: the dir is checked and read
+  first (a bad one is a 400 and the old weights keep serving); new generation requests then wait at the gate
+  while the swap applies. `inflight: "finish"` (the default, and `/reload_weights`): the swap waits until the
+  requests in flight have finished on the old weights. `"continue"`, on a backend that can
+  (`ServedModel.continues`, the built-in engine): it does not wait; the backend swaps between two decode
+  steps and the running requests continue on the new weights, each choice saying which step sampled which
+  of its tokens (`weight_steps`, protocol/spans.py); a backend that cannot swaps as "finish". The answer
+  says which it did (`inflight`) and carries the weight checksum of what the backend read or received
+  (protocol.parity; null: base weights);
+- every completion response carries `x-weight-step: n`, the step its request entered the gate with: the
+  policy of all of its tokens unless a "continue" swap happened while it ran (its `weight_steps` then say
+  which tokens came from which step, none older than n);
 - a generation body that is not a JSON object, nests deeper than 128 levels or holds a lone UTF-16
   surrogate is a 400 before the backend parses it (vLLM answered each with a 500, the built-in engine the
   last two).
@@ -93,14 +99,18 @@ class ServedModel(Protocol):
     # The weight checksum (protocol.parity) of the weights `apply` last served, as read or received before
     # any cast or fusion; None: the base weights.
     checksum: str | None
+    # Whether `apply` can swap while generation requests run, continuing them on the new weights (inflight
+    # "continue"); a backend that cannot is only ever asked to swap with none in flight.
+    continues: bool
 
     async def prepare(self, source: Path | BroadcastRequest | None) -> tuple[int, Any]:
         """Check and read a weight dir, or receive a broadcast step (None: the base weights), without
         touching the served ones: (step, whatever `apply` needs). Raises WeightsError for weights that
         cannot be served."""
 
-    async def apply(self, prepared: Any) -> None:
-        """Serve the prepared weights; called when no generation request is in flight."""
+    async def apply(self, prepared: Any, inflight: str = "finish") -> None:
+        """Serve the prepared weights; called when no generation request is in flight, or ("continue", only
+        when `continues`) with requests running that go on under the new weights."""
 
     def health(self) -> dict[str, Any]:
         """Extra fields of `/health`."""
@@ -127,11 +137,14 @@ class BroadcastRequest(BaseModel):
 
 
 class UpdateWeightsRequest(BaseModel):
-    """Exactly one source: a `weights/step_n` dir, or a step sent over the broadcast group."""
+    """Exactly one source: a `weights/step_n` dir, or a step sent over the broadcast group. `inflight`: what
+    becomes of the requests in flight, "finish" on the old weights (the swap waits for them) or "continue" on
+    the new ones (the swap happens between two decode steps, where the backend can)."""
 
     model_config = ConfigDict(extra="forbid")
     weight_dir: Annotated[str | None, Field(min_length=1, max_length=4096)] = None  # PATH_MAX
     broadcast: BroadcastRequest | None = None
+    inflight: Literal["finish", "continue"] = "finish"
 
     @model_validator(mode="after")
     def _one_source(self) -> UpdateWeightsRequest:
@@ -143,7 +156,8 @@ class UpdateWeightsRequest(BaseModel):
 class StepGate:
     """Generation requests share it (each holding the step it runs with); a weight swap holds it alone.
 
-    A pending swap stops new requests at the gate, so it waits only for those already running.
+    A pending swap stops new requests at the gate, so it waits only for those already running, or (`wait`
+    False, an update whose running requests continue on the new weights) for none.
     """
 
     def __init__(self) -> None:
@@ -164,11 +178,12 @@ class StepGate:
             self._changed.notify_all()
 
     @asynccontextmanager
-    async def swap(self):
+    async def swap(self, wait: bool = True):
         async with self._changed:
             await self._changed.wait_for(lambda: not self._swapping)
             self._swapping = True
-            await self._changed.wait_for(lambda: self._running == 0)
+            if wait:
+                await self._changed.wait_for(lambda: self._running == 0)
         try:
             yield
         finally:
@@ -196,6 +211,7 @@ class ControlPlane:
         self.counts = collections.Counter() if counts is None else counts
         self.gate = StepGate()
         self.updating = asyncio.Lock()
+        self._said_finish = False  # logged once that this backend answers inflight "continue" as "finish"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -314,6 +330,7 @@ class ControlPlane:
 
     async def _swap(self, path: str, body: bytes) -> JSONResponse:
         weight_dir = source = None
+        inflight = "finish"
         if path == "/update_weights":
             try:
                 request = UpdateWeightsRequest.model_validate_json(body)
@@ -322,6 +339,7 @@ class ControlPlane:
                 return error(400, f"invalid request: {problems}"[:2000])
             weight_dir = request.weight_dir
             source = request.broadcast or Path(weight_dir)
+            inflight = self._inflight(request.inflight)
             if request.broadcast is not None and not self.broadcast:
                 message = "this server takes no weights over a process group; start it with --weight-transfer broadcast"
                 return error(400, message)
@@ -331,9 +349,9 @@ class ControlPlane:
                 step, prepared = await self.served.prepare(source)
             except WeightsError as e:
                 return error(400, str(e))
-            async with self.gate.swap():
+            async with self.gate.swap(wait=inflight == "finish"):
                 try:
-                    await self.served.apply(prepared)
+                    await self.served.apply(prepared, inflight)
                 except WeightsError as e:  # refused by the backend at load (vLLM's LoRA loader); nothing changed
                     return error(400, str(e))
                 self.gate.step = step
@@ -341,7 +359,21 @@ class ControlPlane:
                 checksum = self.served.checksum  # of this update (the next one waits for the lock)
         logger.info(f"now serving weights step {step} (checksum {checksum})")
         answer = {"step": step, "checksum": checksum, "seconds": round(time.perf_counter() - start, 3)}
+        answer["inflight"] = inflight
         return JSONResponse(answer if weight_dir is None else answer | {"weight_dir": weight_dir})
+
+    def _inflight(self, asked: str) -> str:
+        """What this backend does with the requests in flight: `asked`, or "finish" where it cannot continue
+        them (said once in the log)."""
+        if asked == "finish" or self.served.continues:
+            return asked
+        if not self._said_finish:
+            self._said_finish = True
+            logger.info(
+                f"the {self.served.backend} backend cannot continue requests in flight on new weights: weight "
+                'updates asking inflight "continue" wait for them to finish (answered "inflight": "finish")'
+            )
+        return "finish"
 
 
 def replay(body: bytes, receive):

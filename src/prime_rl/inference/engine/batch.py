@@ -3,6 +3,7 @@
     join(requests, rows) -> logits   prefill newly admitted requests (each once, n rows each), append rows
     step() -> logits                 one decode step for every row, fed each row's last token
     keep(indices)                    keep only those rows (they may be reordered: `rows` says the new order)
+    recompute()                      rebuild every row's cache under the current weights (after a swap)
 
 `NativeBatch` runs the engine's own Llama-family forward over a slot cache (native.py); `TransformersBatch`
 runs any HF causal LM through its generic forward and `DynamicCache`, left-padding rows to one length.
@@ -36,6 +37,11 @@ class NativeBatch:
         self.rows += rows
         return logits
 
+    def recompute(self) -> None:
+        """Prefill each row's context (`Row.context`) again into its own slot."""
+        slots = torch.arange(len(self.rows), device=self.device)
+        self.decoder.prefill([row.context() for row in self.rows], slots, slots)
+
     def step(self) -> torch.Tensor:
         return self.decoder.decode(torch.tensor([row.token_ids[-1] for row in self.rows], device=self.device))
 
@@ -62,22 +68,33 @@ class TransformersBatch:
         self.next_pos = torch.zeros(0, dtype=torch.long, device=device)
 
     def join(self, requests: list[Any], rows: list[Any]) -> torch.Tensor:
+        logits, cache, mask = self._prefill([r.prompt_ids for r in requests], _source(requests))
+        self._add(rows, cache, mask, mask.sum(-1))
+        return logits
+
+    def recompute(self) -> None:
+        """Prefill every row's context (`Row.context`) again, as one new left-padded cache."""
+        rows = self.rows
+        _, self.cache, self.mask = self._prefill([row.context() for row in rows], list(range(len(rows))))
+        self.next_pos = self.mask.sum(-1)
+
+    def _prefill(self, prompts: list[list[int]], source: list[int]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Run the left-padded `prompts` once; (last logits, cache, mask) with row i from prompt `source[i]`."""
         from transformers import DynamicCache
 
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for b, request in enumerate(requests):
-            input_ids[b, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            mask[b, width - len(request.prompt_ids) :] = 1
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
+            mask[b, width - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         cache = DynamicCache()
         logits = self._forward(input_ids, mask, left_padded_positions(mask), cache)
-        index = torch.tensor(_source(requests), device=self.device)
+        index = torch.tensor(source, device=self.device)
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[index], layer.values[index]
-        self._add(rows, cache, mask[index], mask.sum(-1)[index])
-        return logits[index]
+        return logits[index], cache, mask[index]
 
     def step(self) -> torch.Tensor:
         next_ids = torch.tensor([row.token_ids[-1] for row in self.rows], device=self.device)[:, None]

@@ -16,10 +16,15 @@ shares its batch (sampling.py). A failure that belongs to one request (its prefi
 that request alone (`RequestFailed`); only a failed decode step, shared by every row, fails the whole batch.
 
 Weight updates are read and checked off the worker (weights.py), then handed over as a pending swap. While a
-swap is pending no request is admitted; once the running rows have finished, the worker copies the tensors
-in between two iterations. No response is ever computed with a mix of two policies, and the route that
-awaits the swap knows every later request sees the new weights. A CPU copy of the base weights taken at
-startup makes `/reload_weights` exact, and is what a LoRA adapter (`lora`) is merged onto (weights.py).
+swap is pending no request is admitted; the worker copies the tensors in between two iterations, either once
+the running rows have finished (`inflight="finish"`: every response is computed by one policy) or at the next
+iteration (`"continue"`): then every running row's KV cache is recomputed under the new weights (its prompt
+and the tokens drawn so far, prefilled again: a cache kept from the old weights would make later tokens come
+from neither policy) and the same rows decode on. Each row records the weight step that sampled each of its
+tokens, answered as spans (`Sample.weight_steps`, protocol/spans.py); a token's logprob is the one it was
+sampled with. The route that awaits the swap knows every later request sees the new weights. A CPU copy of
+the base weights taken at startup makes `/reload_weights` exact, and is what a LoRA adapter (`lora`) is merged
+onto (weights.py).
 
 This module holds the `Engine`, its asyncio API and the worker's scheduling loop. The data it takes and hands
 out is in types.py, a row's stop rules and text in rows.py, what an iteration comes to for each request (its
@@ -97,6 +102,7 @@ class Engine:
         self.prefills = 0  # admission rounds (several requests that wait together share one prefill)
         self.iterations = 0
         self.generated_tokens = 0
+        self.recomputed_rows = 0  # running rows whose cache a "continue" swap rebuilt
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
         self.base_weights = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
         self.checkpoint_specs = checkpoint_specs(model)  # what a weight dir must hold (the checkpoint's layout)
@@ -195,11 +201,11 @@ class Engine:
             self._wake.notify()
         return request
 
-    async def update_weights(self, weight_dir: Path) -> int:
+    async def update_weights(self, weight_dir: Path, inflight: str = "finish") -> int:
         """Serve the weights in a complete `weights/step_n` dir; returns n once new requests see them."""
         async with self._lock():
             loaded = await self.load_weights(weight_dir)
-            return await self.swap(loaded.tensors, loaded.step)
+            return await self.swap(loaded.tensors, loaded.step, inflight)
 
     async def load_weights(self, weight_dir: Path) -> LoadedWeights:
         """Check and read a weight dir (an adapter, merged, with `lora`) off the event loop and the worker; the
@@ -231,10 +237,13 @@ class Engine:
             self._weights_lock = asyncio.Lock()
         return self._weights_lock
 
-    async def swap(self, tensors: dict[str, torch.Tensor], step: int) -> int:
-        """Serve checked tensors (`load_weight_dir`) as `step` once the running rows have finished."""
+    async def swap(self, tensors: dict[str, torch.Tensor], step: int, inflight: str = "finish") -> int:
+        """Serve checked tensors (`load_weight_dir`) as `step`: once the running rows have finished ("finish"),
+        or at the next iteration, the running rows continuing on them ("continue")."""
+        if inflight not in ("finish", "continue"):
+            raise ValueError(f"inflight must be 'finish' or 'continue', got {inflight!r}")
         loop = asyncio.get_running_loop()
-        swap = Swap(tensors, step, loop, loop.create_future())
+        swap = Swap(tensors, step, loop, loop.create_future(), inflight)
         with self._wake:
             self._swap = swap
             self._wake.notify()
@@ -254,7 +263,7 @@ class Engine:
 
     def _iteration(self) -> None:
         self._drop_cancelled()
-        if self._swap is not None and not self._batch.rows:
+        if self._swap is not None and (not self._batch.rows or self._swap.inflight == "continue"):
             self._apply_swap()
             return
         admitted = self._admit() if self._swap is None else []
@@ -315,7 +324,7 @@ class Engine:
         self._sample(logits, rows)
         self.requests += len(requests)
         self.prefills += 1
-        retire(self._batch, range(start, start + len(rows)), self.step)
+        retire(self._batch, range(start, start + len(rows)))
 
     def _score_prompts(self, requests: list[Request]) -> list[Request]:
         """Score the prompts of the admitted requests that ask (`prompt_logprobs`) before they join the batch,
@@ -335,12 +344,12 @@ class Engine:
     def _decode(self) -> None:
         logits = self._batch.step()
         self._sample(logits, self._batch.rows)
-        retire(self._batch, range(len(self._batch.rows)), self.step)
+        retire(self._batch, range(len(self._batch.rows)))
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> None:
         """Draw and record each row's next token (a failure fails only its own request) and count it; a streamed
         request gets what its rows gained."""
-        record_draws(logits, rows, self.eos_ids, self._text)
+        record_draws(logits, rows, self.eos_ids, self._text, self.step)
         self.generated_tokens += len(rows)
         now = time.monotonic()
         self._recent.append((now, len(rows)))
@@ -350,6 +359,8 @@ class Engine:
             post_deltas(rows, self._text)
 
     def _apply_swap(self) -> None:
+        """Copy the pending weights in; rows still running (a "continue" swap) get their caches recomputed
+        under them. A failed recompute fails those rows (`_work`), as a failed decode step does."""
         swap, params = self._swap, self.model.state_dict()
         try:
             with torch.no_grad():
@@ -363,6 +374,10 @@ class Engine:
             result = e
         self._swap = None
         post(swap.loop, resolve, swap.future, result)
+        if self._batch.rows and not isinstance(result, Exception):
+            with torch.inference_mode():
+                self._batch.recompute()
+            self.recomputed_rows += len(self._batch.rows)
 
     def _text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,8 +1,10 @@
 """What an iteration comes to for each request, and how the worker thread tells the asyncio side: each row's
-next token drawn and recorded (`record_draws`), finished rows answered as `Sample`s (`retire`), a streamed
-request's new tokens and text sent as `Delta`s (`post_deltas`), and a failure kept to the request it belongs
-to (`fail_request`: its draw or its text fails it alone, the others go on). Every answer, delta and error
-crosses to the request's event loop through `post`. When rows run is engine.py's; a row's rules are rows.py's.
+next token drawn and recorded with the weight step that sampled it (`record_draws`), finished rows answered
+as `Sample`s carrying their tokens' weight-step spans (`retire`), a streamed request's new tokens and text
+sent as `Delta`s, the spans on a sample's last one (`post_deltas`), and a failure kept to the request it
+belongs to (`fail_request`: its draw or its text fails it alone, the others go on). Every answer, delta and
+error crosses to the request's event loop through `post`. When rows run is engine.py's; a row's rules are
+rows.py's.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from prime_rl.inference.engine.batch import NativeBatch, TransformersBatch
 from prime_rl.inference.engine.rows import Decode, Row
 from prime_rl.inference.engine.sampling import sample_batch
 from prime_rl.inference.engine.types import Delta, Request, RequestFailed, Sample
+from prime_rl.protocol.spans import spans_of
 
 logger = logging.getLogger("prime_rl")
 
 
-def record_draws(logits: torch.Tensor, rows: list[Row], eos_ids: set[int], decode: Decode) -> None:
-    """Draw each row's next token and record it. Sampling is batched, but what fails in it fails only the
-    requests whose own rows fail: the batch is drawn again row by row when its draw raises."""
+def record_draws(logits: torch.Tensor, rows: list[Row], eos_ids: set[int], decode: Decode, step: int) -> None:
+    """Draw each row's next token and record it (sampled by weight `step`). Sampling is batched, but what fails
+    in it fails only the requests whose own rows fail: the batch is drawn again row by row when its draw
+    raises."""
     try:
         draws = draw(logits, rows, eos_ids)
     except Exception:
@@ -35,7 +39,7 @@ def record_draws(logits: torch.Tensor, rows: list[Row], eos_ids: set[int], decod
             else:
                 alone = draw(logits[b : b + 1], [row], eos_ids)
                 token, logprob, top, kept = alone.tokens[0], alone.logprobs[0], alone.top[0], alone.kept[0]
-            row.append(token, logprob, top, eos_ids, decode, kept)
+            row.append(token, logprob, top, eos_ids, decode, kept, step)
         except Exception as e:
             fail_request(row.request, e)
 
@@ -54,9 +58,9 @@ def draw(logits: torch.Tensor, rows: list[Row], eos_ids: set[int]):
     return sample_batch(logits, params, [row.generator for row in rows], seen, blocked)
 
 
-def retire(batch: NativeBatch | TransformersBatch, candidates: range, step: int) -> None:
-    """Answer requests whose rows are all finished (their samples computed with weight `step`) and drop finished
-    rows from the batch."""
+def retire(batch: NativeBatch | TransformersBatch, candidates: range) -> None:
+    """Answer requests whose rows are all finished (each sample with the weight steps of its tokens) and drop
+    finished rows from the batch."""
     rows = batch.rows
     done = [b for b in candidates if rows[b].finish_reason is not None]
     if not done:
@@ -70,7 +74,8 @@ def retire(batch: NativeBatch | TransformersBatch, candidates: range, step: int)
             row.top_logprobs,
             row.text or "",
             row.finish_reason,
-            step,
+            row.steps[0],
+            spans_of(row.steps),
             sampling_mask=row.sampling_mask,
         )
         if all(s is not None for s in request.samples):
@@ -99,6 +104,7 @@ def post_deltas(rows: list[Row], decode: Decode) -> None:
             text,
             row.finish_reason,
             row.sampling_mask[row.streamed :],
+            None if row.finish_reason is None else spans_of(row.steps),
         )
         row.streamed = len(row.token_ids)
         by_request.setdefault(id(request), (request, []))[1].append(delta)

@@ -28,6 +28,7 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     sampling_mask: list[list[int]] = field(default_factory=list)  # kept sets, when the request asked for them
+    steps: list[int] = field(default_factory=list)  # per token, the weight step that sampled it
     text: str | None = None
     finish_reason: str | None = None
     streamed: int = 0  # tokens already sent as deltas
@@ -48,11 +49,14 @@ class Row:
         eos_ids: set[int],
         decode: Decode,
         kept: list[int] | None = None,
+        step: int = 0,
     ) -> None:
-        """Record the row's next token (and its kept set) and decide whether the row is finished."""
+        """Record the row's next token (its kept set, the weight `step` that sampled it) and decide whether the
+        row is finished."""
         params = self.request.params
         self.token_ids.append(token)
         self.logprobs.append(logprob)
+        self.steps.append(step)
         if params.top_logprobs > 0:
             self.top_logprobs.append(top)
         if params.return_sampling_mask:
@@ -88,6 +92,11 @@ class Row:
             return ""
         new, self.streamed_chars = text[self.streamed_chars : end], end
         return new
+
+    def context(self) -> list[int]:
+        """The tokens the row's KV cache holds: its prompt and every drawn token but the last, which the next
+        decode step feeds."""
+        return self.request.prompt_ids + self.token_ids[:-1]
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -33,7 +33,8 @@ class Sample:
     top_logprobs: list[list[tuple[int, float]]]  # per token; empty lists unless asked for
     text: str
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
-    weight_step: int = 0  # the policy every token of this sample was computed with
+    weight_step: int = 0  # the policy that sampled its first token (the oldest)
+    weight_steps: list[list[int]] = field(default_factory=list)  # [[step, start, end], ...] (protocol.spans)
     sampling_mask: list[list[int]] = field(default_factory=list)  # per token its kept set, with return_sampling_mask
     prompt_logprobs: list | None = None  # scoring.PromptToken per prompt position (None at 0), when asked
 
@@ -49,6 +50,7 @@ class Delta:
     text: str
     finish_reason: str | None = None
     sampling_mask: list[list[int]] = field(default_factory=list)  # per token, with return_sampling_mask
+    weight_steps: list[list[int]] | None = None  # on the sample's last delta: its spans (protocol.spans)
 
 
 @dataclass(eq=False)
@@ -68,9 +70,11 @@ class Request:
 
 @dataclass
 class Swap:
-    """Checked weights waiting to be copied in once the running rows have finished; `future` gets the step."""
+    """Checked weights waiting to be copied in; `future` gets the step. `inflight` "finish": once the running
+    rows have finished; "continue": at the next iteration, the running rows' caches recomputed under them."""
 
     tensors: dict[str, torch.Tensor]
     step: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    inflight: str = "finish"

@@ -8,7 +8,8 @@ others in its batch go on) a 500. Responses carry vLLM's extras so the orchestra
 sampled text: prompt and completion token ids (`return_token_ids`) and logprob tokens spelled `token_id:<id>`
 (`return_tokens_as_token_ids`); with `return_sampling_mask` each logprob entry also holds its token's kept set
 (`sampling_mask`, sorted ids; [] = nothing filtered) and a logprob renormalised over it (sampling.py). Every
-choice, streamed or not, is built by `build_choice`.
+choice carries `weight_steps`, the weight-step spans of its tokens (one span unless weights were swapped
+while it ran; streamed: on its last chunk). Every choice, streamed or not, is built by `build_choice`.
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ def build_choice(
     finish_reason: str | None,
     prompt_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One entry of a response's `choices`, streamed or not.
+    """One entry of a response's `choices`, streamed or not, with its `weight_steps` (which step sampled which
+    tokens, protocol/spans.py; on a streamed choice's last chunk).
 
     `fields` are the choice's own: `{"text"}` of a completion, `{"message"}` or `{"delta"}` of a chat, whose
     logprobs are spelled differently. `prompt_ids` go into a completion choice (a chat response carries them
@@ -294,6 +296,8 @@ def build_choice(
         choice["logprobs"] = {"content": chat_logprobs(sample, tokenizer, as_ids)}
     if body.return_token_ids:
         choice |= ({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}) | {"token_ids": sample.token_ids}
+    if sample.weight_steps is not None:  # a sample's, or the last delta of a streamed one
+        choice["weight_steps"] = sample.weight_steps
     return choice
 
 

@@ -141,9 +141,16 @@ def sampling_mask_refusal(body: bytes) -> JSONResponse | None:
 
 
 class VllmModel:
-    """vLLM's engine (through its engine client) as the control plane sees it."""
+    """vLLM's engine (through its engine client) as the control plane sees it.
+
+    It swaps only with no request in flight (`continues` False: an update asking inflight "continue" is
+    answered "finish"). vLLM 0.32 could pause mid-request (`pause_generation(mode="keep", clear_cache=True)`
+    preempts running requests, whose KV is recomputed on resume) and records weight-version spans on its
+    `RequestOutput`s, but only its token-in/token-out route returns them: putting them on the OpenAI routes
+    we serve would mean replacing how vLLM's serving classes build every choice."""
 
     backend = "vllm"
+    continues = False
 
     def __init__(self, config: InferenceConfig):
         self.model = config.model.name
@@ -199,7 +206,7 @@ class VllmModel:
         await self._init_transfer()
         return step, Update(step, "weight dir", {"path": str(source)})
 
-    async def apply(self, prepared: Any) -> None:
+    async def apply(self, prepared: Any, inflight: str = "finish") -> None:
         # Pausing clears the prefix cache: its blocks hold keys of the old weights (or the old adapter,
         # whose id an in-place load keeps).
         await self.client.pause_generation(mode="wait", clear_cache=True)
