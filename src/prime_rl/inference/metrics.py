@@ -34,6 +34,9 @@ class EngineCollector:
         )
         yield GaugeMetricFamily("prime_rl_inference_running", "sequences being decoded", value=engine.running)
         yield GaugeMetricFamily("prime_rl_inference_waiting", "requests waiting for a slot", value=engine.waiting)
+        yield GaugeMetricFamily(  # beside running: how full the batch is (the orchestrator's adaptive concurrency)
+            "prime_rl_inference_max_batch_size", "most sequences decoded together", value=engine.max_batch_size
+        )
         yield GaugeMetricFamily(
             "prime_rl_inference_tokens_per_second",
             "generated tokens per second over the last 10 s",

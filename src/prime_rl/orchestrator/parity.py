@@ -29,7 +29,7 @@ import math
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.batch import Batch
 from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.pool import InferenceError, Server, server_root
+from prime_rl.orchestrator.pool import InferenceError, Server, server_name
 from prime_rl.protocol import read_beat, wait_until_async, weights_dir
 from prime_rl.protocol.broadcast import read_marker
 from prime_rl.protocol.parity import (
@@ -60,11 +60,6 @@ def mismatch(trainer: list[float], server: list[float], scored: list[bool]) -> t
             total += math.expm1(d) - d
             worst, n = max(worst, abs(d)), n + 1
     return total, worst, n
-
-
-def server_name(server: Server) -> str:
-    """`host:port` of a server (its metric key)."""
-    return server_root(server.base).split("://", 1)[-1]
 
 
 class ParityGate:

@@ -12,6 +12,10 @@ serves (weight_control.WeightControl.load, passed in by the caller).
 
 The HTTP goes through the client (`client.InferenceClient`): `request` is its JSON request with
 retries, which raises `ServerDown` when a server's retries run out; `http` sends single quick tries.
+
+Each server's requests in flight are bounded by its `slots` (concurrency.Limiter): `client.max_concurrency`
+with `client.concurrency = "fixed"`; with `"adaptive"` a limit between `client.min_concurrency` and
+`client.max_concurrency` that follows the server's own load (its /metrics; the rule is in concurrency.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig
+from prime_rl.orchestrator.concurrency import AIMD, Limiter
+from prime_rl.orchestrator.server_metrics import parse_metrics
 
 logger = logging.getLogger("prime_rl")
 
@@ -46,6 +52,11 @@ def server_root(base_url: str) -> str:
     """`http://host:8000/v1` → `http://host:8000` (where /health and /update_weights live)."""
     base = base_url.rstrip("/")
     return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def server_name(server: Server) -> str:
+    """`host:port` of a server (its metric key)."""
+    return server_root(server.base).split("://", 1)[-1]
 
 
 class SmoothRoundRobin:
@@ -74,7 +85,7 @@ class SmoothRoundRobin:
 @dataclass
 class Server:
     base: str  # .../v1
-    slots: asyncio.Semaphore
+    slots: Limiter  # its requests in flight
     step: int = 0  # the weight step it holds, from /health and /update_weights
     receivers: int = 0  # its seats in a weight broadcast group, from /health (0: it takes no broadcasts)
     group: str | None = None  # the broadcast group its weights came from, from /health
@@ -87,7 +98,10 @@ class Server:
 class ServerPool:
     def __init__(self, config: ClientConfig, http: httpx.AsyncClient, request: Request):
         self.config = config
-        self.servers = [Server(url.rstrip("/"), asyncio.Semaphore(config.max_concurrency)) for url in config.base_url]
+        self.servers = [Server(url.rstrip("/"), Limiter(config.max_concurrency)) for url in config.base_url]
+        if config.concurrency == "adaptive":
+            for server in self.servers:
+                server.slots = self._adaptive(server)
         self._rotation = SmoothRoundRobin(config.traffic_share or [1.0] * len(config.base_url))
         self._http, self._request = http, request
         self._revival = asyncio.Lock()
@@ -100,6 +114,30 @@ class ServerPool:
     def steps(self) -> dict[str, int]:
         """The weight step each server holds (stamped on every completion)."""
         return {s.base: s.step for s in self.servers}
+
+    def _adaptive(self, server: Server) -> Limiter:
+        floor = min(self.config.min_concurrency, self.config.max_concurrency)
+
+        async def read() -> dict[str, float]:
+            return await self.read_metrics(server, 1.0)
+
+        return Limiter(floor, AIMD(floor, self.config.max_concurrency), read, name=f"inference server {server.base}")
+
+    async def read_metrics(self, server: Server, timeout: float) -> dict[str, float]:
+        """One quick GET of a server's Prometheus /metrics (no retries, no slot: it must never hold up generation),
+        parsed into server_metrics' series; raises httpx.HTTPError when it does not answer 200."""
+        response = await self._http.get(f"{server_root(server.base)}/metrics", timeout=timeout)
+        response.raise_for_status()
+        return parse_metrics(response.text)
+
+    def take_inflight(self) -> dict[str, float]:
+        """Per server, since the last call: `inflight_limit/<host:port>` and `inflight/<host:port>`, the
+        time-weighted means of its in-flight limit and of its requests in flight (the step's numbers)."""
+        out = {}
+        for server in self.servers:
+            limit, inflight = server.slots.take()
+            out |= {f"inflight_limit/{server_name(server)}": limit, f"inflight/{server_name(server)}": inflight}
+        return out
 
     def live(self) -> list[Server]:
         return [s for s in self.servers if s.alive]

@@ -8,7 +8,11 @@ barrier mode the servers are idle by then). `take()`, once per step, gives what 
 - `requests_running`, `requests_waiting`: averaged over each server's reads in the step, summed over the servers
 - `kv_cache_usage`: the fraction of the KV cache in use (vLLM's), averaged over the reads and the servers
 - `generated_tokens`: the servers' total; `generated_tokens_per_s`: its growth per second since the last take
+- `batch_capacity`: the built-in engines' batch rows (`engine.max_batch_size`), summed over the servers
 - `servers`: how many servers' /metrics answered in the step
+
+Each read also goes to the server's in-flight limiter (`Server.slots.observe`): with adaptive concurrency it is
+the load signal the limit follows (concurrency.py), and the limiter then skips a read of its own.
 
 A server without /metrics, or one that does not answer within a second, is left out (a warning, once per server).
 """
@@ -36,6 +40,7 @@ SERIES: dict[str, tuple[tuple[str, ...], bool]] = {
     "requests_waiting": (("vllm:num_requests_waiting", "prime_rl_inference_waiting"), True),
     "kv_cache_usage": (("vllm:kv_cache_usage_perc",), False),
     "generated_tokens": (("vllm:generation_tokens_total", "prime_rl_inference_generated_tokens_total"), True),
+    "batch_capacity": (("prime_rl_inference_max_batch_size",), True),
 }
 _SAMPLES = {name: series for series, (names, _) in SERIES.items() for name in names}
 
@@ -84,7 +89,7 @@ class ServerMetrics:
 
     async def read(self, server: Server) -> None:
         try:
-            values = parse_metrics(await self.client.read_metrics(server, self.timeout))
+            values = await self.client.pool.read_metrics(server, self.timeout)
         except Exception as e:  # whatever a server answers, the run goes on without its numbers
             if server.base not in self.warned:
                 self.warned.add(server.base)
@@ -94,6 +99,7 @@ class ServerMetrics:
                     "W&B's inference/* (said once)"
                 )
             return
+        server.slots.observe(values)
         self.newest = time.monotonic()
         if self.since is None:
             self.since = self.newest

@@ -264,6 +264,7 @@ def test_metrics_are_prometheus_text(client):
     assert values["prime_rl_inference_requests_total"] >= 1
     assert values["prime_rl_inference_weight_step"] == 0
     assert "prime_rl_inference_running" in values and "prime_rl_inference_waiting" in values
+    assert values["prime_rl_inference_max_batch_size"] >= 1  # the batch rows `running` fills (adaptive concurrency)
     assert "prime_rl_inference_tokens_per_second" in values
     assert values['prime_rl_inference_http_requests_total{route="/v1/completions",status="200"}'] >= 1
 
