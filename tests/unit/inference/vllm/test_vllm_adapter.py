@@ -228,3 +228,16 @@ def test_an_update_failing_half_way_is_a_400_then_503s_until_a_good_one(vllm_lik
         == 200
     )
     assert "unservable" not in http.get("/health").json()
+
+
+def test_inflight_continue_is_answered_finish_and_said_once(vllm_like, tiny_model, tmp_path, caplog):
+    """vLLM's OpenAI routes carry no per-token weight steps: the backend swaps between requests and says so."""
+    http, engine = vllm_like
+    auth = {"Authorization": "Bearer k"}
+    update = {"weight_dir": str(perturbed(tiny_model, tmp_path, 3)), "inflight": "continue"}
+    with caplog.at_level("INFO", logger="prime_rl"):
+        answers = [http.post("/update_weights", json=update, headers=auth).json() for _ in range(2)]
+    assert [(a["step"], a["inflight"]) for a in answers] == [(3, "finish"), (3, "finish")]
+    assert [c for c in engine.calls if c[0] == "pause"] == [("pause", "wait", True)] * 2  # waits for requests
+    said = [r.message for r in caplog.records if "cannot continue requests in flight" in r.message]
+    assert len(said) == 1 and "the vllm backend" in said[0]
