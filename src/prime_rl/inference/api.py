@@ -166,5 +166,5 @@ class BuiltinModel:
     def health(self) -> dict[str, Any]:
         e = self.engine
         counters = {"running": e.running, "waiting": e.waiting, "requests": e.requests, "iterations": e.iterations}
-        counters |= {"generated_tokens": e.generated_tokens}
+        counters |= {"generated_tokens": e.generated_tokens, "recomputed_rows": e.recomputed_rows}
         return counters | ({"adapter": e.adapter} if e.lora is not None else {})

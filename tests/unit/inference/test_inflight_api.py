@@ -71,5 +71,11 @@ def test_a_continue_update_answers_mid_stream_and_the_last_chunk_carries_two_spa
         plain = http.post("/v1/completions", json=body | {"stream": False, "max_tokens": 5})
         assert plain.headers["x-weight-step"] == "1"
         assert plain.json()["choices"][0]["weight_steps"] == [[1, 0, 5]]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
+        assert http.post("/v1/chat/completions", json=chat).json()["choices"][0]["weight_steps"] == [[1, 0, 4]]
+        with http.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        assert [c["choices"][0].get("weight_steps") for c in chunks] == [None] * (len(chunks) - 1) + [[[1, 0, 4]]]
+        assert http.get("/health").json()["recomputed_rows"] == 1
         reloaded = http.post("/reload_weights").json()
         assert (reloaded["step"], reloaded["inflight"]) == (0, "finish")
