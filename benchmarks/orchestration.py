@@ -1,20 +1,28 @@
 """Orchestration modes side by side, each a real `rl` run (built-in engine, 1-rank trainer, CPU, fp32):
 
-    uv run python benchmarks/orchestration.py                  # both comparisons
+    uv run python benchmarks/orchestration.py                  # all cases
     uv run python benchmarks/orchestration.py --cases long-tail
+    uv run python benchmarks/orchestration.py --cases long-tail --src /tmp/before/src   # an older commit's code
 
 - `long-tail`: a long-tailed multi-turn environment (benchmarks/long_tail.py: one group in 8 plays 10 model
   turns, the rest 1; 8 groups of 4 a step), barrier mode (each step samples its own batch and waits for
   its slowest group) vs continuous mode (`max_inflight` = 2 batches, `max_off_policy_steps` = 2), same
-  seeds. Reported: step
-  time, the off-policy gap distribution of the rollouts trained on, and the groups dropped as stale.
+  seeds.
 - `long-tail-generation`: the same two modes without a trainer (the orchestrator in-process against one
   built-in server, async_level = steps): on this machine the trainer shares the two cores with inference,
   so the whole loop is compute-bound either way; this case shows the scheduling alone, as on a cluster
   where inference has its own devices.
 - `eval`: reverse-text without and with an `[[orchestrator.eval]]` every 2 steps; the step time against
   the eval's share of all requests.
-Medians over the steps after `--warmup`; step = wall time between the ends of two orchestrator steps.
+Reported per mode, over the steps after `--warmup`: the median step (wall time between the ends of two
+orchestrator steps) and its generation; the trainer's idle share (its `time/wait` for rank files over its
+`time/step`, summed); the server's idle share (the share of its /metrics reads, every 0.1 s from this process
+between the warm-up's end and the last step, with no sequence running or waiting); the lag histogram of what
+was trained (per token, `token_lag/k`, where the run records per-token policy steps, else per rollout,
+`off_policy_gap/k`); the share of long episodes among trained rollouts (and among all generated ones, where
+the run reports `generated/*`); groups dropped as stale; the evals' share of requests.
+`--src` runs `rl` from another source tree ahead of this venv's (e.g. `git worktree add /tmp/before <commit>`):
+before/after on the same machine and environment.
 Inference and the trainer get one torch thread each: two multi-threaded processes on two cores spin
 against each other, and whichever mode keeps both busier would look slower for that reason alone.
 """
@@ -28,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from prime_rl.utils.metrics import read_metrics  # noqa: E402
+from prime_rl.utils.net import free_port  # noqa: E402
 from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
 
 BASE = """
@@ -77,6 +87,8 @@ CASES = {
 }
 
 
+LONG = 10  # model turns of a long episode (benchmarks/long_tail.py); the others play 1
+
 SHAPES = {  # case: (batch_size, rollouts_per_example, max_tokens)
     "long-tail": (32, 4, 12),  # 8 groups a step, one of them 10 turns long; training stays light
     "long-tail-generation": (32, 4, 12),
@@ -84,7 +96,7 @@ SHAPES = {  # case: (batch_size, rollouts_per_example, max_tokens)
 }
 
 
-def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: str) -> list[dict]:
+def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: str, src: Path | None) -> list[dict]:
     # TOML tables cannot be reopened: fold the extra [orchestrator] keys into the base's table.
     batch_size, rollouts, max_tokens = SHAPES[case]
     base = BASE.format(out=out, steps=steps, model=model, port=port, max_tokens=max_tokens, batch_size=batch_size,
@@ -94,8 +106,9 @@ def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: st
         base, extra = base.replace("[orchestrator]\n", "[orchestrator]\n" + keys), "[[" + extra
     cfg = out.with_suffix(".toml")
     cfg.write_text(base + extra)
-    env = os.environ | {"PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                        "OMP_NUM_THREADS": "1"}  # fmt: skip
+    paths = [str(src)] if src is not None else []  # ahead of the venv's own prime_rl
+    paths += [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(cfg)], cwd=ROOT,
                           capture_output=True, text=True, env=env)  # fmt: skip
     if done.returncode != 0:
@@ -103,7 +116,7 @@ def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: st
     return read_metrics(out, "orchestrator")
 
 
-def generation_only(model: Path, out: Path, steps: int, continuous: bool) -> list[dict]:
+def generation_only(model: Path, out: Path, steps: int, continuous: bool, port: int) -> list[dict]:
     import asyncio
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -111,11 +124,9 @@ def generation_only(model: Path, out: Path, steps: int, continuous: bool) -> lis
 
     from prime_rl.configs.orchestrator import OrchestratorConfig
     from prime_rl.orchestrator.orchestrator import orchestrate
-    from prime_rl.utils.net import free_port
 
     batch_size, rollouts, max_tokens = SHAPES["long-tail"]
     out.mkdir(parents=True)
-    port = free_port()
     proc = start_server("real", model, port, max_tokens, out / "server.log")
     try:
         config = OrchestratorConfig(
@@ -131,41 +142,109 @@ def generation_only(model: Path, out: Path, steps: int, continuous: bool) -> lis
     return read_metrics(out, "orchestrator")
 
 
+class ServerLoad(threading.Thread):
+    """Reads a built-in server's /metrics every `interval` s in the background: (time, sequences running +
+    waiting). The server is idle at a read where both are 0 (between requests, or no request sent)."""
+
+    def __init__(self, port: int, interval: float = 0.1):
+        super().__init__(daemon=True)
+        self.url, self.interval, self.reads = f"http://127.0.0.1:{port}/metrics", interval, []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        import httpx
+
+        while not self.stopped.wait(self.interval):
+            try:
+                text = httpx.get(self.url, timeout=1.0).text
+            except httpx.HTTPError:
+                continue  # not up yet, or gone
+            load = sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith(("prime_rl_inference_running ", "prime_rl_inference_waiting ")))  # fmt: skip
+            self.reads.append((time.time(), load))
+
+    def idle_share(self, start: float, end: float) -> float | None:
+        reads = [load for t, load in self.reads if start <= t <= end]
+        return sum(load == 0 for load in reads) / len(reads) if reads else None
+
+
+def histogram(measured: list[dict]) -> str:
+    """Per-token lag (`token_lag/k`: tokens sampled k steps before the step that trains them) where the run
+    records it, else the per-rollout off-policy gap (`off_policy_gap/k`, the rollout's oldest policy)."""
+    key = "token_lag/" if any(k.startswith("token_lag/") for m in measured for k in m) else "off_policy_gap/"
+    counts = Counter()
+    for m in measured:
+        counts.update({int(k.split("/")[1]): v for k, v in m.items() if k.startswith(key)})
+    total = sum(counts.values()) or 1
+    unit = "tokens" if key == "token_lag/" else "rollouts"
+    return f"{unit}: " + ", ".join(f"{g}: {n / total:.0%}" for g, n in sorted(counts.items()))
+
+
+def long_share(measured: list[dict], prefix: str = "") -> str:
+    """The share of long episodes (10 turns, the rest 1) among rollouts: (turns_mean - 1) / 9."""
+    key = f"{prefix}turns_mean"
+    values = [(m[key], m.get(f"{prefix}groups", 1)) for m in measured if key in m]
+    if not values:
+        return "-"
+    turns = sum(t * n for t, n in values) / max(sum(n for _, n in values), 1)
+    return f"{(turns - 1) / (LONG - 1):.1%}"
+
+
+def row(case: str, mode: str, out: Path, orch: list[dict], warmup: int, load: ServerLoad) -> str:
+    measured = orch[warmup + 1 :]
+    walls = [b["time"] - a["time"] for a, b in itertools.pairwise(orch[warmup:])]
+    trainer = read_metrics(out, "trainer")[warmup + 1 :]
+    trainer_idle = (f"{sum(t.get('time/wait', 0) for t in trainer) / sum(t['time/step'] for t in trainer):.0%}"
+                    if trainer else "-")  # fmt: skip
+    idle = load.idle_share(orch[warmup]["time"], orch[-1]["time"])
+    server_idle = "-" if idle is None else f"{idle:.0%}"
+    evals = read_metrics(out, "eval")
+    train_requests = SHAPES[case][0] * len(orch)
+    eval_requests = sum(e["samples"] for e in evals)
+    share = f"{eval_requests / (eval_requests + train_requests):.1%}" if evals else "-"
+    long = "-"
+    if case.startswith("long-tail"):
+        long = long_share(measured, "trained/" if "trained/turns_mean" in measured[0] else "")
+        if "generated/turns_mean" in measured[0]:
+            long += f" ({long_share(measured, 'generated/')})"
+    generate = statistics.median(m["time/generate"] for m in measured)
+    stale = sum(m.get("stale_groups", 0) for m in measured)
+    return (f"| {mode} | {statistics.median(walls):.2f} s | {generate:.2f} s | {trainer_idle} | "
+            f"{server_idle} | {histogram(measured)} | {long} | {stale} | {share} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="long-tail,long-tail-generation,eval")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8793)
+    parser.add_argument("--src", type=Path, help="run `rl` from this source tree (an older commit's worktree)")
     args = parser.parse_args()
+    if args.src is not None and "long-tail-generation" in args.cases:
+        sys.exit("--src runs `rl` cases only; long-tail-generation runs this tree's orchestrator in-process")
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         work = Path(tmp)
         model = create_tiny_model(work / "model", hidden_size=128, num_layers=4, tokenizer_vocab_size=259)
         for case in args.cases.split(","):
             print(f"\n### {case}\n")
-            print("| mode | step (median) | generate | off-policy gap: rollouts | stale groups | eval share |")
-            print("|---|---|---|---|---|---|")
+            print("| mode | step (median) | generate | trainer idle | server idle | lag | long episodes: trained "
+                  "(generated) | stale groups | eval share |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|---|")
             for mode, extra in CASES[case].items():
                 out = work / f"{case}-{mode.replace(' ', '-')}"
                 start = time.perf_counter()
                 steps = args.steps + args.warmup + 1
-                if case == "long-tail-generation":
-                    orch = generation_only(model, out, steps, mode == "continuous")
-                else:
-                    orch = run_case(model, out, steps, args.port, case, extra)
-                measured = orch[args.warmup + 1 :]
-                walls = [b["time"] - a["time"] for a, b in itertools.pairwise(orch[args.warmup :])]
-                gaps = Counter()
-                for m in measured:
-                    gaps.update({int(k.split("/")[1]): v for k, v in m.items() if k.startswith("off_policy_gap/")})
-                gap_text = ", ".join(f"{g}: {n}" for g, n in sorted(gaps.items()))
-                evals = read_metrics(out, "eval")
-                train_requests = SHAPES[case][0] * len(orch)
-                eval_requests = sum(e["samples"] for e in evals)
-                share = f"{eval_requests / (eval_requests + train_requests):.1%}" if evals else "-"
-                generate = statistics.median(m["time/generate"] for m in measured)
-                print(f"| {mode} | {statistics.median(walls):.2f} s | {generate:.2f} s | {gap_text} | "
-                      f"{sum(m.get('stale_groups', 0) for m in measured)} | {share} |", flush=True)  # fmt: skip
+                port = free_port()
+                load = ServerLoad(port)
+                load.start()
+                try:
+                    if case == "long-tail-generation":
+                        orch = generation_only(model, out, steps, mode == "continuous", port)
+                    else:
+                        orch = run_case(model, out, steps, port, case, extra, args.src)
+                finally:
+                    load.stopped.set()
+                print(row(case, mode, out, orch, args.warmup, load), flush=True)
                 print(f"    ({mode}: run {time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 

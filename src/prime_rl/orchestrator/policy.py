@@ -31,7 +31,8 @@ def oldest_policy(step: int, config: OrchestratorConfig) -> int:
 
     Barrier mode: step - async_level, the weights the servers must hold before the step's requests start.
     Continuous mode (`max_inflight` set): step - max_off_policy_steps, since groups keep generating across
-    updates. Older completions are redone by the client (`set_floor`); older groups are dropped as stale."""
+    updates. Older completions are redone by the client (`set_floor`); the stream starts only groups it can
+    train before they pass this bound (stream.py), and drops one that does anyway as stale."""
     lag = config.async_level if config.max_inflight is None else config.max_off_policy_steps
     return max(0, step - lag)
 
