@@ -2,7 +2,7 @@
 
     uv run python benchmarks/orchestration.py                  # all cases
     uv run python benchmarks/orchestration.py --cases long-tail
-    uv run python benchmarks/orchestration.py --cases long-tail --src /tmp/before/src   # an older commit's code
+    uv run python benchmarks/orchestration.py --cases long-tail --before /tmp/before/src   # and an older commit's
 
 - `long-tail`: a long-tailed multi-turn environment (benchmarks/long_tail.py: one group in 8 plays 10 model
   turns, the rest 1; 8 groups of 4 a step), barrier mode (each step samples its own batch and waits for
@@ -21,8 +21,8 @@ between the warm-up's end and the last step, with no sequence running or waiting
 was trained (per token, `token_lag/k`, where the run records per-token policy steps, else per rollout,
 `off_policy_gap/k`); the share of long episodes among trained rollouts (and among all generated ones, where
 the run reports `generated/*`); groups dropped as stale; the evals' share of requests.
-`--src` runs `rl` from another source tree ahead of this venv's (e.g. `git worktree add /tmp/before <commit>`):
-before/after on the same machine and environment.
+`--before` also runs each mode with `rl` from another source tree ahead of this venv's (e.g. `git worktree add
+/tmp/before <commit>`), right before this tree's: before/after in one invocation, same environment file.
 Inference and the trainer get one torch thread each: two multi-threaded processes on two cores spin
 against each other, and whichever mode keeps both busier would look slower for that reason alone.
 """
@@ -218,10 +218,10 @@ def main() -> None:
     parser.add_argument("--cases", default="long-tail,long-tail-generation,eval")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--src", type=Path, help="run `rl` from this source tree (an older commit's worktree)")
+    parser.add_argument("--before", type=Path, help="also run `rl` from this source tree (an older commit's "
+                        "worktree's src/), each mode before this tree's")  # fmt: skip
     args = parser.parse_args()
-    if args.src is not None and "long-tail-generation" in args.cases:
-        sys.exit("--src runs `rl` cases only; long-tail-generation runs this tree's orchestrator in-process")
+    trees = {"before": args.before, "after": None} if args.before is not None else {"": None}
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         work = Path(tmp)
         model = create_tiny_model(work / "model", hidden_size=128, num_layers=4, tokenizer_vocab_size=259)
@@ -231,21 +231,25 @@ def main() -> None:
                   "(generated) | stale groups | eval share |")  # fmt: skip
             print("|---|---|---|---|---|---|---|---|---|")
             for mode, extra in CASES[case].items():
-                out = work / f"{case}-{mode.replace(' ', '-')}"
-                start = time.perf_counter()
-                steps = args.steps + args.warmup + 1
-                port = free_port()
-                load = ServerLoad(port)
-                load.start()
-                try:
-                    if case == "long-tail-generation":
-                        orch = generation_only(model, out, steps, mode == "continuous", port)
-                    else:
-                        orch = run_case(model, out, steps, port, case, extra, args.src)
-                finally:
-                    load.stopped.set()
-                print(row(case, mode, out, orch, args.warmup, load), flush=True)
-                print(f"    ({mode}: run {time.perf_counter() - start:.0f} s)", file=sys.stderr)
+                for tree, src in trees.items():
+                    if case == "long-tail-generation" and src is not None:
+                        continue  # runs this tree's orchestrator in-process
+                    label = f"{mode}, {tree}" if tree else mode
+                    out = work / f"{case}-{label.replace(' ', '-').replace(',', '')}"
+                    start = time.perf_counter()
+                    steps = args.steps + args.warmup + 1
+                    port = free_port()
+                    load = ServerLoad(port)
+                    load.start()
+                    try:
+                        if case == "long-tail-generation":
+                            orch = generation_only(model, out, steps, mode == "continuous", port)
+                        else:
+                            orch = run_case(model, out, steps, port, case, extra, src)
+                    finally:
+                        load.stopped.set()
+                    print(row(case, label, out, orch, args.warmup, load), flush=True)
+                    print(f"    ({label}: run {time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":
