@@ -18,12 +18,12 @@ A group that completes past its deadline anyway (its server sampled from older w
 e.g. after a restart) is dropped and counted in `stale_groups`.
 
 Worked example: B = 2, max_off_policy_steps = 2, async_level = 1. Step 5, the servers hold weights 4: new groups
-get deadline 6, and (*) admits 4 of them: a (long), b, c, d. b completes: without it owed = 3 - 2 * (6 - 5) = 1
-<= 2 - 1, taken; c likewise (owed 0). Step 6, servers on weights 5: a and d (deadline 6) are owed to step 6,
-and e, f (deadline 7) start, since 2 - 0 and 4 - 2 are <= 2. e completes first: without it owed is still 2 >
-2 - 1, so e waits for step 7; d and then a are taken. The old rule (take the first complete groups, drop
-those past their deadline) took d and e at step 6 and dropped a when it arrived at step 7: long episodes were
-trained on less than their share.
+get deadline 6, and (*) admits 4 of them (owed 4 - 2 * (6 - 5) = 2 <= 2): a (long), b, c, d. b completes:
+without it owed = 3 - 2 = 1 <= 2 - 0 - 1, taken; c likewise (owed 0 <= 0). Step 6, servers on weights 5:
+e and f start (deadline 7; owed stays 2, from a and d); d, complete already, is taken (without it owed 1 <=
+1); e completes next, but without it owed is still 1 (a) > 2 - 1 - 1, so e waits for step 7 and a, running,
+is waited for and taken. The old rule (take the first complete groups, drop those past their deadline) took
+d and e at step 6 and dropped a at step 7: long episodes were trained on less than their share.
 
 Per step the stream reports what it generated next to what was trained (`window_metrics`): the length and
 reward distribution of the trained groups and of every group that finished generating in the step's window.
