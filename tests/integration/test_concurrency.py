@@ -1,8 +1,8 @@
 """Adaptive concurrency against a real built-in inference server (tiny model, CPU, a batch of 4 rows).
 
 The orchestrator's client starts a server at the floor (1 request in flight); while the server has free rows
-the limit rises to its batch capacity, and when another client's burst makes requests queue at the server
-the limit falls, without cancelling a request.
+the limit rises to its batch capacity (and a short queue), and when another client's burst makes requests
+queue at the server the limit falls, without cancelling a request.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def test_the_limit_rises_to_the_batch_capacity_and_falls_when_requests_queue(inf
     assert len(results) == 12 and all(len(r) == 1 and r[0].completion_ids for r in results)  # none cancelled
     before = [limit for t, limit, _, _ in trace if t < burst_at]
     after = [limit for t, limit, _, _ in trace if t > burst_at]
-    assert before[0] == 1 and max(before) == CAPACITY  # from the floor up to the batch, not past its free rows
+    # From the floor up to the batch and a short queue (1 request at this limit), not past them.
+    assert before[0] == 1 and CAPACITY <= max(before) <= CAPACITY + 1
     assert max(inflight for _, _, inflight, _ in trace) <= CAPACITY + 1
     assert min(after) <= 2, "the limit did not fall while the other client's requests queued at the server"
     assert any(waiting and waiting > 0 for t, _, _, waiting in trace if t > burst_at)  # they did queue

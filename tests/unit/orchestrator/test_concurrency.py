@@ -75,29 +75,31 @@ def test_take_gives_time_weighted_means_since_the_last_take():
 def test_the_rule_decreases_on_a_queue_and_increases_into_room():
     rule = AIMD(floor=2, ceiling=32)
     room = Load(waiting=0, running=2, capacity=64)
-    assert rule.next_limit(4, inflight=4, peak=4, load=room) == 8  # slow start: doubling
-    assert rule.next_limit(4, inflight=3, peak=3, load=room) == 4  # the limit did not bind: nothing to gain
-    # A queue: down to what the server serves of ours (in flight minus its queue), at most halving.
-    assert rule.next_limit(16, inflight=16, peak=16, load=Load(waiting=4, running=12, capacity=12)) == 12
-    assert rule.next_limit(16, inflight=16, peak=16, load=Load(waiting=14)) == 8
-    assert rule.next_limit(16, inflight=20, peak=20, load=Load(waiting=4)) == 16  # the last cut still drains
-    assert rule.next_limit(3, inflight=3, peak=3, load=Load(waiting=9)) == 2  # never below the floor
-    # After the first queue: additive, and never past the server's free batch rows.
-    assert rule.next_limit(12, inflight=12, peak=12, load=Load(waiting=0, running=10, capacity=16)) == 13
-    assert rule.next_limit(12, inflight=12, peak=12, load=Load(waiting=0, running=16, capacity=16)) == 12
-    assert rule.next_limit(32, inflight=32, peak=32, load=Load(waiting=0, running=2, capacity=64)) == 32  # ceiling
+    assert rule.next_limit(4, inflight=4, held=True, load=room) == 8  # slow start: doubling
+    assert rule.next_limit(4, inflight=3, held=False, load=room) == 4  # nothing held back: nothing to gain
+    # A queue longer than the short one kept (ceil(limit / 8)): down to what the server serves of ours (in
+    # flight minus its queue) plus the short queue, at most halving.
+    assert rule.next_limit(16, inflight=16, held=True, load=Load(waiting=4, running=12, capacity=12)) == 14
+    assert rule.next_limit(16, inflight=16, held=True, load=Load(waiting=14)) == 8
+    assert rule.next_limit(16, inflight=20, held=True, load=Load(waiting=4)) == 16  # the last cut still drains
+    assert rule.next_limit(3, inflight=3, held=True, load=Load(waiting=9)) == 2  # never below the floor
+    # After the first queue: additive, and never past the server's free batch rows and the short queue.
+    assert rule.next_limit(12, inflight=12, held=True, load=Load(waiting=0, running=10, capacity=16)) == 13
+    assert rule.next_limit(12, inflight=12, held=True, load=Load(waiting=0, running=16, capacity=16)) == 13
+    assert rule.next_limit(12, inflight=12, held=True, load=Load(waiting=2, running=16, capacity=16)) == 12
+    assert rule.next_limit(32, inflight=32, held=True, load=Load(waiting=0, running=2, capacity=64)) == 32  # ceiling
     # vLLM: KV-cache use is the signal too; high = queueing (one less while nothing waits yet), between the
     # marks = hold.
-    assert rule.next_limit(10, inflight=10, peak=10, load=Load(waiting=0, kv=0.95)) == 9
-    assert rule.next_limit(10, inflight=10, peak=10, load=Load(waiting=3, kv=0.95)) == 7
-    assert rule.next_limit(10, inflight=10, peak=10, load=Load(waiting=0, kv=0.85)) == 10
-    assert rule.next_limit(10, inflight=10, peak=10, load=Load(waiting=0, kv=0.5)) == 11
+    assert rule.next_limit(10, inflight=10, held=True, load=Load(waiting=0, kv=0.95)) == 9
+    assert rule.next_limit(10, inflight=10, held=True, load=Load(waiting=5, kv=0.95)) == 7
+    assert rule.next_limit(10, inflight=10, held=True, load=Load(waiting=0, kv=0.85)) == 10
+    assert rule.next_limit(10, inflight=10, held=True, load=Load(waiting=0, kv=0.5)) == 11
 
 
 def test_slow_start_stops_at_the_free_rows_of_a_built_in_engine():
     rule = AIMD(floor=4, ceiling=64)
-    # 8 of ours use 16 rows (n=2) of 24: room for 4 more requests, not 8.
-    assert rule.next_limit(8, inflight=8, peak=8, load=Load(waiting=0, running=16, capacity=24)) == 12
+    # 8 of ours use 16 rows (n=2) of 24: room for 4 more requests and a queue of 1, not 8.
+    assert rule.next_limit(8, inflight=8, held=True, load=Load(waiting=0, running=16, capacity=24)) == 13
 
 
 def test_fixed_mode_is_a_plain_semaphore_and_adaptive_starts_at_the_floor():
@@ -106,9 +108,9 @@ def test_fixed_mode_is_a_plain_semaphore_and_adaptive_starts_at_the_floor():
     config = ClientConfig(base_url=["http://a:1/v1"], concurrency="adaptive", min_concurrency=3, max_concurrency=9)
     slots = ServerPool(config, None, None).servers[0].slots
     assert slots.limit == 3 and (slots.controller.floor, slots.controller.ceiling) == (3, 9)
-    slots.observe({"requests_waiting": 0.0, "requests_running": 0.0})  # the limit did not bind: it holds
+    slots.observe({"requests_waiting": 0.0, "requests_running": 0.0})  # nothing held back: it holds
     assert slots.limit == 3
-    slots.peak = 3
+    slots.held = True
     slots.observe({"requests_waiting": 0.0, "requests_running": 3.0, "batch_capacity": 64.0})
     assert slots.limit == 6
     fixed.servers[0].slots.observe({"requests_waiting": 50.0})  # fixed: reads change nothing
