@@ -202,7 +202,6 @@ async def run_step(loop: Loop, step: int) -> None:
     times["step"] = time.perf_counter() - start
     m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
     m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
-    m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
     # trained/* beside generated/* (continuous mode): lengths, turns and rewards, so a length bias shows
     m |= loop.stream.window_metrics(batch) if loop.stream is not None else group_metrics("trained", batch.groups)
     state.total_samples += m["samples"]
