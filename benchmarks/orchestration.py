@@ -16,10 +16,10 @@
   the eval's share of all requests.
 Reported per mode, over the steps after `--warmup`: the median step (wall time between the ends of two
 orchestrator steps) and its generation; the trainer's idle share (its `time/wait` for rank files over its
-`time/step`, summed); the server's idle share (the share of its /metrics reads, every 0.1 s from this process
-between the warm-up's end and the last step, with no sequence running or waiting); the lag histogram of what
-was trained (per token, `token_lag/k`, where the run records per-token policy steps, else per rollout,
-`off_policy_gap/k`); the share of long episodes among trained rollouts (and among all generated ones, where
+`time/step`, summed); the server's idle share (the time between the warm-up's end and the last step over
+which its generated-token counter, read from /metrics every 0.1 s by this process, did not move); the lag
+histogram of what was trained (per token, `token_lag/k`, where the run records per-token policy steps, else
+per rollout, `off_policy_gap/k`); the share of long episodes among trained rollouts (and among all generated ones, where
 the run reports `generated/*`); groups dropped as stale; the evals' share of requests.
 `--before` also runs each mode with `rl` from another source tree ahead of this venv's (e.g. `git worktree add
 /tmp/before <commit>`), right before this tree's: before/after in one invocation, same environment file.
@@ -143,8 +143,11 @@ def generation_only(model: Path, out: Path, steps: int, continuous: bool, port: 
 
 
 class ServerLoad(threading.Thread):
-    """Reads a built-in server's /metrics every `interval` s in the background: (time, sequences running +
-    waiting). The server is idle at a read where both are 0 (between requests, or no request sent)."""
+    """Reads a built-in server's generated-token counter (/metrics) every `interval` s in the background.
+
+    The server was idle over an interval between two reads when the counter did not move. Time-weighted
+    over the intervals, not a share of reads: a busy server answers /metrics late, so a share of reads of
+    a gauge (sequences running) would over-sample its idle moments."""
 
     def __init__(self, port: int, interval: float = 0.1):
         super().__init__(daemon=True)
@@ -155,17 +158,21 @@ class ServerLoad(threading.Thread):
         import httpx
 
         while not self.stopped.wait(self.interval):
+            sent = time.time()
             try:
-                text = httpx.get(self.url, timeout=1.0).text
+                text = httpx.get(self.url, timeout=10.0).text
             except httpx.HTTPError:
                 continue  # not up yet, or gone
-            load = sum(float(line.split()[-1]) for line in text.splitlines()
-                       if line.startswith(("prime_rl_inference_running ", "prime_rl_inference_waiting ")))  # fmt: skip
-            self.reads.append((time.time(), load))
+            tokens = [float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("prime_rl_inference_generated_tokens_total ")]  # fmt: skip
+            if tokens:
+                self.reads.append(((sent + time.time()) / 2, tokens[0]))
 
     def idle_share(self, start: float, end: float) -> float | None:
-        reads = [load for t, load in self.reads if start <= t <= end]
-        return sum(load == 0 for load in reads) / len(reads) if reads else None
+        reads = [(t, n) for t, n in self.reads if start <= t <= end]
+        spans = [(b[0] - a[0], b[1] == a[1]) for a, b in itertools.pairwise(reads)]
+        total = sum(dt for dt, _ in spans)
+        return sum(dt for dt, idle in spans if idle) / total if total else None
 
 
 def histogram(measured: list[dict]) -> str:
