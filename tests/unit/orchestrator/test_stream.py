@@ -131,7 +131,8 @@ def test_a_group_sampled_by_weights_older_than_announced_is_counted_as_stale():
         try:
             servers.hold(client, 0)
             first = await stream.take(0, ProgressLine(False, 1))
-            await asyncio.sleep(0.01)  # the next 2 groups start on weights 0
+            while servers.requests < 4:  # the next 2 groups start on weights 0
+                await asyncio.sleep(0.001)
             servers.hold(client, 3)
             second = await stream.take(3, ProgressLine(False, 1))
             return first, second
