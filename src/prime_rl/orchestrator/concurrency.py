@@ -9,8 +9,9 @@ server's own load signal, its Prometheus /metrics: the built-in engine's `prime_
 
 The aim is a full batch at the server with a short queue behind it: `queue = ceil(limit * QUEUE_SHARE)`
 requests (at least 1), so a row that finishes is refilled at once rather than after a round trip to us (on
-2 CPU cores a batch kept at exactly its rows ran 30 % slower). The rule, at each read of the server's
-/metrics (about once a second while we have requests there):
+2 CPU cores a batch kept at exactly its rows made 29 % fewer tokens per second; docs/benchmarks.md,
+"Adaptive concurrency"). The rule, at each read of the server's /metrics (about once a second while we
+have requests there):
 
 - queueing (more than `queue` requests waiting at the server, or its KV cache at least `KV_HIGH` full):
   multiplicative decrease, to what the server was evidently serving of ours (our in-flight minus its

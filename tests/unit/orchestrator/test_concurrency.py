@@ -115,3 +115,18 @@ def test_fixed_mode_is_a_plain_semaphore_and_adaptive_starts_at_the_floor():
     assert slots.limit == 6
     fixed.servers[0].slots.observe({"requests_waiting": 50.0})  # fixed: reads change nothing
     assert fixed.servers[0].slots.limit == 7
+
+
+def test_the_pool_gives_each_servers_step_means_under_its_host_and_port():
+    async def main() -> dict[str, float]:
+        pool = ServerPool(ClientConfig(base_url=["http://a:1/v1", "http://b:2/v1"], max_concurrency=3), None, None)
+        pool.take_inflight()
+        async with pool.servers[0].slots:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)
+        return pool.take_inflight()
+
+    means = asyncio.run(main())
+    assert means.keys() == {"inflight_limit/a:1", "inflight/a:1", "inflight_limit/b:2", "inflight/b:2"}
+    assert means["inflight_limit/a:1"] == 3 and means["inflight/a:1"] == pytest.approx(0.5, abs=0.15)
+    assert means["inflight/b:2"] == 0
