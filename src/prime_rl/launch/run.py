@@ -1,12 +1,13 @@
 """The one-node run of `rl`: under the output dir's locks, write each service's config to OUTPUT_DIR/run/,
-prepare the dir (fresh or resumed), start inference and trainer, then the orchestrator once the server is
-healthy, follow them on the console, and stop them all at the end (finished, failed, or stopped)."""
+prepare the dir (fresh or resumed), start every service at once and wait for the server's health, follow them on
+the console, and stop them all at the end (finished, failed, or stopped)."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.launch.console import StatusLine, follow_logs
@@ -60,13 +61,18 @@ def _run(config: RLConfig, lock_token: str) -> None:
             watch(services, restart, watchdog, config)
         from prime_rl.utils.plot import plot_runs
 
-        plots = plot_runs([output_dir], output_dir / "plots" / "run")  # the summary says where
+        # Drawn while the servers shut down; the summary says where.
+        plotter = ThreadPoolExecutor(1)
+        plotting = plotter.submit(plot_runs, [output_dir], output_dir / "plots" / "run")
     finally:
         stop_all(services)
         time.sleep(0.6)  # let the follower print the last lines
         stop_following.set()
         follower.join(timeout=2)
     from prime_rl.utils.summary import rl_summary
+
+    plots = plotting.result()
+    plotter.shutdown()
 
     # Last, below the services' last lines; the user's own arguments make the resume command.
     for line in rl_summary(output_dir, config.trainer.max_steps, time.time() - started, sys.argv[1:], plots):
@@ -109,10 +115,11 @@ def start_services(
     trainer_procs: int,
     restart: Restarter,
 ) -> None:
-    """Start the services into `services`: the trainer only needs rollouts, so it loads while the server does;
-    the orchestrator needs the server."""
+    """Start every service at once, so the trainer and the orchestrator load (imports, model, environments) while
+    the server does: the orchestrator waits for the server's /health itself (service_configs gives it at least
+    startup_timeout). Here `rl` waits for the same /health, so a server that fails to start is the error named."""
     output_dir = config.orchestrator.output_dir
-    for name in ("inference", "teacher", "trainer"):
+    for name in ("inference", "teacher", "trainer", "orchestrator"):
         if name in commands:  # the teacher server only with [teacher]
             services.append(Service(name, commands[name], log_file(output_dir, name), env[name]))
     port = config.inference.server.port
@@ -121,6 +128,4 @@ def start_services(
         teacher_port = config.teacher.server.port
         wait_for_inference(services, f"http://127.0.0.1:{teacher_port}/health", config.startup_timeout, restart)
         logger.info(f"teacher {config.teacher.model.name} ready on port {teacher_port}")
-    logger.info(f"inference ready on port {port}; starting the orchestrator ({trainer_procs} trainer rank(s))")
-    services.append(Service("orchestrator", commands["orchestrator"], log_file(output_dir, "orchestrator"),
-                            env["orchestrator"]))  # fmt: skip
+    logger.info(f"inference ready on port {port} ({trainer_procs} trainer rank(s))")

@@ -83,6 +83,9 @@ def service_configs(
             f"runs {trainer_ranks} ranks{layout}"
         )
     updates: dict[str, dict] = {"inference": {}, "orchestrator": {"num_train_workers": trainer_ranks}, "trainer": {}}
+    if config.startup_timeout > orchestrator.client.health_timeout:  # it starts with the server and waits as long
+        client = orchestrator.client.model_copy(update={"health_timeout": config.startup_timeout})
+        updates["orchestrator"]["client"] = client
     if key_in_env:
         updates["inference"]["api_key_var"] = orchestrator.client.api_key_var
     if host is not None:

@@ -196,7 +196,7 @@ class ServerPool:
                 logger.info(f"waiting for the inference server at {url} ({problem}; giving up in {left:.0f}s)")
                 next_note = time.monotonic() + 30
             await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+            delay = min(delay * 1.5, 0.5)  # a local /health costs nothing: the run starts as soon as it answers
 
     async def _probe(self, server: Server, load: Load) -> None:
         """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
