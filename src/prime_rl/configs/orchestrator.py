@@ -233,13 +233,17 @@ class OrchestratorConfig(BaseConfig):
         int | None,
         Field(
             ge=1,
-            description="continuous mode: keep this many rollouts generating at all times, across weight updates "
-            "(a step takes the first complete groups); unset = each step samples its own batch",
+            description="continuous mode: at most this many rollouts generating or waiting, across weight updates "
+            "(a step takes complete groups, earliest deadline first); unset = each step samples its own batch",
         ),
     ] = None
     max_off_policy_steps: Annotated[
         int,
-        Field(ge=0, description="continuous mode: drop rollouts from a policy older than step - this"),
+        Field(
+            ge=0,
+            description="continuous mode: a group sampled from weight step w is trained by step w + this at the "
+            "latest (admissions are paced so it can be)",
+        ),
     ] = 8
     inflight_updates: Annotated[
         Literal["continue", "finish"],
