@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,25 +27,19 @@ from pathlib import Path
 
 import httpx
 
+from prime_rl.launch.supervise import Service, stop_all, wait_for_inference
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(model: Path, port: int, capacity: int, out: Path) -> subprocess.Popen:
+def start_server(model: Path, port: int, capacity: int, out: Path) -> Service:
+    """One built-in server with `capacity` batch rows, started and awaited as `rl` does."""
     cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
            "--server.port", str(port), "--output-dir", str(out), "--no-log.file",
            "--engine.max-batch-size", str(capacity)]  # fmt: skip
-    log = out / "server.log"
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"server did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
+    server = Service("inference", cmd, out / "server.log", {})
+    wait_for_inference([server], f"http://127.0.0.1:{port}/health", 180)
+    return server
 
 
 class Bursts:
@@ -142,12 +135,11 @@ def main() -> None:
     logging.getLogger("prime_rl").setLevel(logging.WARNING)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_server(args.model, port, args.capacity, Path(tmp))
+        server = start_server(args.model, port, args.capacity, Path(tmp))
         try:
             runs, traces = asyncio.run(measure(f"http://127.0.0.1:{port}", str(args.model), args))
         finally:
-            proc.terminate()
-            proc.wait()
+            stop_all([server])
     for mode, trace in traces.items():
         print(f"\n{mode}: the client's first burst, every {args.every} s (server batch {args.capacity} rows)")
         columns = ["t (s)", "in-flight limit", "in flight", "held in client", "server running", "server waiting"]

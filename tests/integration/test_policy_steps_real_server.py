@@ -3,16 +3,13 @@ a weight update to continue the request in flight (continuous mode), the answer'
 token (each span's logprobs are its own policy's over the whole context, recomputed by the trainer's forward),
 the rank file carries them, and the trainer at the next step masks the tokens older than max_token_lag.
 
-One server starts for the module (port 0; the test reads the real port from its ready line).
+One server starts for the module (tests/conftest.py InferenceProcess).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -32,33 +29,16 @@ from prime_rl.trainer.rl.train import load_micro_batches, train_step
 from prime_rl.utils.tiny_model import write_perturbed_weights
 
 pytestmark = pytest.mark.slow
-READY = re.compile(r"serving .* on http://(\S+):(\d+) \(backend builtin")
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
 MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("server")
-    log = open(out / "server.out", "w")
-    cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(tiny_model),
-           "--server.port", "0", "--output-dir", str(out), "--no-log.file"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    url = None
-    while url is None:
-        text = (out / "server.out").read_text()
-        ready = READY.search(text)
-        if ready:
-            url = f"http://127.0.0.1:{ready.group(2)}"
-        assert proc.poll() is None and time.monotonic() < deadline, f"server did not start:\n{text}"
-        time.sleep(0.2)
-    while httpx.get(f"{url}/health", timeout=5).status_code != 200:
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+def server_url(tiny_model, tmp_path_factory, inference_process):
+    server = inference_process("builtin", tiny_model, tmp_path_factory.mktemp("server"))
+    server.wait_ready()
+    yield server.url
+    server.stop()
 
 
 async def generated_tokens(http: httpx.AsyncClient, url: str) -> float:
