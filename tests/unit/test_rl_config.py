@@ -236,3 +236,18 @@ def test_a_shared_key_set_at_the_top_wins_over_a_services_env_var(monkeypatch, t
     for argv in (["@", str(tmp_path / "rl.toml")], ["--max-steps", "4"]):
         config = load_config(RLConfig, argv)
         assert (config.trainer.max_steps, config.orchestrator.max_steps) == (4, 4)
+
+
+def test_a_node_without_a_gpu_driver_counts_no_gpu_without_importing_torch():
+    """`rl` on a laptop or CI box starts its services ~2 s sooner: no torch import to learn there is no GPU."""
+    import os
+    import subprocess
+    import sys
+
+    from prime_rl.launch.services import GPU_DRIVER_PATHS
+
+    if any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+        pytest.skip("this machine has a GPU driver: count_gpus asks torch")
+    code = "import sys; from prime_rl.launch.services import count_gpus; print(count_gpus(), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "False"]
