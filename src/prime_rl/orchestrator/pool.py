@@ -30,7 +30,7 @@ import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig
 from prime_rl.orchestrator.concurrency import AIMD, Limiter
-from prime_rl.orchestrator.server_metrics import parse_metrics
+from prime_rl.orchestrator.prometheus import parse_metrics
 
 logger = logging.getLogger("prime_rl")
 
