@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_low() -> int:
+    """The lowest port the OS hands out as a client's source port (Linux's setting; 32768 elsewhere)."""
+    try:
+        return int(PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller binds it soon after)."""
-    with socket.socket() as s:
+    """A port that was free a moment ago (the caller binds it soon after), below the ephemeral range: a client
+    polling a port nobody listens on yet can be given that very port as its own source port and connect to
+    itself (TCP self-connect), and the server then cannot bind it."""
+    low = ephemeral_low()
+    draw = random.Random()
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is full: any free port
         s.bind((host, 0))
         return s.getsockname()[1]
