@@ -41,8 +41,11 @@ dtypes other than float32, and for rows holding a sample of `LONG_FROM` tokens o
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -56,6 +59,7 @@ BLOCK = 64  # query rows per work item of the CPU kernel
 # From ~3k tokens torch's kernel wins (it tiles the keys, ours holds a block's whole score rows):
 # forward + backward at 2,048 tokens 80 vs 110 ms, at 4,096 374 vs 337 ms. Rows with such a sample use it.
 LONG_FROM = 3072
+BUILD_WAIT_S = 300  # a build takes ~40 s alone, minutes beside a busy machine's other work
 
 
 @functools.cache
@@ -70,20 +74,44 @@ def cpu_kernel():
         flags += ["-mavx2", "-mfma"]
     name = f"prime_rl_causal_attention_{capability.lower()}"
     source = Path(__file__).parent / "csrc" / "causal_attention.cpp"
-    if kernel_built(Path(_get_build_directory(name, verbose=False)), name, source):
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    if kernel_built(build_dir, name, source):
         logger.debug("loading the CPU attention kernel (built before)")
     else:
         logger.info("compiling the CPU attention kernel (once per machine and kernel source, ~40 s)")
     try:
-        return load(
-            name,
-            [str(source)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-        )
+        with build_lock(build_dir):
+            return load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # a failed build or load of any kind: fall back rather than fail training
         logger.warning(f"CPU attention kernel unavailable, using torch's slower per-sample kernel: {e}")
         return None
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout: float = BUILD_WAIT_S):
+    """Hold the kernel's build dir against other processes of ours while torch builds or loads it.
+
+    torch marks a build in progress with a `lock` file that outlives a process killed mid-compile, and then
+    every later `load` waits on it forever. Ours is a flock, which the OS drops when its holder dies, so under
+    it any `lock` file torch left is stale and is removed. Waits at most `timeout` for a live builder.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = build_dir / "prime_rl.lock"
+    with open(path, "w") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {path} (building the kernel) for over {timeout:.0f} s")
+                time.sleep(0.2)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning(f"removing {stale}, left by a kernel build that was killed before it finished")
+            stale.unlink()
+        yield
 
 
 def kernel_built(build_dir: Path, name: str, source: Path) -> bool:

@@ -2,7 +2,10 @@
 compiled kernel and with torch's per-sample fallback."""
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +131,41 @@ def test_the_compile_note_is_said_only_when_torch_will_compile_the_kernel(tmp_pa
     assert not attention.kernel_built(tmp_path, "k_avx2", source)
     write(tmp_path / "k_avx2_v1.so", now)
     assert attention.kernel_built(tmp_path, "k_avx2", source)
+
+
+def test_a_build_killed_mid_compile_does_not_stop_the_next_start():
+    """torch's `lock` file outlives a killed build, and its `load` then waited forever (a CI run timed out
+    on every test this way). The next process removes it and loads the kernel."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    attention.cpu_kernel()  # built (the session fixture did it)
+    name = f"prime_rl_causal_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
+    stale = Path(_get_build_directory(name, verbose=False)) / "lock"
+    stale.touch()
+    code = "from prime_rl.trainer.attention import cpu_kernel; assert cpu_kernel() is not None"
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    finally:
+        leftover = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert not leftover
+
+
+def test_the_build_lock_waits_for_a_live_builder_then_names_it(tmp_path):
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "prime_rl.lock")], stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()
+        (tmp_path / "lock").touch()  # a live build's marker stays
+        with pytest.raises(TimeoutError, match="prime_rl.lock"):
+            with attention.build_lock(tmp_path, timeout=0.5):
+                pass
+        assert (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with attention.build_lock(tmp_path, timeout=5):  # its holder died: the flock is free, the marker stale
+        assert not (tmp_path / "lock").exists()
 
 
 @pytest.mark.gpu
