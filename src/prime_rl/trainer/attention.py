@@ -105,7 +105,8 @@ def build_lock(build_dir: Path, timeout: float = BUILD_WAIT_S):
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process held {path} (building the kernel) for over {timeout:.0f} s")
+                    msg = f"another process held {path} (building the kernel) for over {timeout:.0f} s"
+                    raise TimeoutError(msg) from None
                 time.sleep(0.2)
         stale = build_dir / "lock"
         if stale.exists():

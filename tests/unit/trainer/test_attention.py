@@ -152,7 +152,8 @@ def test_a_build_killed_mid_compile_does_not_stop_the_next_start():
 
 
 def test_the_build_lock_waits_for_a_live_builder_then_names_it(tmp_path):
-    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); time.sleep(60)"
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True)"
+    hold += "; time.sleep(60)"
     holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "prime_rl.lock")], stdout=subprocess.PIPE)
     try:
         holder.stdout.readline()
