@@ -87,27 +87,13 @@ def test_malformed_spans_are_an_error_naming_the_server_and_the_choice(spans, pr
         asyncio.run(client.chat(MESSAGES, 1, SamplingConfig()))
 
 
-class TwoTurns:
-    max_turns = 2
-
-    def examples(self, seed):
-        while True:
-            yield Example(prompt=MESSAGES, answer="")
-
-    def respond(self, messages, example):
-        return "again" if len(messages) < 3 else None
-
-    def score(self, conversation, example):
-        return 1.0
-
-
-def test_a_multi_turn_rollouts_token_steps_reach_the_rank_file_and_the_per_token_lag(tiny_model, tmp_path):
+def test_a_multi_turn_rollouts_token_steps_reach_the_rank_file_and_the_per_token_lag(tiny_model, tmp_path, two_turns):
     """Turn 1 (chat) straddles a swap from step 3 to 4, turn 2 (completions, no spans) is stamped 5."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    source = RolloutSource(TwoTurns(), "two", SamplingConfig(), 512, tokenizer)
-    group = asyncio.run(source.group(client_for(Server()), next(TwoTurns().examples(0)), 1))
+    source = RolloutSource(two_turns, "two", SamplingConfig(), 512, tokenizer)
+    group = asyncio.run(source.group(client_for(Server()), next(two_turns.examples(0)), 1))
     (rollout,) = group.rollouts
     env = len(rollout.completion_ids) - 5  # the env reply's tokens, rendered locally
     assert env > 0 and rollout.token_steps == [3, 3, 4] + [-1] * env + [5, 5]

@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
-from prime_rl.envs import Example
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.packing import make_sample
 from prime_rl.orchestrator.rollout import RolloutSource
@@ -74,26 +73,12 @@ def test_a_server_that_returns_no_masks_is_refused_with_the_reason():
     assert eval_like.kept is None
 
 
-class TwoTurns:
-    max_turns = 2
-
-    def examples(self, seed):
-        while True:
-            yield Example(prompt=MESSAGES, answer="")
-
-    def respond(self, messages, example):
-        return "again" if len(messages) < 3 else None
-
-    def score(self, conversation, example):
-        return 1.0
-
-
-def test_a_multi_turn_rollout_keeps_sets_on_model_tokens_and_none_on_env_replies(tiny_model):
+def test_a_multi_turn_rollout_keeps_sets_on_model_tokens_and_none_on_env_replies(tiny_model, two_turns):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    source = RolloutSource(TwoTurns(), "two", SamplingConfig(top_p=0.5), 512, tokenizer, masks=True)
-    group = asyncio.run(source.group(client_for(Server()), next(TwoTurns().examples(0)), 1))
+    source = RolloutSource(two_turns, "two", SamplingConfig(top_p=0.5), 512, tokenizer, masks=True)
+    group = asyncio.run(source.group(client_for(Server()), next(two_turns.examples(0)), 1))
     (rollout,) = group.rollouts
     env = len(rollout.completion_ids) - 3
     assert rollout.kept == [[10, 99], [11, 99]] + [[]] * env + [[]]
