@@ -28,6 +28,11 @@ class PolicyOutput:
 def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device, keep=None) -> torch.Tensor:
     """Logits [1, L, V] of one packed row, every sample attending only to itself; with `keep` (positions,
     long [K]) only those rows, [1, K, V]: the lm_head then never runs on the rest."""
+    vocab = model.get_input_embeddings().num_embeddings
+    if bad := outside_vocab(mb.input_ids, vocab):  # else an index error on CPU, a device-side assert on CUDA
+        raise TrainerError(
+            f"token ids outside the model's vocabulary [0, {vocab}): {bad} (tokenized for another model?)"
+        )
     cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
     longest = int(mb.cu_seqlens.diff().max())
     return model(
@@ -256,6 +261,13 @@ def _chunk_keep(kept: Kept, chunk: slice, shape: torch.Size) -> torch.Tensor | N
     return keep
 
 
+def outside_vocab(ids: torch.Tensor, vocab: int) -> list[int]:
+    """The first few ids outside [0, vocab), [] when there are none."""
+    if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < vocab):
+        return []
+    return ids[(ids < 0) | (ids >= vocab)][:5].tolist()
+
+
 def _checked(kept: Kept, targets: torch.Tensor, vocab: int) -> Kept:
     """`kept` on the targets' device, refusing ids outside the vocabulary and targets outside their own set (the
     sampler can only draw from its set: either means the rank file does not belong to this model)."""
@@ -263,8 +275,7 @@ def _checked(kept: Kept, targets: torch.Tensor, vocab: int) -> Kept:
     flat = targets.reshape(-1)
     if len(offsets) != flat.numel() + 1:
         raise TrainerError(f"kept sets for {len(offsets) - 1} positions, {flat.numel()} targets")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
+    if bad := outside_vocab(ids, vocab):
         raise TrainerError(f"sampling-mask token ids outside the model's vocabulary [0, {vocab}): {bad}")
     ids = ids.to(flat.device)
     sizes = (offsets[1:] - offsets[:-1]).to(flat.device)

@@ -13,8 +13,9 @@ import logging
 import torch
 
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.protocol.parity import is_gate_step, read_canaries, write_trainer_scores
+from prime_rl.protocol.parity import canary_file, is_gate_step, read_canaries, write_trainer_scores
 from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
 
 logger = logging.getLogger("prime_rl")
@@ -43,6 +44,8 @@ def score_canaries(config: TrainerConfig, model: torch.nn.Module, device: torch.
                 forward_logprobs(model, canary_batch(c["token_ids"]), device).logprobs[0].float().cpu().tolist()
                 for c in canaries
             ]
+    except TrainerError as e:
+        raise TrainerError(f"{canary_file(config.output_dir)}: {e}") from None
     finally:
         model.train(was_training)
     if main:

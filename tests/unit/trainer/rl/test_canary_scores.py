@@ -3,10 +3,12 @@ its prefix under the trainer's weights, as the servers' prompt logprobs report t
 
 import json
 
+import pytest
 import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.parity import read_trainer_scores, trainer_scores_file, write_canaries
+from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.rl.parity import score_canaries
 
@@ -26,3 +28,17 @@ def test_gate_steps_get_the_trainers_logprobs_of_every_canary_token(tiny_model, 
     assert got[0] == 0.0 and max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-5
     assert model.training  # put back as it was
     assert json.loads(trainer_scores_file(tmp_path, 2).read_text())["step"] == 2
+
+
+def test_a_canary_outside_the_vocabulary_is_a_trainer_error_naming_the_file(tiny_model, tmp_path):
+    """canary.json is read from the shared output dir: an id past the vocabulary was an embedding IndexError
+    traceback here, and would be a device-side assert on CUDA."""
+    config = TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, parity={"interval": 1})
+    model = build_model(str(tiny_model))
+    vocab = model.get_input_embeddings().num_embeddings
+    write_canaries(tmp_path, [{"env": "a", "token_ids": [5, vocab + 3, 2], "scored": [False, True, True]}])
+    with pytest.raises(
+        TrainerError, match=rf"canary.json: token ids outside the model's vocabulary \[0, {vocab}\): \[{vocab + 3}\]"
+    ):
+        score_canaries(config, model, torch.device("cpu"), 1, main=True)
+    assert not trainer_scores_file(tmp_path, 1).exists()

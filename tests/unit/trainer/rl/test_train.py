@@ -57,6 +57,18 @@ def test_train_step_moves_logprobs_along_advantages_and_reports_on_policy_metric
     assert stats.grad_norm > 0 and stats.means["entropy"] > 0 and stats.peak_memory_gib > 0
 
 
+def test_a_rank_file_token_outside_the_vocabulary_is_a_trainer_error_not_an_index_error(tiny_model, tmp_path, one_rank):
+    config = _config(tiny_model, tmp_path)
+    model = build_model(str(tiny_model))
+    apply_fsdp(model, one_rank, torch.float32)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = [5, 6, 7, vocab, 9]
+    mb = MicroBatch.pack([{"input_ids": ids, "loss_mask": [True] * 5, "advantages": [1.0] * 5,
+                           "inference_logprobs": [0.0] * 5}], 1.0)  # fmt: skip
+    with pytest.raises(TrainerError, match=rf"outside the model's vocabulary \[0, {vocab}\): \[{vocab}\]"):
+        train_step(model, build_optimizer(model, config.optim), [mb], config, one_rank)
+
+
 def test_load_micro_batches_refuses_rollouts_split_over_more_ranks(tiny_model, tmp_path, one_rank):
     mb = MicroBatch.padding(4, 1.0)
     write_rank_file(tmp_path, 0, 0, [mb])
