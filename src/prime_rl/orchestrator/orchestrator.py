@@ -188,8 +188,8 @@ async def run_step(loop: Loop, step: int) -> None:
     loop.progress.step = step
     times: dict[str, float] = {}
     start = time.perf_counter()
-    await loop.parity.check_servers(loop.client)  # what each server holds against the trainer's checksums
-    await wait_for_policy(loop.client, config, step, times)
+    held = await loop.parity.check_servers(loop.client)  # what each server holds against the trainer's checksums
+    await wait_for_policy(loop.client, config, step, times, held)
     await loop.parity.start_step(loop.client)  # checksums; at a gate step the servers score the canaries
     loop.evals.start(loop.client, step)
     if loop.stream is None:

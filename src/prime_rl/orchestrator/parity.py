@@ -72,10 +72,12 @@ class ParityGate:
         self.done: set[int] = set()  # gate steps compared
         self.expected: dict[int, tuple[str, str]] = {}  # weight step -> (trainer's checksum, where it was read)
 
-    async def check_servers(self, client: InferenceClient) -> None:
-        """At a step's start, before any update: what every server holds now (/health) against the trainer's."""
-        await client.server_step()
+    async def check_servers(self, client: InferenceClient) -> int:
+        """At a step's start, before any update: what every server holds now (/health) against the trainer's;
+        the oldest weight step held (the step's one /health round, reused by wait_for_policy)."""
+        held = await client.server_step()
         await self.check_checksums(client)
+        return held
 
     async def start_step(self, client: InferenceClient) -> None:
         """After the step's weights are in place: checksums, and the servers' canary scores at a gate step."""

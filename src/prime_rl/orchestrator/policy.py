@@ -37,13 +37,15 @@ def oldest_policy(step: int, config: OrchestratorConfig) -> int:
     return max(0, step - lag)
 
 
-async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict) -> int:
+async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict,
+                          held: int | None = None) -> int:  # fmt: skip
     """Ensure every live server holds weights step >= step - async_level; return the oldest step held.
 
+    `held`: the oldest step the servers reported at this step's start (their /health, asked again when None).
     `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them)."""
     need = max(0, step - config.async_level)
     client.set_floor(oldest_policy(step, config))
-    current = await client.server_step()
+    current = held if held is not None else await client.server_step()
     if config.weight_transfer.type == "broadcast":
         current = await relay_broadcasts(client, config, current, need, times)
     if current >= need:
