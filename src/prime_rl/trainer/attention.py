@@ -33,8 +33,8 @@ dropped silently (softcap raises); that, and what no path reproduces, `check_sup
 
 On CPU the op is opaque to torch.compile, so a compiled decoder layer stays one graph around it whatever
 the sample lengths. Its kernel is ours (`csrc/causal_attention.cpp`, built with the local C++ compiler on
-first use and cached per machine): query blocks of 64 rows read only the keys up to their last row, so a
-sample costs its causal triangle. torch's CPU flash-attention kernel computes 512-key blocks whole and so
+first use, cached per machine and torch install): query blocks of 64 rows read only the keys up to their last
+row, so a sample costs its causal triangle. torch's CPU flash-attention kernel computes 512-key blocks whole and so
 pays the full square up to 512 tokens; it remains the fallback where the kernel cannot be built, for
 dtypes other than float32, and for rows holding a sample of `LONG_FROM` tokens or more.
 """
@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def cpu_kernel():
     flags = ["-O3", "-ffast-math", "-fopenmp"]  # fast-math: a vectorised exp; no inf or NaN is ever formed
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
-    name = f"prime_rl_causal_attention_{capability.lower()}"
+    name = kernel_name()
     source = Path(__file__).parent / "csrc" / "causal_attention.cpp"
     build_dir = Path(_get_build_directory(name, verbose=False))
     if kernel_built(build_dir, name, source):
@@ -113,6 +114,14 @@ def build_lock(build_dir: Path, timeout: float = BUILD_WAIT_S):
             logger.warning(f"removing {stale}, left by a kernel build that was killed before it finished")
             stale.unlink()
         yield
+
+
+def kernel_name() -> str:
+    """The kernel's module name: per CPU capability and per torch install. torch's build dir is shared by every
+    environment on the machine, and its build commands name the torch headers by path, so two checkouts' venvs
+    sharing one name rebuilt it (~30 s, unlogged) each time a process of the other one loaded it."""
+    install = hashlib.sha256(str(Path(torch.__file__).parent).encode()).hexdigest()[:8]
+    return f"prime_rl_causal_attention_{torch.backends.cpu.get_cpu_capability().lower()}_{install}"
 
 
 def kernel_built(build_dir: Path, name: str, source: Path) -> bool:

@@ -139,8 +139,7 @@ def test_a_build_killed_mid_compile_does_not_stop_the_next_start():
     from torch.utils.cpp_extension import _get_build_directory
 
     attention.cpu_kernel()  # built (the session fixture did it)
-    name = f"prime_rl_causal_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
-    stale = Path(_get_build_directory(name, verbose=False)) / "lock"
+    stale = Path(_get_build_directory(attention.kernel_name(), verbose=False)) / "lock"
     stale.touch()
     code = "from prime_rl.trainer.attention import cpu_kernel; assert cpu_kernel() is not None"
     try:
@@ -149,6 +148,15 @@ def test_a_build_killed_mid_compile_does_not_stop_the_next_start():
         leftover = stale.exists()
         stale.unlink(missing_ok=True)
     assert not leftover
+
+
+def test_each_torch_install_builds_its_own_kernel(monkeypatch):
+    """Two checkouts' venvs shared one build dir, and their build commands name their own torch headers: each
+    load from the other venv rebuilt the kernel (~30 s at a trainer's start, nothing logged)."""
+    here = attention.kernel_name()
+    assert here == attention.kernel_name() and here.isidentifier()  # stable, and a valid module name
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert attention.kernel_name() != here
 
 
 def test_the_build_lock_waits_for_a_live_builder_then_names_it(tmp_path):
