@@ -2,6 +2,7 @@
 transfers, and one table of what they measured beside upstream prime-rl's published single-H100 figures.
 
     bash scripts/gpu_check.sh              # one CUDA GPU, `uv sync --extra vllm` done, no internet: <= 40 min
+    bash scripts/gpu_check.sh --quick      # <= 11 min, vLLM not needed: probes, benches, a short rl
     bash scripts/gpu_check.sh --dry-run    # every command it would run, in order, with its timeout
 
 Steps (each a subprocess with its own timeout and log under --out; a failed one is reported, the others
@@ -10,18 +11,21 @@ still run, and the exit status is 1):
 2. `pytest -m gpu`: the tests marked gpu;
 3. `rl` on the reverse-text example (configs/examples/reverse_text/rl.toml) with that model: vLLM, a bf16
    FSDP2 trainer on the same GPU, `weight_transfer = broadcast` (nccl; gloo when both share one GPU);
-4. the same with `weight_transfer = filesystem`, fewer steps;
-5. `trainer --bench` alone on generated 16k-token rows with activation checkpointing: upstream's setting.
+4. `trainer --bench` alone in upstream's shape: one 16,384-token sample a row, activation checkpointing;
+5. `rl` with `weight_transfer = filesystem`, fewer steps.
+`--quick`: 1, then the fork probe and a one-rank NCCL weight group (benchmarks/gpu_probes.py), 4, 4 with
+`--compile` (TORCH_LOGS=recompiles: the recompilations are counted), and 3 for 6 steps.
 The rl runs are synchronous (async_level 0): every step samples from the weights the trainer has, so the
 mismatch KL is the two engines' numerics, not a policy lag.
 
 Every figure is read from what the runs write: metrics/{trainer,orchestrator}.jsonl (trainer tokens/s and
 torch peak memory, mismatch KL, generated tokens over generation time, time to served = the trainer's
 optimizer step done -> the servers answering with those weights, as benchmarks/rl.py measures it); MFU with
-trainer/rl/bench.py's FLOPs per token; peak GPU memory per service from nvidia-smi, sampled every second by
-a side thread (a process counts for the service whose entrypoint is in its parent chain). Upstream's figures:
-PrimeIntellect-ai/prime-rl benchmarks/results/BENCHMARKS.md, Qwen3-0.6B, RL full, 16,384-token rows,
-recompute, FA3, 1xH100 HBM3: 11.90k tokens/s, 11.1% MFU, 12.5 GiB.
+trainer/rl/bench.py's FLOPs per token (6 x matmul parameters + 12 x layers x attention width x mean causal
+context); peak GPU memory per service from nvidia-smi, sampled every second by a side thread (a process counts
+for the service whose entrypoint is in its parent chain). Upstream's figures: PrimeIntellect-ai/prime-rl
+benchmarks/results/BENCHMARKS.md, Qwen3-0.6B, RL full, 16,384-token rows, recompute, FA3, 1xH100 HBM3:
+11.90k tokens/s, 11.1% MFU, 12.5 GiB.
 """
 
 from __future__ import annotations
@@ -55,9 +59,12 @@ RL_GPU = ["--async-level", "0", "--inference.engine.max-batch-size", "256", "--o
 # the built-in engine on CUDA, in bfloat16, and the table says so.
 BACKEND_ARGS = {"vllm": ["--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.3"],
                 "builtin": ["--inference.backend", "builtin"]}  # fmt: skip
-FAKE_LEN = (16, 512)  # the bench's generated samples: lengths uniform in this range, packed into 16k-token rows
-BENCH_ROWS = ["--data.fake-seq-len", "16384", "--data.fake-micro-batches", "2", "--data.fake-min-len",
-              str(FAKE_LEN[0]), "--data.fake-max-len", str(FAKE_LEN[1])]  # fmt: skip
+# The bench in upstream's shape: one 16,384-token sample a row (two rows a step), so attention is a real share.
+SAMPLE_LEN = 16384
+BENCH_ROWS = ["--data.fake-seq-len", str(SAMPLE_LEN), "--data.fake-micro-batches", "2", "--data.fake-min-len",
+              str(SAMPLE_LEN), "--data.fake-max-len", str(SAMPLE_LEN)]  # fmt: skip
+# The compiled bench logs every recompilation (a new row length should not recompile: dynamic shapes).
+RECOMPILES = {"TORCH_LOGS": "recompiles"}
 # NCCL refuses two ranks of one group on one GPU ('Duplicate GPU detected'), where rl puts both on a 1-GPU node.
 ONE_GPU = (
     "with one GPU, rl puts the trainer and vLLM on GPU 0 and sends the broadcast over gloo (weight_transfer.backend "
@@ -68,11 +75,13 @@ ONE_GPU = (
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
 WARMUP = 2  # steps left out of the medians (the rl runs; the bench leaves out its first, as its own table does)
 SERVICES = {"inference": "prime_rl.entrypoints.inference", "trainer": "prime_rl.entrypoints.trainer"}
-COLUMNS = ["rl, broadcast", "rl, filesystem", "trainer --bench (16k rows, AC)", "upstream prime-rl, 1xH100"]
+COLUMNS = ["rl, broadcast", "rl, filesystem", "trainer --bench (16k rows, AC)", "trainer --bench --compile",
+           "upstream prime-rl, 1xH100"]  # fmt: skip
+UPSTREAM_COLUMN = COLUMNS[-1]
 ROWS = ["status", "inference backend", "trainer tokens/s (median)", "trainer MFU", "generated tokens/s (median)",
         "time to served per update (median)", "mismatch KL per step (median / max)",
         "peak GPU memory: inference (nvidia-smi)", "peak GPU memory: trainer (nvidia-smi / torch allocated)",
-        "peak GPU memory: whole GPU (nvidia-smi)"]  # fmt: skip
+        "peak GPU memory: whole GPU (nvidia-smi)", "recompiles"]  # fmt: skip
 UPSTREAM = {"status": "published", "trainer tokens/s (median)": "11.9k (16k rows, AC, FA3)", "trainer MFU": "11.1%",
             "peak GPU memory: trainer (nvidia-smi / torch allocated)": "12.5 GiB"}  # fmt: skip
 
@@ -84,6 +93,7 @@ class Step:
     timeout: int
     column: str | None = None  # the table column its figures go to
     output_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)  # over ENV
 
 
 @dataclass
@@ -91,33 +101,44 @@ class Outcome:
     rc: int
     seconds: float
     peaks: dict[str, float] = field(default_factory=dict)  # MiB per service, from nvidia-smi
+    log: Path | None = None
 
 
-def plan(out: Path, steps: int, fs_steps: int, backend: str) -> list[Step]:
+def plan(out: Path, steps: int, fs_steps: int, backend: str, quick: bool = False) -> list[Step]:
+    """The full check (model, gpu tests, rl broadcast, bench, rl filesystem), or with `quick` (<= 11 min, no vLLM
+    needed): model, fork probe, one-rank NCCL, bench, bench --compile, a short rl with broadcast."""
     py, model = sys.executable, out / PRESET
     rl = [py, "-m", "prime_rl.entrypoints.rl", "@", RL_CONFIG, "--model.name", str(model), *BACKEND_ARGS[backend]]
     trainer = [py, "-m", "prime_rl.launch.torchrun", "--standalone", "--nproc-per-node", "1",
                "-m", "prime_rl.entrypoints.trainer"]  # fmt: skip
-    runs = []
-    for transfer, n, timeout, column in (
-        ("broadcast", steps, 720, COLUMNS[0]),
-        ("filesystem", fs_steps, 480, COLUMNS[1]),
-    ):
-        d = out / f"rl-{transfer.split()[0]}"
-        cmd = [*rl, "--output-dir", str(d), "--max-steps", str(n), "--weight-transfer", transfer.split()[0],
+    engine = "vLLM" if backend == "vllm" else "built-in engine"
+
+    def rl_run(transfer: str, n: int, timeout: int) -> Step:
+        d = out / f"rl-{transfer}"
+        cmd = [*rl, "--output-dir", str(d), "--max-steps", str(n), "--weight-transfer", transfer,
                "--inference.server.port", str(free_port()), *RL_GPU]  # fmt: skip
-        engine = "vLLM" if backend == "vllm" else "built-in engine"
-        runs.append(Step(f"rl: {engine} + FSDP2 bf16 trainer, weight transfer {transfer}", cmd, timeout, column, d))
-    bench = out / "trainer-bench"
-    bench_cmd = [*trainer, "--model.name", str(model), "--output-dir", str(bench), "--bench", "--data.fake",
-                 *BENCH_ROWS, "--activation-checkpointing", "--dtype", "bfloat16", "--max-steps", "6"]  # fmt: skip
-    return [
-        Step(f"build the {PRESET} model", [py, "-m", "prime_rl.utils.tiny_model", str(model), "--preset", PRESET], 300),
-        Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600),
-        runs[0],
-        Step("trainer benchmark", bench_cmd, 300, COLUMNS[2], bench),
-        runs[1],
-    ]
+        name = f"rl: {engine} + FSDP2 bf16 trainer, weight transfer {transfer}"
+        return Step(name, cmd, timeout, COLUMNS[0 if transfer == "broadcast" else 1], d)
+
+    def bench(compiled: bool, timeout: int = 300) -> Step:
+        d = out / ("trainer-bench-compile" if compiled else "trainer-bench")
+        cmd = [*trainer, "--model.name", str(model), "--output-dir", str(d), "--bench", "--data.fake", *BENCH_ROWS,
+               "--activation-checkpointing", "--dtype", "bfloat16", "--max-steps", "6"]  # fmt: skip
+        name = "trainer benchmark" + (", compiled (recompiles logged)" if compiled else "")
+        return Step(name, cmd + ["--compile"] * compiled, timeout, COLUMNS[3 if compiled else 2], d,
+                    RECOMPILES if compiled else {})  # fmt: skip
+
+    build = [py, "-m", "prime_rl.utils.tiny_model", str(model), "--preset", PRESET]
+    if quick:  # timeouts: 11 min in all
+        probes = [py, str(ROOT / "benchmarks" / "gpu_probes.py")]
+        return [Step(f"build the {PRESET} model", build, 120),
+                Step("fork probe: inference up to vLLM's engine start", [*probes, "fork", str(model)], 45),
+                Step("NCCL: one-rank weight group sends the model", [*probes, "nccl", str(model)], 60),
+                bench(compiled=False, timeout=120), bench(compiled=True, timeout=150),
+                rl_run("broadcast", steps, 165)]  # fmt: skip
+    build = Step(f"build the {PRESET} model", build, 300)
+    return [build, Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600),
+            rl_run("broadcast", steps, 720), bench(compiled=False), rl_run("filesystem", fs_steps, 480)]  # fmt: skip
 
 
 def shown(cmd: list[str]) -> str:
@@ -175,7 +196,7 @@ def run_step(step: Step, log: Path, timeout: float) -> Outcome:
     start = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=os.environ | ENV)  # fmt: skip
+                                env=os.environ | ENV | step.env)  # fmt: skip
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -191,7 +212,12 @@ def run_step(step: Step, log: Path, timeout: float) -> Outcome:
     if sampler:
         sampler.done.set()
         sampler.join()
-    return Outcome(rc, time.monotonic() - start, sampler.peaks if sampler else {})
+    return Outcome(rc, time.monotonic() - start, sampler.peaks if sampler else {}, log)
+
+
+def last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    return lines[-1].strip() if lines else ""
 
 
 def median(values) -> float | None:
@@ -212,8 +238,8 @@ def figures(step: Step, outcome: Outcome, flops_per_token, peak_tflops: float | 
         col["inference backend"] = next((a for a in BACKEND_ARGS if a in step.cmd), "?")
     if tps := median(r["tokens_per_s"] for r in measured):
         col["trainer tokens/s (median)"] = f"{tps:,.0f}"
-        # Attention's context: half the mean sample length (the bench's samples: uniform min..max).
-        context = sum(FAKE_LEN) / 4 if bench else median(r["seq_len_mean"] / 2 for r in orch.values())
+        # Attention's mean causal context: the bench's samples are all SAMPLE_LEN long; rl's, their mean length.
+        context = (SAMPLE_LEN + 1) / 2 if bench else median((r["seq_len_mean"] + 1) / 2 for r in orch.values())
         if peak_tflops and context:
             col["trainer MFU"] = f"{100 * tps * flops_per_token(context) / (peak_tflops * 1e12):.1f}%"
     later = [r for s, r in orch.items() if s >= WARMUP]
@@ -223,6 +249,8 @@ def figures(step: Step, outcome: Outcome, flops_per_token, peak_tflops: float | 
               if "weights_served_at" in r and r["weight_step"] - 1 in trainer]  # fmt: skip
     if served:
         col["time to served per update (median)"] = f"{median(served):.3f} s (n = {len(served)})"
+    if "recompiles" in step.env.get("TORCH_LOGS", "") and outcome.log and outcome.log.exists():
+        col["recompiles"] = str(outcome.log.read_text(errors="replace").count("Recompiling function"))
     if kl := [r["mismatch_kl"] for r in trainer.values() if "mismatch_kl" in r and not bench]:
         col["mismatch KL per step (median / max)"] = f"{median(kl):.2e} / {max(kl):.2e}"
 
@@ -260,7 +288,7 @@ def mfu_inputs(model_dir: Path, peak_tflops: float | None):
         q = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
         name = subprocess.run(q, capture_output=True, text=True).stdout
         peak_tflops = next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
-    return (lambda ctx: flops_per_token(model, config.num_hidden_layers, config.hidden_size, ctx)), peak_tflops
+    return (lambda ctx: flops_per_token(model, ctx)), peak_tflops
 
 
 def main() -> int:
@@ -271,6 +299,7 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU; unset = known GPUs")
     parser.add_argument("--budget", type=float, help="seconds for the whole check: a step gets what is left")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--quick", action="store_true", help="<= 11 min, no vLLM: probes, benches, a short rl")
     args = parser.parse_args()
     out = args.out.resolve()
     import importlib.util
@@ -283,20 +312,21 @@ def main() -> int:
             sys.exit("gpu_check: needs a CUDA GPU (torch sees none); --dry-run prints the plan")
     if backend == "builtin":
         print("gpu_check: vLLM is not installed (uv sync --extra vllm): the rl runs use the built-in engine")
-    steps = plan(out, args.steps, args.fs_steps, backend)
+    steps = plan(out, min(args.steps, 6) if args.quick else args.steps, args.fs_steps, backend, args.quick)
     deadline = time.monotonic() + (args.budget or sum(s.timeout for s in steps))
     print(f"GPU acceptance: {len(steps)} steps, at most {sum(s.timeout for s in steps) // 60} min; outputs in {out}")
     print(f"environment of every step: {' '.join(f'{k}={v}' for k, v in ENV.items())}; cwd {ROOT}")
     for i, step in enumerate(steps, 1):
         print(f"{i}. {step.name} [timeout {step.timeout} s]\n   {shown(step.cmd)}")
-    print(f"   (during steps 3-5: {shown(GpuMemory.QUERIES[0])} and {shown(GpuMemory.QUERIES[1])} every 1 s)")
+    measured = ", ".join(str(i) for i, s in enumerate(steps, 1) if s.column)
+    print(f"   (during steps {measured}: {shown(GpuMemory.QUERIES[0])} and {shown(GpuMemory.QUERIES[1])} every 1 s)")
     print(f"note: {ONE_GPU}")
     if args.dry_run:
-        print(f"table, also written to {out / 'gpu_check.md'}:\n{table({COLUMNS[3]: UPSTREAM})}")
+        print(f"table, also written to {out / 'gpu_check.md'}:\n{table({UPSTREAM_COLUMN: UPSTREAM})}")
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
-    columns, notes, failed, mfu = {COLUMNS[3]: UPSTREAM}, [], 0, None
+    columns, notes, failed, mfu = {UPSTREAM_COLUMN: UPSTREAM}, [], 0, None
     for i, step in enumerate(steps, 1):
         log = out / f"step{i}.log"
         print(f"[{time.strftime('%H:%M:%S')}] {i}/{len(steps)} {step.name} (log: {log})", flush=True)
@@ -308,6 +338,8 @@ def main() -> int:
         none_marked = step.name == "gpu tests" and outcome.rc == 5  # pytest: nothing selected
         said = "ok" if outcome.rc == 0 else "no test is marked gpu" if none_marked else f"FAILED, exit {outcome.rc}"
         notes.append(f"{i}. {step.name}: {said} ({outcome.seconds:.0f} s; {log})")
+        if not step.column and (said_last := last_line(log)):
+            notes.append(f"   {said_last}")
         if outcome.rc != 0 and not none_marked:
             failed += 1
             tail = log.read_text(errors="replace").splitlines()[-15:]

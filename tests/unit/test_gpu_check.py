@@ -70,6 +70,40 @@ def test_dry_run_prints_every_command_with_its_timeout_and_the_table(tmp_path):
     assert "11.9k" in out and "11.1%" in out  # upstream's reference column
 
 
+def test_quick_plan_fits_eleven_minutes_and_benches_upstreams_shape(tmp_path):
+    done = check("--quick", "--dry-run", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    steps = [line for line in done.stdout.splitlines() if line[:1].isdigit() and "[timeout " in line]
+    assert len(steps) == 6
+    assert sum(int(line.split("[timeout ")[1].split()[0]) for line in steps) <= 11 * 60
+    lines = done.stdout.splitlines()
+    commands = [shlex.split(line) for line in lines if line.startswith("   ") and not line.startswith("   (")]
+    assert [c[-2] for c in commands if "gpu_probes.py" in c[1]] == ["fork", "nccl"]
+    benches = [
+        c[c.index("prime_rl.entrypoints.trainer") + 1 :] for c in commands if "prime_rl.entrypoints.trainer" in c
+    ]
+    plain, compiled = (load_config(TrainerConfig, argv) for argv in benches)
+    for trainer in (plain, compiled):  # one 16,384-token sample a row, as upstream benches
+        assert trainer.data.fake_min_len == trainer.data.fake_max_len == trainer.data.fake_seq_len == 16384
+    assert compiled.compile and not plain.compile
+    rl = next(c for c in commands if "prime_rl.entrypoints.rl" in c)
+    config = load_config(RLConfig, rl[rl.index("prime_rl.entrypoints.rl") + 1 :])
+    assert config.max_steps == 6 and config.trainer.weight_transfer.type == "broadcast"
+
+
+def test_compiled_bench_counts_recompiles_from_its_log(tmp_path):
+    gpu = load_gpu_module()
+    writer = MetricsWriter(tmp_path, "trainer")
+    for step in range(3):
+        writer.log(step, {"tokens_per_s": 1000.0, "peak_memory_gib": 1.0})
+    writer.close()
+    log = tmp_path / "step5.log"
+    log.write_text("x\nV1127 torch/_dynamo/guards.py] [0/1] [__recompiles] Recompiling function forward in f.py:3\n")
+    step = gpu.Step("bench", ["trainer", "--bench"], 1, gpu.COLUMNS[3], tmp_path, gpu.RECOMPILES)
+    col = gpu.figures(step, gpu.Outcome(0, 9.0, {}, log), lambda context: 1.0, peak_tflops=None)
+    assert col["recompiles"] == "1"
+
+
 def test_without_cuda_the_real_run_stops_at_once_with_one_line(tmp_path):
     import torch
 
