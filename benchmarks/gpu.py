@@ -216,8 +216,9 @@ def run_step(step: Step, log: Path, timeout: float) -> Outcome:
 
 
 def last_line(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
-    return lines[-1].strip() if lines else ""
+    """The step's own last word: its last line that is not a torch warning ("[W1127 ...")."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((x.strip() for x in reversed(lines) if x.strip() and not x.startswith("[W")), "")
 
 
 def median(values) -> float | None:
