@@ -3,7 +3,9 @@
 # a Qwen3-0.6B-shaped model built offline, `pytest -m gpu`, `rl` with vLLM + an FSDP2 bf16 trainer (weights by
 # NCCL broadcast, then by filesystem), a trainer benchmark, and one table beside upstream's single-H100 figures,
 # also written to OUT/gpu_check.md. At most 40 minutes; the logic is benchmarks/gpu.py (--help).
-#   bash scripts/gpu_check.sh [--dry-run] [--out DIR] [--steps N] [--fs-steps N] [--peak-tflops F]
+#   bash scripts/gpu_check.sh [--quick] [--dry-run] [--out DIR] [--steps N] [--fs-steps N] [--peak-tflops F] [--budget S]
+# --quick: <= 11 min, no vLLM needed (what a lent GPU's 15 minutes allow): the fork probe, one-rank NCCL, the
+# trainer bench in upstream's shape plain and compiled, a short rl.
 # --dry-run prints every command in order with its timeout and exits 0 (any machine); without CUDA the real run
 # exits 1 at once.
 set -euo pipefail
