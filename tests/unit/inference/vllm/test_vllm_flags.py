@@ -14,7 +14,13 @@ from prime_rl.configs import ConfigError, help_text, load_config
 from prime_rl.configs.inference import BadVllmFlag, InferenceConfig
 from prime_rl.configs.rl import RLConfig
 from prime_rl.configs.vllm_flags import FROM_CONFIG, OWNED
-from prime_rl.inference.vllm.args import kv_bytes_per_token, kv_cache_args, kv_cache_size, vllm_serve_args
+from prime_rl.inference.vllm.args import (
+    apply_vllm_env,
+    kv_bytes_per_token,
+    kv_cache_args,
+    kv_cache_size,
+    vllm_serve_args,
+)
 
 MODEL = "org/model"
 QWEN3_0_6B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -194,3 +200,13 @@ def test_kv_cache_flag_on_cpu_by_default_on_gpu_only_when_asked_and_never_over_t
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's CPU platform puts it over the flag: none is given
     assert kv_cache_args(asked, cuda=False) == []
     assert "--kv-cache-memory-bytes" in vllm_serve_args(asked, "127.0.0.1", cuda=True)
+
+
+def test_vllms_strict_tool_calling_is_switched_off_unless_the_environment_chose(caplog):
+    """vLLM reads it from the environment (no `vllm serve` flag): set where unset, an explicit choice kept."""
+    environ: dict[str, str] = {}
+    assert apply_vllm_env(environ) == {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"} == environ
+    chosen = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "1"}
+    with caplog.at_level("WARNING", logger="prime_rl"):
+        assert apply_vllm_env(chosen) == {} and chosen["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "1"
+    assert "logprobs then differ from the trainer's" in caplog.text
