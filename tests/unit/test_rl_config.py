@@ -2,8 +2,10 @@
 
 import pytest
 
-from prime_rl.configs import ConfigError, load_config
+from prime_rl.configs import ConfigError, load_config, to_toml_dict
+from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.rl import RLConfig
+from prime_rl.inference.vllm.args import vllm_serve_args
 from prime_rl.launch.services import assign_devices, service_configs
 
 
@@ -78,6 +80,44 @@ def test_a_broadcast_between_services_on_one_gpu_goes_over_gloo():
     nccl = load_config(RLConfig, ["--weight-transfer.type", "broadcast", "--weight-transfer.backend", "nccl"])
     env, ranks = assign_devices(nccl, num_gpus=1)
     assert service_configs(nccl, ranks, key_in_env=False, env=env)["trainer"].weight_transfer.backend == "nccl"
+
+
+def test_on_one_gpu_rl_gives_vllm_half_the_memory_and_says_so(caplog):
+    """vLLM's own default (0.92 of the GPU) beside the trainer on one GPU leaves the trainer nothing. Only the GPU
+    count is faked here (this machine has no GPU: `count_gpus` would say 0); the split is the launcher's."""
+    config = load_config(RLConfig, [])
+    with caplog.at_level("INFO", logger="prime_rl"):
+        env, ranks = assign_devices(config, num_gpus=1)
+        inference = service_configs(config, ranks, key_in_env=False, env=env)["inference"]
+    assert inference.gpu_memory_utilization == 0.5
+    said = [r.getMessage() for r in caplog.records if "gpu_memory_utilization" in r.getMessage()]
+    assert said == [
+        "the trainer and inference share GPU 0: vLLM gets gpu_memory_utilization 0.5 each, leaving the trainer "
+        "50% of the GPU's memory (vLLM's own default, 0.92, would leave it nothing); set "
+        "--inference.gpu-memory-utilization to choose"
+    ]
+    # The server reads it from the config rl writes, and passes it to vLLM.
+    written = InferenceConfig.model_validate(to_toml_dict(inference))
+    assert "--gpu-memory-utilization" in vllm_serve_args(written, "127.0.0.1", cuda=True)
+    # A share the user chose is kept; on two GPUs (or none) nothing is chosen: vLLM's own default.
+    asked = load_config(RLConfig, ["--inference.gpu-memory-utilization", "0.3"])
+    env, ranks = assign_devices(asked, num_gpus=1)
+    assert service_configs(asked, ranks, key_in_env=False, env=env)["inference"].gpu_memory_utilization == 0.3
+    for gpus in (2, 0):
+        env, ranks = assign_devices(config, num_gpus=gpus)
+        assert service_configs(config, ranks, key_in_env=False, env=env)["inference"].gpu_memory_utilization is None
+    # The built-in engine has no such knob: nothing to choose.
+    builtin = load_config(RLConfig, ["--inference.backend", "builtin"])
+    env, ranks = assign_devices(builtin, num_gpus=1)
+    assert service_configs(builtin, ranks, key_in_env=False, env=env)["inference"].gpu_memory_utilization is None
+
+
+def test_a_teacher_server_on_the_shared_gpu_splits_the_servers_half():
+    config = load_config(RLConfig, ["--teacher.model.name", "t", "--teacher.server.port", "8001",
+                                    "--teacher.max-model-len", "8192"])  # fmt: skip
+    env, ranks = assign_devices(config, num_gpus=1)
+    subs = service_configs(config, ranks, key_in_env=False, env=env)
+    assert subs["inference"].gpu_memory_utilization == subs["teacher"].gpu_memory_utilization == 0.25
 
 
 def test_ckpt_switched_on_anywhere_is_shared_leaf_by_leaf():

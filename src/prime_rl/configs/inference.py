@@ -33,6 +33,9 @@ class ServerConfig(Section):
     port: Annotated[int, Field(ge=0, le=65535, description="HTTP port")] = 8000
 
 
+BUILTIN_MAX_BATCH_SIZE = 64  # the built-in engine's batch rows when engine.max_batch_size is unset
+
+
 class EngineConfig(Section):
     device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="built-in engine device")] = "auto"
     dtype: Annotated[
@@ -40,8 +43,14 @@ class EngineConfig(Section):
         Field(description="weights dtype; auto = float32 on CPU, bfloat16 on CUDA"),
     ] = "auto"
     max_batch_size: Annotated[
-        int, Field(ge=1, description="most sequences decoded together (continuous batching); also the largest n")
-    ] = 64
+        int | None,
+        Field(
+            ge=1,
+            description="most sequences decoded together (continuous batching); also the built-in engine's largest "
+            f"n. Unset: {BUILTIN_MAX_BATCH_SIZE} on the built-in engine; on vLLM its own --max-num-seqs default "
+            "(vLLM 0.32/0.33: 1024 on an H100/H200, 256 on smaller GPUs, 128 x tp x pp on CPU)",
+        ),
+    ] = None
     max_waiting: Annotated[
         int, Field(ge=1, description="most requests waiting for a batch slot; more are answered 429")
     ] = 1024
@@ -56,6 +65,11 @@ class EngineConfig(Section):
             "transformers = the model's HF forward (any causal LM); auto = native when the architecture allows"
         ),
     ] = "auto"
+
+    @property
+    def batch_rows(self) -> int:
+        """The built-in engine's batch rows: max_batch_size, or its default where unset (vLLM keeps its own)."""
+        return self.max_batch_size if self.max_batch_size is not None else BUILTIN_MAX_BATCH_SIZE
 
 
 class ParallelConfig(Section):
@@ -100,8 +114,14 @@ class InferenceConfig(BaseConfig):
     ] = "hermes"
     max_model_len: Annotated[int, Field(ge=1, description="most prompt + completion tokens per sequence")] = 4096
     gpu_memory_utilization: Annotated[
-        float, Field(gt=0, le=1, description="fraction of GPU memory the engine may use (vLLM)")
-    ] = 0.9
+        float | None,
+        Field(
+            gt=0,
+            le=1,
+            description="vLLM: fraction of the GPU's memory the server may use; unset = vLLM's own default (0.92 "
+            "in vLLM 0.32/0.33), or under `rl` with the trainer on the same GPU a share that leaves it room (0.5)",
+        ),
+    ] = None
     enforce_eager: Annotated[
         bool,
         Field(
@@ -136,8 +156,9 @@ class InferenceConfig(BaseConfig):
         Field(
             gt=0,
             description="vLLM: GiB of KV cache (--kv-cache-memory-bytes); unset = on GPU what gpu_memory_utilization "
-            "leaves, on CPU max_model_len x engine.max_batch_size tokens of the model's KV + 20%, at most a quarter "
-            "of the machine's memory (VLLM_CPU_KVCACHE_SPACE in the environment still wins)",
+            "leaves, on CPU max_model_len x the sequences vLLM runs at once (engine.max_batch_size, else vLLM's CPU "
+            "default) tokens of the model's KV + 20%, at most a quarter of the machine's memory "
+            "(VLLM_CPU_KVCACHE_SPACE in the environment still wins)",
         ),
     ] = None
     vllm: VllmFlags = {}

@@ -82,7 +82,8 @@ def service_configs(
     - `host`: where the server listens, when the layout needs another address than the config's.
     - `self_watch`: no `rl` watches the services (multi-node Slurm): the orchestrator and the trainer exit
       when hung themselves, after `rl`'s --hang-timeout (`protocol.liveness.Heartbeat`).
-    - `env` (assign_devices'): a weight broadcast between a trainer and a server on one GPU goes over gloo.
+    - `env` (assign_devices'): a weight broadcast between a trainer and a server on one GPU goes over gloo, and
+      a vLLM server beside the trainer on one GPU gets a share of its memory (`gpu_memory_shares`).
     Copies, not re-validated: the server's key is only in the environment where the services run.
     """
     orchestrator, inference = config.orchestrator, config.inference
@@ -104,6 +105,8 @@ def service_configs(
     if shared and transfer.type == "broadcast" and transfer.backend == "auto":
         updates["trainer"]["weight_transfer"] = transfer.model_copy(update={"backend": "gloo"})
         logger.info(f"the trainer and the inference server share GPU {','.join(shared)}: weights travel over gloo")
+    for name, share in gpu_memory_shares(config, shared).items():
+        updates.setdefault(name, {})["gpu_memory_utilization"] = share
     if self_watch:
         for name in ("orchestrator", "trainer"):
             if getattr(config, name).hang_timeout is None:
@@ -115,8 +118,36 @@ def service_configs(
     if config.teacher is not None:  # its own output dir: its run record must not replace the policy server's
         log = config.teacher.log.model_copy(update={"file": False})
         teacher_dir = config.orchestrator.output_dir / "teacher"
-        configs["teacher"] = config.teacher.model_copy(update={"log": log, "output_dir": teacher_dir})
+        teacher = {"log": log, "output_dir": teacher_dir, **updates.get("teacher", {})}
+        configs["teacher"] = config.teacher.model_copy(update=teacher)
     return configs
+
+
+# The trainer's part of a GPU it shares with vLLM servers: upstream's single-GPU deployment runs vLLM at
+# --gpu-memory-utilization 0.5 beside the trainer (vLLM's own default, 0.92, leaves the trainer nothing).
+TRAINER_GPU_SHARE = 0.5
+
+
+def gpu_memory_shares(config: RLConfig, shared: list[str]) -> dict[str, float]:
+    """`gpu_memory_utilization` for each server `rl` starts on the GPU(s) the trainer uses too, where the user set
+    none: the servers split what the trainer leaves, equally (the teacher server runs on the policy server's
+    GPUs). One log line says what was chosen and why. Empty when no GPU is shared."""
+    if not shared:
+        return {}
+    servers = {"inference": config.inference} | ({"teacher": config.teacher} if config.teacher is not None else {})
+    servers = {name: server for name, server in servers.items() if server.backend != "builtin"}
+    unset = [name for name, server in servers.items() if server.gpu_memory_utilization is None]
+    if not unset:
+        return {}
+    taken = sum(s.gpu_memory_utilization for s in servers.values() if s.gpu_memory_utilization is not None)
+    share = round(max(1 - TRAINER_GPU_SHARE - taken, 0.05) / len(unset), 2)
+    keys = " and ".join(f"--{name}.gpu-memory-utilization" for name in unset)
+    logger.info(
+        f"the trainer and {' and '.join(unset)} share GPU {','.join(shared)}: vLLM gets gpu_memory_utilization "
+        f"{share} each, leaving the trainer {TRAINER_GPU_SHARE:.0%} of the GPU's memory (vLLM's own default, 0.92, "
+        f"would leave it nothing); set {keys} to choose"
+    )
+    return dict.fromkeys(unset, share)
 
 
 def shared_gpus(env: dict[str, dict[str, str]]) -> list[str]:

@@ -91,7 +91,7 @@ class Engine:
         self.lora = lora  # set: weight updates are adapters, merged onto the base weights
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.max_batch_size = config.max_batch_size
+        self.max_batch_size = config.batch_rows
         self.max_waiting = config.max_waiting
         self.eos_ids = eos_ids(model, tokenizer)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -112,7 +112,7 @@ class Engine:
         self._swap: Swap | None = None
         self.receiver = BroadcastReceiver()
         self._wake = threading.Condition()
-        self._native = _native_decoder(model, config.model_impl, config.max_batch_size, self.device)
+        self._native = _native_decoder(model, config.model_impl, config.batch_rows, self.device)
         self.model_impl = "native" if self._native is not None else "transformers"
         self._batch = self._new_batch()
         self._stop = threading.Event()

@@ -1,17 +1,25 @@
-"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.32 CPU build / 0.33 GPU). Imports neither vLLM
-nor torch, but for `vllm_parser` (vLLM's own parser, which checks the `[vllm]` flags passed through).
+"""Our `InferenceConfig` → the arguments of `vllm serve` (vLLM 0.32 CPU build / 0.33 GPU), and the environment
+it runs in. Imports neither vLLM nor torch, but for `vllm_parser` (vLLM's own parser, which checks the `[vllm]`
+flags passed through).
 
 Example: `--model.name Qwen/Qwen3-0.6B --parallel.tp 2 --max-model-len 8192 --vllm.enable-prefix-caching` →
-`Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8000 --tensor-parallel-size 2 --data-parallel-size 1
- --gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64 --seed 0
- --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension
+`Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8000 --served-model-name Qwen/Qwen3-0.6B --tensor-parallel-size 2
+ --data-parallel-size 1 --max-model-len 8192 --seed 0
+ --worker-extension-cls prime_rl.inference.vllm.worker.WeightUpdateExtension --weight-transfer-config ...
  --logprobs-mode processed_logprobs --generation-config vllm --enable-auto-tool-choice --tool-call-parser hermes
  --api-server-count 1 ... --enable-prefix-caching ...`
 
+vLLM's throughput is vLLM's: nothing is passed for a knob the config leaves unset, so vLLM picks its own
+`--max-num-seqs` (1024 on an H100/H200), `--max-num-batched-tokens`, `--gpu-memory-utilization` (0.92), CUDA
+graphs and prefix caching. `engine.max_batch_size`, `gpu_memory_utilization` and `enforce_eager` are passed
+when set; anything else through `[vllm]`. What is always passed is what correctness or our routes need (each
+says why where it is added).
+
 The KV cache: `kv_cache_gb` is `--kv-cache-memory-bytes`. Unset, a GPU's comes from `gpu_memory_utilization`
 (vLLM's way); on CPU vLLM would take that share of the host's RAM (beside a trainer it refuses to start), so it
-gets what the run needs: `max_model_len x engine.max_batch_size` tokens of the model's KV plus 20%, at most a
-quarter of the machine's memory (`kv_cache_size`). `VLLM_CPU_KVCACHE_SPACE` (GiB) in the environment wins.
+gets what the run needs: `max_model_len` x the sequences vLLM runs at once (`engine.max_batch_size`, else vLLM's
+CPU default, 128 x tp x pp) tokens of the model's KV plus 20%, at most a quarter of the machine's memory
+(`kv_cache_size`). `VLLM_CPU_KVCACHE_SPACE` (GiB) in the environment wins.
 """
 
 from __future__ import annotations
@@ -41,11 +49,20 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True, parse
     """The argv (after `vllm serve`) that runs our config; the API key is enforced by our control plane. The
     `[vllm]` flags are rendered and checked with `parser` (default: vLLM's own, `vllm_parser()`)."""
     args = [config.model.name, "--host", host, "--port", str(config.server.port)]
-    args += ["--served-model-name", config.model.name]
+    args += ["--served-model-name", config.model.name]  # the name the orchestrator's requests carry
+    # The workers that take broadcast seats (VllmModel.receivers counts them from the same keys).
     args += ["--tensor-parallel-size", str(config.parallel.tp), "--data-parallel-size", str(config.parallel.dp)]
-    args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-    args += ["--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.engine.max_batch_size)]
-    args += ["--seed", str(config.seed), "--worker-extension-cls", WORKER_EXTENSION]
+    # The length the config promises: `rl` checks orchestrator.seq_len against it and longer requests are a 400
+    # on both backends (vLLM's own would be the model's whole context).
+    args += ["--max-model-len", str(config.max_model_len)]
+    # Requests without a seed draw from the same seeded stream on both backends.
+    args += ["--seed", str(config.seed)]
+    # vLLM's throughput knobs only where the config sets them; unset, vLLM's defaults for this device serve.
+    if config.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.engine.max_batch_size is not None:
+        args += ["--max-num-seqs", str(config.engine.max_batch_size)]
+    args += ["--worker-extension-cls", WORKER_EXTENSION]
     # Weight updates go through vLLM's weight-transfer phases with our engine (transfer.py), which the worker
     # extension registers in vLLM's factory.
     args += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_ENGINE})]
@@ -177,9 +194,66 @@ def _refusal_line(message: str, parser: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Workers: vLLM runs tp x pp x pcp workers per data-parallel replica (its ParallelConfig.world_size)
+
+
+def vllm_int_flag(config: InferenceConfig, *names: str) -> int:
+    """An integer `[vllm]` flag under any of its spellings (`pipeline-parallel-size` or `pp`); 1 where unset.
+    vLLM's parser checked the value when the server started (passthrough_args)."""
+    for name in names:
+        if name in config.vllm:
+            return int(str(config.vllm[name]))
+    return 1
+
+
+def workers_per_replica(config: InferenceConfig, with_pcp: bool = True) -> int:
+    """tp x pp (x prefill context parallel): vLLM's world size within one data-parallel replica."""
+    pp = vllm_int_flag(config, "pipeline-parallel-size", "pp")
+    pcp = vllm_int_flag(config, "prefill-context-parallel-size", "pcp") if with_pcp else 1
+    return config.parallel.tp * pp * pcp
+
+
+def weight_receivers(config: InferenceConfig) -> int:
+    """The server's seats in a weight broadcast group: one per vLLM worker, tp x pp x pcp x dp. Each worker
+    receives the whole step and vLLM's `load_weights` keeps the tensors of its shard and its pipeline stage; the
+    worker extension's seat is vLLM's index of the worker, `dp_index x world_size + rank` (worker.py)."""
+    return workers_per_replica(config) * config.parallel.dp
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment vLLM runs in
+
+# Since vLLM 0.24 its tool parsers constrain tool calls with a structural-tag grammar by default (vllm/envs.py
+# VLLM_ENFORCE_STRICT_TOOL_CALLING, default true; the switch is this variable, not a `vllm serve` flag): the
+# tokens of a tool call would be sampled from a masked distribution whose logprobs the trainer, recomputing the
+# unconstrained policy, never reproduces. Off, tool calls are sampled like any other tokens, as the built-in
+# engine samples them. Set before vLLM imports its tool parsers (their classes read it when defined).
+VLLM_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+
+
+def apply_vllm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set VLLM_ENV in `environ` (os.environ) where it is not set; an explicit setting is kept, with a warning
+    when it turns constrained tool calls back on. Returns what was set."""
+    environ = os.environ if environ is None else environ
+    added = {}
+    for name, value in VLLM_ENV.items():
+        if name not in environ:
+            environ[name] = added[name] = value
+        elif environ[name] != value:
+            logger.warning(
+                f"{name}={environ[name]} in the environment: vLLM may constrain tool calls, and their logprobs "
+                "then differ from the trainer's (prime-rl sets it to 0)"
+            )
+    return added
+
+
+# ---------------------------------------------------------------------------------------------
 # The KV cache
 
 KV_HEADROOM = 1.2  # blocks partly filled, the scheduler's slack
+# vLLM's CPU default --max-num-seqs for `vllm serve`, per tp x pp worker (vllm/engine/arg_utils.py,
+# EngineArgs.get_batch_defaults: OPENAI_API_SERVER 128 x world_size; tests read it from there).
+VLLM_CPU_SEQS_PER_WORKER = 128
 KV_SHARE_OF_MEMORY = 0.25  # a CPU run's default KV cache takes at most this share of the machine's memory
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -217,8 +291,17 @@ def kv_bytes_per_token(model_config: dict, dtype_bytes: int) -> int | None:
     return layers * 2 * (c.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
 
 
+def cpu_max_num_seqs(config: InferenceConfig) -> int:
+    """The sequences vLLM's CPU build runs at once: engine.max_batch_size, else vLLM's default (x 2 in its
+    throughput performance mode, as vLLM doubles it)."""
+    if config.engine.max_batch_size is not None:
+        return config.engine.max_batch_size
+    seqs = VLLM_CPU_SEQS_PER_WORKER * workers_per_replica(config, with_pcp=False)
+    return seqs * 2 if config.vllm.get("performance-mode") == "throughput" else seqs
+
+
 def kv_cache_size(config: InferenceConfig, model_config: dict | None, memory: int) -> tuple[int, str]:
-    """(bytes, why): max_model_len x engine.max_batch_size tokens of the model's KV, + 20%, at most a quarter of
+    """(bytes, why): max_model_len x cpu_max_num_seqs tokens of the model's KV, + 20%, at most a quarter of
     `memory` but never less than one max_model_len sequence (vLLM refuses less). 4 GiB where the model's
     config.json cannot be read."""
     kv_dtype = str(config.vllm.get("kv-cache-dtype", "auto"))
@@ -227,9 +310,9 @@ def kv_cache_size(config: InferenceConfig, model_config: dict | None, memory: in
     per_token = kv_bytes_per_token(model_config or {}, dtype_bytes)
     if per_token is None:
         return 4 * 2**30, f"{config.model.name}: no config.json to size it from"
-    tokens = config.max_model_len * config.engine.max_batch_size
-    want = math.ceil(per_token * tokens * KV_HEADROOM)
-    why = f"{config.engine.max_batch_size} x {config.max_model_len} tokens x {per_token} B + 20%"
+    seqs = cpu_max_num_seqs(config)
+    want = math.ceil(per_token * config.max_model_len * seqs * KV_HEADROOM)
+    why = f"{seqs} x {config.max_model_len} tokens x {per_token} B + 20%"
     cap = int(memory * KV_SHARE_OF_MEMORY)
     if want <= cap:
         return want, why

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse
 from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.openai.protocol import chat_messages_problem
-from prime_rl.inference.vllm.args import vllm_cli_args, vllm_parser, vllm_serve_args
+from prime_rl.inference.vllm.args import apply_vllm_env, vllm_cli_args, vllm_parser, vllm_serve_args, weight_receivers
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
@@ -60,6 +60,7 @@ def check_vllm_version(version: str) -> None:
 
 
 def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
+    apply_vllm_env()  # before vLLM imports its tool parsers
     import vllm
 
     check_vllm_version(vllm.__version__)
@@ -154,7 +155,7 @@ class VllmModel:
 
     def __init__(self, config: InferenceConfig):
         self.model = config.model.name
-        self.receivers = config.parallel.tp * config.parallel.dp  # one seat per worker
+        self.receivers = weight_receivers(config)  # one seat per worker: tp x pp x pcp x dp
         self.lora = config.model.lora
         self.adapter: str | None = None  # the LoRA adapter loaded (its name), None: none
         self.client: Any = None

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from prime_rl.configs import to_toml_dict
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.inference.control import ControlPlane
 from prime_rl.inference.vllm.args import CONTROL_PLANE, WORKER_EXTENSION, vllm_serve_args
@@ -63,6 +64,28 @@ def test_config_maps_to_vllm_serve_arguments():
     assert "--enforce-eager" in vllm_serve_args(config.model_copy(update={"enforce_eager": True}), "127.0.0.1")
 
 
+# vLLM's throughput knobs: a default config passes none of them, so vLLM's own defaults for the device serve.
+THROUGHPUT_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--enforce-eager",
+                    "--enable-prefix-caching", "--no-enable-prefix-caching", "--compilation-config",
+                    "--enable-chunked-prefill", "--kv-cache-memory-bytes")  # fmt: skip
+
+
+def test_a_default_config_leaves_vllm_its_own_throughput_defaults():
+    """vLLM's `--max-num-seqs` is 1024 on an H100/H200; we passed engine.max_batch_size (64) whether set or not."""
+    args = vllm_serve_args(InferenceConfig(), "127.0.0.1", cuda=True)
+    assert [flag for flag in args if flag in THROUGHPUT_FLAGS] == []
+    # The same through the TOML `rl` writes for the server (every field written out): unset stays unset.
+    written = InferenceConfig.model_validate(to_toml_dict(InferenceConfig()))
+    assert [flag for flag in vllm_serve_args(written, "127.0.0.1", cuda=True) if flag in THROUGHPUT_FLAGS] == []
+    # What the config does set is passed on, and only that.
+    asked = InferenceConfig.model_validate(
+        {"engine": {"max_batch_size": 64}, "gpu_memory_utilization": 0.5, "enforce_eager": True}
+    )
+    got = flags(vllm_serve_args(InferenceConfig.model_validate(to_toml_dict(asked)), "127.0.0.1", cuda=True))
+    assert got["--max-num-seqs"] == "64" and got["--gpu-memory-utilization"] == "0.5" and "--enforce-eager" in got
+    assert InferenceConfig().engine.batch_rows == 64  # the built-in engine's own default is unchanged
+
+
 def test_cpu_serves_float32_like_the_built_in_engine():
     assert flags(vllm_serve_args(InferenceConfig(), "127.0.0.1", cuda=False))["--dtype"] == "float32"
     assert "--dtype" not in flags(vllm_serve_args(InferenceConfig(), "127.0.0.1", cuda=True))
@@ -84,6 +107,32 @@ def test_multi_node_data_parallel_flags_pass_through():
     assert got["--data-parallel-rpc-port"] == "13345" and got["--data-parallel-start-rank"] == "8"
     assert "--headless" in got and "--api-server-count" not in got  # headless nodes serve no API
     assert "--middleware" not in got
+
+
+def test_every_vllm_worker_holds_one_broadcast_seat_also_with_pipeline_parallel(vllm_installed):
+    """A pipeline-parallel size passed through [vllm] multiplies vLLM's workers: each receives the step (its
+    load_weights keeps its stage's layers), so each takes a seat; counting tp x dp left the group short."""
+    from vllm.config import ParallelConfig
+
+    from prime_rl.inference.control import BroadcastRequest
+    from prime_rl.inference.vllm.worker import WeightUpdateExtension
+
+    config = InferenceConfig.model_validate({"parallel": {"tp": 2, "dp": 2}, "vllm": {"pp": "2"}})
+    served = VllmModel(config)
+    vllm_side = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+    assert served.receivers == vllm_side.world_size * vllm_side.data_parallel_size == 8
+    # The seats our workers take (vLLM's index of each worker) are exactly those the server announces.
+    seats = set()
+    for dp_index in range(2):
+        for rank in range(vllm_side.world_size):
+            parallel = types.SimpleNamespace(data_parallel_index=dp_index, world_size=vllm_side.world_size)
+            worker = types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel), rank=rank)
+            seats.add(WeightUpdateExtension.seat(worker))
+    assert seats == set(range(served.receivers))
+    request = BroadcastRequest(host="127.0.0.1", port=1, group="g", world_size=11, rank=3, step=1)
+    assert [u["seat"] for u in served._streamed(request)] == list(range(3, 11))
+    long_names = InferenceConfig.model_validate({"vllm": {"pipeline-parallel-size": 3, "pcp": 2}})
+    assert VllmModel(long_names).receivers == 6
 
 
 class RecordingEngineClient:

@@ -14,7 +14,13 @@ from prime_rl.configs import ConfigError, help_text, load_config
 from prime_rl.configs.inference import BadVllmFlag, InferenceConfig
 from prime_rl.configs.rl import RLConfig
 from prime_rl.configs.vllm_flags import FROM_CONFIG, OWNED
-from prime_rl.inference.vllm.args import kv_bytes_per_token, kv_cache_args, kv_cache_size, vllm_serve_args
+from prime_rl.inference.vllm.args import (
+    apply_vllm_env,
+    kv_bytes_per_token,
+    kv_cache_args,
+    kv_cache_size,
+    vllm_serve_args,
+)
 
 MODEL = "org/model"
 QWEN3_0_6B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -168,12 +174,16 @@ def test_a_cpu_runs_kv_cache_is_what_the_run_needs_capped_at_a_quarter_of_memory
     run = InferenceConfig.model_validate({"max_model_len": 512, "engine": {"max_batch_size": 64}})
     size, why = kv_cache_size(run, tiny, 24 * 2**30)
     assert size == int(4 * 2 * 2 * 32 * 4 * 512 * 64 * 1.2 + 1) and why == "64 x 512 tokens x 2048 B + 20%"
-    # Qwen3-0.6B in float32 at 64 x 4096 tokens would take 67 GiB: a quarter of 24 GiB, never less than one sequence.
+    # Unset, vLLM's CPU build runs its own default of 128 sequences (x tp x pp): Qwen3-0.6B in float32 at
+    # 128 x 4096 tokens would take 134 GiB: a quarter of 24 GiB, never less than one sequence.
     size, why = kv_cache_size(InferenceConfig(), QWEN3_0_6B, 24 * 2**30)
-    assert size == 6 * 2**30 and why.endswith("= 67.2 GiB, capped at a quarter of 24 GiB")
+    assert size == 6 * 2**30 and why.endswith("= 134.4 GiB, capped at a quarter of 24 GiB")
+    assert why.startswith("128 x 4096 tokens")
     assert kv_cache_size(InferenceConfig(), QWEN3_0_6B, 2**30)[0] == int(28 * 2 * 8 * 128 * 4 * 4096 * 1.2 + 1)
-    fp8 = InferenceConfig.model_validate({"vllm": {"kv-cache-dtype": "fp8"}})
+    fp8 = InferenceConfig.model_validate({"vllm": {"kv-cache-dtype": "fp8"}, "engine": {"max_batch_size": 64}})
     assert kv_cache_size(fp8, QWEN3_0_6B, 2**40)[1] == "64 x 4096 tokens x 57344 B + 20%"  # 1 byte a value
+    tp_pp = InferenceConfig.model_validate({"parallel": {"tp": 2}, "vllm": {"pp": 2}})
+    assert kv_cache_size(tp_pp, tiny, 2**40)[1] == "512 x 4096 tokens x 2048 B + 20%"  # vLLM's 128 x tp x pp
     unread = (4 * 2**30, "Qwen/Qwen3-0.6B: no config.json to size it from")
     assert kv_cache_size(InferenceConfig(), None, 2**40) == unread
 
@@ -183,10 +193,20 @@ def test_kv_cache_flag_on_cpu_by_default_on_gpu_only_when_asked_and_never_over_t
     cpu = InferenceConfig.model_validate({"model": {"name": str(tiny_model)}, "max_model_len": 512})
     assert kv_cache_args(cpu, cuda=True) == []  # a GPU's: gpu_memory_utilization
     (flag, size), per_token = kv_cache_args(cpu, cuda=False), 2 * 2 * 2 * 16 * 4  # read from its config.json
-    assert flag == "--kv-cache-memory-bytes" and int(size) == int(per_token * 512 * 64 * 1.2 + 1)
+    assert flag == "--kv-cache-memory-bytes" and int(size) == int(per_token * 512 * 128 * 1.2 + 1)
     asked = cpu.model_copy(update={"kv_cache_gb": 1.5})
     gib_1_5 = ["--kv-cache-memory-bytes", "1610612736"]
     assert kv_cache_args(asked, cuda=True) == kv_cache_args(asked, cuda=False) == gib_1_5
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's CPU platform puts it over the flag: none is given
     assert kv_cache_args(asked, cuda=False) == []
     assert "--kv-cache-memory-bytes" in vllm_serve_args(asked, "127.0.0.1", cuda=True)
+
+
+def test_vllms_strict_tool_calling_is_switched_off_unless_the_environment_chose(caplog):
+    """vLLM reads it from the environment (no `vllm serve` flag): set where unset, an explicit choice kept."""
+    environ: dict[str, str] = {}
+    assert apply_vllm_env(environ) == {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"} == environ
+    chosen = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "1"}
+    with caplog.at_level("WARNING", logger="prime_rl"):
+        assert apply_vllm_env(chosen) == {} and chosen["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "1"
+    assert "logprobs then differ from the trainer's" in caplog.text
