@@ -50,15 +50,15 @@ from prime_rl.utils.net import free_port  # noqa: E402
 
 PRESET = "qwen3-0.6b"
 RL_CONFIG = "configs/examples/reverse_text/rl.toml"
-# Over the example: the server decodes up to 256 sequences at once; more rollouts, longer answers and packed
-# rows of 2k tokens than CPU sizes; a 0.6B model's learning rate.
-RL_GPU = ["--async-level", "0", "--inference.engine.max-batch-size", "256", "--orchestrator.batch-size", "256",
+# Over the example: more rollouts, longer answers and packed rows of 2k tokens than CPU sizes; a 0.6B model's
+# learning rate. vLLM picks its own batch size (1024 sequences on an H100/H200); the built-in engine decodes 256.
+RL_GPU = ["--async-level", "0", "--orchestrator.batch-size", "256",
           "--orchestrator.sampling.max-tokens", "128", "--orchestrator.seq-len", "2048",
           "--inference.max-model-len", "2048", "--trainer.dtype", "bfloat16", "--trainer.optim.lr", "1e-6"]  # fmt: skip
 # vLLM leaves the trainer ~70% of the GPU. Without vLLM (a machine where it cannot be installed) the runs use
 # the built-in engine on CUDA, in bfloat16, and the table says so.
 BACKEND_ARGS = {"vllm": ["--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.3"],
-                "builtin": ["--inference.backend", "builtin"]}  # fmt: skip
+                "builtin": ["--inference.backend", "builtin", "--inference.engine.max-batch-size", "256"]}  # fmt: skip
 # The bench in upstream's shape: one 16,384-token sample a row (two rows a step), so attention is a real share.
 SAMPLE_LEN = 16384
 BENCH_ROWS = ["--data.fake-seq-len", str(SAMPLE_LEN), "--data.fake-micro-batches", "2", "--data.fake-min-len",
