@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-trl}
 TRL=1.16.0           # newest on PyPI; accepts transformers 5.19 (it needs >= 4.56.2)
-TORCH=2.13.0         # = the project's (uv.lock)
+TORCH=2.13.0         # = the project's without the GPU extra (uv.lock; `--extra vllm` has 2.14.0)
 TRANSFORMERS=5.19.0  # = the project's (uv.lock)
 # pydantic-settings: trl_grpo.py reads our defaults straight from prime_rl.configs, which needs it (and
 # pydantic, which TRL already brings); the same version as the project's.

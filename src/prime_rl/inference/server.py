@@ -5,8 +5,10 @@ uv run inference --model.name outputs/tiny-qwen3 --server.port 8000
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
+import os
 
 from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.utils.hub import check_model_source
@@ -15,9 +17,7 @@ logger = logging.getLogger("prime_rl")
 
 
 def run(config: InferenceConfig) -> None:
-    import torch
-
-    cuda = torch.cuda.is_available()
+    cuda = prepare_process()
     # Importing vLLM takes seconds (and its CPU build sets up its own runtime): only when it could be chosen.
     could_use_vllm = config.backend == "vllm" or (config.backend == "auto" and cuda)
     backend = resolve_backend(config.backend, could_use_vllm and vllm_importable(), cuda)
@@ -43,6 +43,39 @@ def run(config: InferenceConfig) -> None:
         serve(app, bind_host(config), config.server.port, ready)
     finally:
         engine.close()
+
+
+# What `vllm serve` sets before it imports vLLM (vllm.entrypoints.common.startup.cli_env_setup), which serve_vllm
+# skips by calling vLLM's serve command itself: vLLM forks its EngineCore and workers by default, and a process
+# forked after CUDA was touched cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess").
+VLLM_ENV_DEFAULTS = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def prepare_process() -> bool:
+    """Sets this process up before torch or vLLM touch CUDA, and says whether CUDA is there.
+
+    vLLM's defaults above are set unless the environment already chooses (a user's choice stands). CUDA is found
+    without initialising it: NVML counts the devices (PYTORCH_NVML_BASED_CUDA_CHECK), and without a CUDA driver
+    the answer is no without asking the CUDA runtime, whose device count marks every later fork of this process
+    unable to use CUDA (torch._C._cuda_isInBadFork). Where NVML cannot answer (MIG devices) torch asks the
+    runtime, and vLLM's processes are spawned anyway."""
+    for key, value in VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    if not cuda_driver_loadable():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cuda_driver_loadable() -> bool:
+    """Whether the CUDA driver library can be loaded (loading it initialises nothing; cuInit does)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def resolve_backend(requested: str, has_vllm: bool, has_cuda: bool) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +70,47 @@ def test_vllm_on_cpu_refuses_a_head_dim_its_attention_cannot_run(monkeypatch, ti
         inference_entry.main()
     assert exit_info.value.code == 1
     assert "vLLM's CPU build needs head_dim >= 32, and" in capsys.readouterr().err
+
+
+def test_vllm_spawns_its_processes_unless_the_environment_says_otherwise(monkeypatch):
+    """`vllm serve` sets VLLM_WORKER_MULTIPROC_METHOD=spawn before importing vLLM; serve_vllm skips that command, so
+    the service sets it (vLLM's default is fork, which breaks CUDA in the children); a user's choice stands."""
+    for key in ("VLLM_WORKER_MULTIPROC_METHOD", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+        monkeypatch.setenv(key, "")  # recorded, so that monkeypatch restores the session's environment
+        monkeypatch.delenv(key)
+    server.prepare_process()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    server.prepare_process()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
+FORK_AFTER_CUDA_CHECK = """
+import os
+from prime_rl.inference.server import prepare_process
+cuda = prepare_process()
+import torch
+pid = os.fork()
+if pid == 0:
+    os._exit(3 if torch._C._cuda_isInBadFork() else 0)
+print(cuda, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 3)
+"""
+
+
+def test_finding_out_about_cuda_leaves_a_forked_child_able_to_use_it():
+    """The service's CUDA check initialises nothing, so processes forked from it (vLLM's CPU build, anyone's
+    DataLoader) can still use CUDA; torch's runtime check (`cudaGetDeviceCount`) would mark them all unable
+    (torch._C._cuda_isInBadFork), GPU or not. A fresh interpreter: this one may have asked CUDA already."""
+    import torch
+
+    if not torch.cuda._is_compiled():
+        pytest.skip("this torch has no CUDA, so no fork to poison (PyPI's torch for Linux has)")
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "").startswith("MIG-"):
+        pytest.skip("NVML cannot count MIG devices named by UUID: torch asks the CUDA runtime (vLLM spawns anyway)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER_CUDA_CHECK], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    cuda, child_in_bad_fork = done.stdout.split()
+    assert cuda == str(torch.cuda.is_available()) and child_in_bad_fork == "False", done.stdout
