@@ -81,7 +81,7 @@ def test_a_server_killed_mid_broadcast_is_dropped_and_the_trainer_and_the_other_
         print(f"\nb killed mid-broadcast of step 1 -> run finished {took:.1f}s later")
         failed = next(line for line in trainer_log.splitlines() if "weight broadcast of step 1 failed" in line)
         print(failed)
-        assert "sending it again in group" in failed and "(seat 1: " in failed  # a's own report of its failure
+        assert "sending it again in group" in failed
         assert f"inference server {b.url}/v1 is down, taking it out of the pool" in orchestrator_log
         assert [m["step"] for m in read_metrics(out, "trainer")] == [0, 1, 2]
         assert [m["weight_step"] for m in read_metrics(out, "orchestrator")] == [0, 1, 2]  # a served each step

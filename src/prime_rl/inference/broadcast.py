@@ -5,6 +5,7 @@ checkpoint's layout before anything is swapped (the trainer's side is trainer/br
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 from prime_rl.inference.weights import WeightsError, check_specs
@@ -79,6 +80,7 @@ class BroadcastReceiver:
         if self.store is not None:
             report_failure(self.store, rdv, step, reason)
         self.leave()
+        gc.collect()  # an exception's frames may still hold the group: its sockets close now, not at some later GC
 
     def leave(self) -> None:
         from prime_rl.protocol.broadcast import abandon

@@ -263,7 +263,10 @@ def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tens
         except BroadcastError as e:
             failed = e
     if failed is not None:
-        raise failed
+        try:
+            raise failed
+        finally:  # no cycle frame -> failed -> traceback -> frame: the caller's drop of `pg` must close it now
+            failed = None
 
 
 def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ...], Any]]], None],

@@ -10,6 +10,7 @@ checksum and sends it; the checksum goes into the step's announcement once the s
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import uuid
 
@@ -87,6 +88,7 @@ class WeightSender:
             problems.append(problem)
             abandon(self.pg)
             self.pg, self.generation = None, self.generation + 1
+            gc.collect()  # the group's last references go now: gloo closes its sockets, so the other seats fail at once
             self.rdv = self._group()
             if self.d.is_main:
                 logger.warning(f"weight broadcast of step {step} failed: {problem}; sending it again in group "
