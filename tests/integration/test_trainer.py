@@ -318,7 +318,7 @@ def _serve(model: Path, out: Path, port: int) -> subprocess.Popen:
            "--server.port", str(port),
            "--output-dir", str(out), "--no-log.file", "--weight-transfer", "broadcast"]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # it starts while the module's trainer runs import torch on 2 cores
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
@@ -395,6 +395,8 @@ def test_a_receiver_killed_mid_broadcast_has_the_trainer_send_the_step_again_in_
     """2 trainer ranks (which gather each tensor together); the receiver takes the header and stalls, and is
     killed: the trainer gives the group up, announces step 1 again in a new group at once (not at the 20 s
     transfer timeout), sends all of it to the receiver that asks there, and finishes."""
+    from prime_rl.protocol.broadcast import read_marker
+
     (proc, out), port = runs["stall"], runs["ports"]["stall"]
 
     def receiver(mode: str, not_group: str = "") -> subprocess.Popen:
@@ -407,15 +409,17 @@ def test_a_receiver_killed_mid_broadcast_has_the_trainer_send_the_step_again_in_
         assert first, _finish(proc)[1][-4000:]
         stalled.kill()
         killed = time.monotonic()
+        while read_marker(out)["group"] == first and time.monotonic() < killed + 30:
+            time.sleep(0.01)
+        resent = time.monotonic() - killed  # until step 1 was announced again, in a new group
         again = receiver("all", first)
-        group, tensors = again.communicate(timeout=60)[0].split()
-        resent = time.monotonic() - killed
+        group, tensors = again.communicate(timeout=120)[0].split()
         rc, output = _finish(proc, timeout=60)
     finally:
         stalled.kill()
         stalled.communicate()
     assert rc == 0, output[-4000:]
-    print(f"receiver killed -> step 1 sent again in group {group} and received within {resent:.2f}s")
+    print(f"receiver killed -> step 1 announced again in group {group} after {resent:.2f}s, then received")
     assert group != first and int(tensors) > 3
     assert resent < 15  # the dead peer is noticed at once, not at the configured 20 s timeout
     assert "weight broadcast of step 1 failed: " in output and f"sending it again in group {group}" in output
