@@ -278,7 +278,7 @@ class BroadcastingTrainer:
                 time.sleep(0.01)
             self.pg = self.pg or join_group(self.store, r, 0)
             specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-            send_step(self.pg, step, specs, tensors.values(), self.device)
+            send_step(self.pg, step, specs, tensors.values(), self.device, r.timeout)
             return answer.result()
 
 
@@ -326,7 +326,8 @@ def some_then_stall():
             time.sleep(3600)
         yield t
 
-send_step(pg, step, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], some_then_stall(), torch.device("cpu"))
+send_step(pg, step, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], some_then_stall(), torch.device("cpu"),
+          30.0)
 """
 
 

@@ -5,6 +5,7 @@ checkpoint's layout before anything is swapped (the trainer's side is trainer/br
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 from prime_rl.inference.weights import WeightsError, check_specs
@@ -36,7 +37,13 @@ class BroadcastReceiver:
         """(name, tensor) of step `step` as the buckets arrive, once the header was checked against `served`
         (a mismatch raises before any tensor arrives). Raises WeightsError naming the trainer when the
         transfer fails, at whatever tensor it failed."""
-        from prime_rl.protocol.broadcast import BroadcastError, ask_for, connect_store, join_group, receive_step
+        from prime_rl.protocol.broadcast import (
+            BroadcastError,
+            ask_for,
+            connect_store,
+            join_group,
+            receive_step,
+        )
 
         def check(got_step: int, specs: dict) -> None:
             if got_step != step:
@@ -51,21 +58,32 @@ class BroadcastReceiver:
             ask_for(self.store, rdv, step)
             if self.pg is None:
                 self.pg = join_group(self.store, rdv, rank)
-            stream = receive_step(self.pg, device, check)
+            stream = receive_step(self.pg, device, check, rdv.timeout)
             next(stream)  # the checked header
             yield from stream
-        except WeightsError:  # the header does not fit the served model: the transfer is abandoned
-            self.leave()
+        except WeightsError as e:  # the header does not fit the served model: the transfer is abandoned
+            self.fail(rdv, step, f"seat {rank}: {e}")
             raise
         except BroadcastError as e:
-            self.leave()
-            raise WeightsError(
-                f"weight broadcast of step {step} from the trainer at {rdv.where} failed ({e}); is the trainer alive?"
-            ) from None
+            message = f"weight broadcast of step {step} from the trainer at {rdv.where} failed ({e})"
+            self.fail(rdv, step, f"seat {rank}: {message}")
+            raise WeightsError(f"{message}; is the trainer alive?") from None
         except (RuntimeError, OSError) as e:  # the store client: the trainer went away
             self.leave()
             message = f"weight broadcast of step {step}: lost the trainer's rendezvous at {rdv.where}: {e}"
             raise WeightsError(message) from None
 
+    def fail(self, rdv, step: int, reason: str) -> None:
+        """Tell the trainer why this seat's transfer failed (it forms a new group at once), then leave."""
+        from prime_rl.protocol.broadcast import report_failure
+
+        if self.store is not None:
+            report_failure(self.store, rdv, step, reason)
+        self.leave()
+        gc.collect()  # an exception's frames may still hold the group: its sockets close now, not at some later GC
+
     def leave(self) -> None:
+        from prime_rl.protocol.broadcast import abandon
+
+        abandon(self.pg)  # nccl: no kernel stays stuck on the old communicator
         self.rdv = self.store = self.pg = None  # dropping the handles closes the connections

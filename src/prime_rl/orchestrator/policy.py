@@ -79,13 +79,17 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
     run: checkpoint steps are written there). Returns the step the servers hold.
 
     An announcement is pending unless every server holds its step from its group: a restarted trainer
-    forms a new group and may announce a step older than the servers hold (it resumed from a checkpoint)."""
+    forms a new group and may announce a step older than the servers hold (it resumed from a checkpoint).
+    A broadcast that failed (a server died mid-transfer) leaves the survivors on their old step; the trainer
+    announces the step again in a new group, which is relayed to the live servers."""
     out = config.output_dir
     b = config.weight_transfer
 
     def pending(marker: dict | None) -> bool:
         live = client.pool.live()
-        return marker is not None and any(s.group != marker["group"] or s.step < marker["step"] for s in live)
+        if marker is None or (marker["step"], marker["group"]) in client.weights.failed:
+            return False  # failed in that group: the trainer sends it again in a new one
+        return any(s.group != marker["group"] or s.step < marker["step"] for s in live)
 
     while True:
         announced = read_marker(out)

@@ -20,7 +20,15 @@ import logging
 import httpx
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.orchestrator.pool import InferenceError, Request, Server, ServerDown, ServerPool, server_root
+from prime_rl.orchestrator.pool import (
+    PROBE_TIMEOUT,
+    InferenceError,
+    Request,
+    Server,
+    ServerDown,
+    ServerPool,
+    server_root,
+)
 
 logger = logging.getLogger("prime_rl")
 
@@ -37,6 +45,7 @@ class WeightControl:
         self.weight_dir: str | None = None  # what the pool serves (the last update); None: each server's base
         self.inflight = inflight  # what updates ask of requests in flight ("continue"); None: the server's default
         self._finishing: set[str] = set()  # servers said to swap between requests (logged once each)
+        self.failed: set[tuple[int, str]] = set()  # (step, group) of broadcasts that failed: never asked again
 
     def _ask(self, body: dict) -> dict:
         """An /update_weights body with what it asks of requests in flight, if anything."""
@@ -96,17 +105,21 @@ class WeightControl:
         return steps.pop()
 
     async def broadcast(self, step: int, rendezvous: dict) -> int:
-        """Have every server receive weight step `step` over the trainer's broadcast group; return the step.
+        """Have every live server receive weight step `step` over the trainer's broadcast group; return the
+        oldest step a live server holds (`step` when all took it).
 
-        The trainer sends to all seats at once, so every server must take part: one that is down or
-        refuses is an error naming it (never retried: a second join would take a seat twice). `rendezvous`:
-        host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 + the
-        servers' seats (their /health `weight_receivers`)."""
+        The trainer sends to all seats at once, so every live server takes part (never twice: a second join
+        would take a seat twice). A server that fails to take it does not end the run: one that no longer
+        answers is taken out of the pool; one that answers (a 400: a peer died or timed out, its old weights
+        keep serving) stays. The trainer then sends the step again in a new group (protocol.broadcast), which
+        the caller relays to the live servers; `failed` keeps this (step, group) from being asked again.
+        `rendezvous`: host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 +
+        the live servers' seats (their /health `weight_receivers`)."""
         # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
-        servers = self.pool.servers
-        down = [s.base for s in servers if not s.alive]
-        if down:
-            raise InferenceError(f"weight broadcast of step {step} needs every inference server; down: {down}")
+        servers = self.pool.live()
+        if not servers:
+            await self.pool.revive(f"no inference server is up to take weight step {step}", self.load)
+            servers = self.pool.live()
         unable = [s.base for s in servers if s.receivers == 0]
         if unable:
             message = "take no weights over a process group; start them with --weight-transfer broadcast"
@@ -115,10 +128,19 @@ class WeightControl:
         ranks = [1 + sum(s.receivers for s in servers[:i]) for i in range(len(servers))]
         sends = (self._join(s, step, rendezvous, world_size, r) for s, r in zip(servers, ranks, strict=True))
         results = await asyncio.gather(*sends, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        failed = [(s, r) for s, r in zip(servers, results, strict=True) if isinstance(r, BaseException)]
+        for server, error in failed:
+            if not isinstance(error, InferenceError):
+                raise error
+            if await self.pool.probe_health(server, PROBE_TIMEOUT) is not None:
+                self.pool.take_out(server, str(error))
+            else:
+                logger.warning(f"{error}; it keeps serving weight step {server.step}")
         if failed:
-            raise failed[0]
-        return min(s.step for s in servers)
+            self.failed.add((step, rendezvous["group"]))
+        if not self.pool.live():
+            await self.pool.revive(f"every server failed to take weight step {step}", self.load)
+        return min(s.step for s in self.pool.live())
 
     async def _join(self, server: Server, step: int, rendezvous: dict, world_size: int, rank: int) -> None:
         """One server's POST /update_weights for a broadcast: it answers once it holds the step."""

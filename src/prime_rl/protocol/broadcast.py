@@ -18,15 +18,25 @@ One step n:
 4. receivers check the header against the served model before receiving any tensor (a mismatch ends the
    transfer, which the sender sees at once), and swap only once everything arrived. Tensors travel in
    buckets of up to 64 MiB: fewer, larger transfers.
-Every collective has `timeout`; a peer that dies or never comes is an error naming it, and the receiver
-leaves the group so that the next request forms a new one. nccl on CUDA, gloo on CPU.
+Every collective has `timeout`, waited for on the host (`wait_for_work`): a peer that dies or never comes is
+a BroadcastError naming it, never a hang or a dead process. On nccl that takes two things torch does not do by
+default: `work.wait()` only orders CUDA streams (the host goes on, and a later `.item()` blocks for good), and
+the group's watchdog, at its timeout, takes the whole process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the
+default). So every work is polled until done or `timeout`, then the communicator is aborted (hung kernels
+return) and the error raised; and the weight group alone is created in mode 2 (CleanUpOnly: the watchdog aborts
+the communicator and leaves the process). A receiver that fails reports why in the store (`report_failure`),
+so the trainer forms a new group at once instead of waiting for asks that will not come; the trainer sends the
+step again to the seats that ask (trainer/broadcast.py). nccl on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +51,11 @@ MARKER_SUFFIX = ".json"
 
 class BroadcastError(RuntimeError):
     """A weight broadcast failed; the message names the peer and the step."""
+
+
+class BroadcastTimeout(BroadcastError, TimeoutError):
+    """A collective of the weight group did not complete within the transfer timeout (its communicator was
+    aborted); the message names what was waited for."""
 
 
 @dataclass(frozen=True)
@@ -116,13 +131,43 @@ def join_group(store, rdv: Rendezvous, rank: int):
     prefixed = dist.PrefixStore(f"{rdv.group}/pg", store)
     timeout = timedelta(seconds=rdv.timeout)
     try:
-        if rdv.backend == "nccl":  # GPU only: not exercised on the CPU machines the tests run on
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            return dist.ProcessGroupNCCL(prefixed, rank, rdv.world_size, options)
+        if rdv.backend == "nccl":
+            return nccl_group(prefixed, rank, rdv.world_size, timeout)
         return dist.ProcessGroupGloo(prefixed, rank, rdv.world_size, timeout)
     except (RuntimeError, dist.DistError) as e:
         raise BroadcastError(f"could not form the weight broadcast group at {rdv.where} as rank {rank}: {e}") from None
+
+
+# The watchdog's mode for the weight group (torch's ErrorHandlingMode): 2 = CleanUpOnly, abort the communicator
+# on a timeout or error and leave the process alive (the default, 3 = SkipCleanUp, takes the process down).
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def nccl_group(store, rank: int, world_size: int, timeout: timedelta):
+    """A ProcessGroupNCCL whose failures are errors of this process, not its end: the watchdog's timeout is
+    `timeout` and its mode CleanUpOnly. torch reads the mode from the environment when it creates a group, so it
+    is set for this group's creation alone: the trainer's own groups keep theirs."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with environment(NCCL_ERROR_HANDLING):
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+@contextmanager
+def environment(values: dict[str, str]):
+    """`values` in os.environ (which C++ getenv sees) for the block only."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def ready_key(rdv: Rendezvous, step: int) -> str:
@@ -139,6 +184,20 @@ def ask_for(store, rdv: Rendezvous, step: int) -> None:
     store.set(size_key(rdv), str(rdv.world_size))
     if store.add(ready_key(rdv, step), 1) == rdv.world_size - 1:
         store.set(all_ready_key(rdv, step), "1")
+
+
+def failed_key(rdv: Rendezvous, step: int) -> str:
+    """Set by a receiver whose transfer of `step` in this group failed (its reason): the trainer gives up on
+    the group at once instead of waiting for asks or peers that will not come."""
+    return f"{rdv.group}/failed/{step}"
+
+
+def report_failure(store, rdv: Rendezvous, step: int, reason: str) -> None:
+    """A receiver's failure, for the trainer (best effort: the store may be what failed)."""
+    try:
+        store.set(failed_key(rdv, step), reason[:2000])
+    except (RuntimeError, OSError):
+        pass
 
 
 def size_key(rdv: Rendezvous) -> str:
@@ -168,39 +227,62 @@ def buckets(specs: list[tuple[str, Any, tuple[int, ...]]], limit: int = BUCKET_B
     return runs
 
 
-def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tensors: Iterable, device) -> None:
+def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tensors: Iterable, device,
+              timeout: float) -> None:  # fmt: skip
     """Root side: the header for `specs` [(name, dtype, shape)], then the tensors of `tensors` (same order) in
-    `buckets`. `tensors` may be a generator that gathers each one just in time; it runs on every trainer
-    rank, and only rank 0 (pg is not None) sends, holding at most one bucket."""
+    `buckets`, each collective waited for at most `timeout` seconds. `tensors` may be a generator that gathers
+    each one just in time; it runs on every trainer rank, and only rank 0 (pg is not None) sends, holding at
+    most one bucket. A failed send still walks `tensors` to its end (every trainer rank gathers in lockstep),
+    then raises its BroadcastError."""
     import torch
+
+    failed: BroadcastError | None = None
+
+    def send(tensor, what: str) -> None:
+        nonlocal failed
+        if pg is not None and failed is None:
+            try:
+                _broadcast(pg, tensor, timeout, what)
+            except BroadcastError as e:
+                failed = e
 
     header = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in specs]})
     if pg is not None:
         raw = header.encode()
-        _broadcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
-        _broadcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
+        send(torch.tensor([len(raw)], dtype=torch.int64, device=device), f"the header size of step {step}")
+        send(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), f"the header of step {step}")
     tensors = iter(tensors)
-    for run in buckets(specs):
+    for b, run in enumerate(buckets(specs)):
         stamp()  # sending 70B takes a while: each bucket is progress
         parts = [next(tensors).to(device=device, dtype=specs[i][1]).reshape(-1) for i in run]
-        if pg is not None:
-            _broadcast(pg, parts[0] if len(parts) == 1 else torch.cat(parts))
-    if pg is not None:
-        _acknowledge(pg, device)
+        if failed is None:
+            send(parts[0] if len(parts) == 1 else torch.cat(parts), f"bucket {b} of step {step}")
+    if pg is not None and failed is None:
+        try:
+            _acknowledge(pg, device, timeout, f"the receivers' acknowledgement of step {step}")
+        except BroadcastError as e:
+            failed = e
+    if failed is not None:
+        try:
+            raise failed
+        finally:  # no cycle frame -> failed -> traceback -> frame: the caller's drop of `pg` must close it now
+            failed = None
 
 
-def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ...], Any]]], None]) -> Iterator:
+def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ...], Any]]], None],
+                 timeout: float) -> Iterator:  # fmt: skip
     """Receiver side: yields (step, None) once the header is read and `check`ed, then (name, tensor) for
-    every tensor (views into the received buckets). A header `check` refuses (by raising) ends the
-    transfer: the receiver leaves, which the sender sees at once as a peer gone."""
+    every tensor (views into the received buckets), each collective waited for at most `timeout` seconds. A
+    header `check` refuses (by raising) ends the transfer: the receiver leaves, which the sender sees at once
+    as a peer gone."""
     import torch
 
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    _broadcast(pg, size)
+    _broadcast(pg, size, timeout, "the trainer's weight header size")
     if not 0 < int(size.item()) <= 256 * 2**20:
         raise BroadcastError(f"a weight header of {int(size.item())} bytes")
     raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    _broadcast(pg, raw)
+    _broadcast(pg, raw, timeout, "the trainer's weight header")
     try:
         header = json.loads(raw.cpu().numpy().tobytes())
         step = int(header["step"])
@@ -211,32 +293,65 @@ def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ..
         raise BroadcastError(f"malformed weight header: {e}") from None
     check(step, {name: (shape, dtype) for name, dtype, shape in specs})
     yield step, None
-    for run in buckets(specs):
+    for b, run in enumerate(buckets(specs)):
         numels = [math.prod(specs[i][2]) for i in run]
         flat = torch.empty(sum(numels), dtype=specs[run[0]][1], device=device)
-        _broadcast(pg, flat)
+        _broadcast(pg, flat, timeout, f"bucket {b} of weight step {step}")
         for i, part in zip(run, flat.split(numels), strict=True):
             yield specs[i][0], part.view(specs[i][2])
-    _acknowledge(pg, device)
+    _acknowledge(pg, device, timeout, f"the other seats' acknowledgement of weight step {step}")
 
 
-def _acknowledge(pg, device) -> None:
+def _acknowledge(pg, device, timeout: float, what: str) -> None:
     """The end of a step: the sender returns only once every receiver has all of it (a receiver that died
     after the last bytes left the sender's socket is noticed here, not at the next step)."""
     import torch
 
-    _run(lambda: pg.allreduce([torch.zeros(1, device=device)]))
+    _run(pg, lambda: pg.allreduce([torch.zeros(1, device=device)]), timeout, what)
 
 
-def _broadcast(pg, tensor) -> None:
-    _run(lambda: pg.broadcast(tensor, 0))
+def _broadcast(pg, tensor, timeout: float, what: str) -> None:
+    _run(pg, lambda: pg.broadcast(tensor, 0), timeout, what)
 
 
-def _run(collective) -> None:
+def _run(pg, collective, timeout: float, what: str) -> None:
     """Start a collective of the group and wait for it; a peer gone or a timeout is a BroadcastError."""
     import torch.distributed as dist
 
     try:
-        collective().wait()
+        wait_for_work(collective(), pg, timeout, what)
+    except BroadcastTimeout:
+        raise
     except (RuntimeError, dist.DistError) as e:
         raise BroadcastError(str(e).splitlines()[-1] if str(e) else type(e).__name__) from None
+
+
+def wait_for_work(work, pg, timeout: float, what: str) -> None:
+    """Block the host until `work` (a collective of `pg`) completes, at most `timeout` seconds; then
+    `work.wait()` raises its error, if any (and, on nccl, orders the current stream after it). Past the
+    deadline the group is aborted, so that nothing stays hung on it, and BroadcastTimeout names `what`.
+
+    On nccl `work.wait()` alone returns at once (the host is not blocked) and `is_completed()` asks CUDA
+    events without blocking, so this poll is what bounds a transfer there; on gloo the collective's own
+    timeout usually answers first, with the peer's error."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            abandon(pg)
+            raise BroadcastTimeout(f"{what} did not complete within {timeout:g}s (weight group aborted)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)  # a loopback bucket takes milliseconds: wake often at first
+    work.wait()
+
+
+def abandon(pg) -> None:
+    """Abort `pg` before it is dropped: on nccl this aborts its communicator, which ends kernels stuck on a dead
+    peer. (gloo's abort does nothing for its peers; dropping the last reference closes its sockets, so they fail
+    at once rather than at their timeout.) Best effort: the group is being given up."""
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        pass

@@ -10,6 +10,7 @@ checksum and sends it; the checksum goes into the step's announcement once the s
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import uuid
 
@@ -19,9 +20,11 @@ from prime_rl.protocol import wait_until
 from prime_rl.protocol.broadcast import (
     BroadcastError,
     Rendezvous,
+    abandon,
     all_ready_key,
     clear_markers,
     connect_store,
+    failed_key,
     join_group,
     send_step,
     size_key,
@@ -35,13 +38,18 @@ from prime_rl.utils.hf_layout import broadcast_refusal
 logger = logging.getLogger("prime_rl")
 
 
+# Tries of one step before the trainer gives up: each failure drops the group's dead seats (the orchestrator
+# asks only live servers to rejoin), so a second try reaches the survivors; a third covers a failure during it.
+SEND_ATTEMPTS = 3
+
+
 class WeightSender:
     def __init__(self, config, model: torch.nn.Module, files: ModelFiles, d):
         self.config, self.d = config, d
         b = config.weight_transfer
-        backend = b.backend if b.backend != "auto" else "nccl" if d.device.type == "cuda" else "gloo"
+        self.backend = b.backend if b.backend != "auto" else "nccl" if d.device.type == "cuda" else "gloo"
         # A fresh group per trainer start: servers still in an earlier one (a restarted trainer) rejoin.
-        self.rdv = Rendezvous(b.host, b.port, "", 0, backend, b.timeout)  # the receivers tell the world size
+        self.rdv = Rendezvous(b.host, b.port, "", 0, self.backend, b.timeout)  # the receivers tell the world size
         try:
             self.store = connect_store(self.rdv, master=d.is_main)
         except BroadcastError as e:
@@ -49,22 +57,49 @@ class WeightSender:
         if d.is_main:
             clear_markers(config.output_dir)
             self.store.set("group", uuid.uuid4().hex[:16])
-        group = self.store.get("group").decode()
-        self.rdv = Rendezvous(b.host, b.port, group, 0, backend, b.timeout)
+        self.nonce = self.store.get("group").decode()
+        self.generation = 0  # groups given up so far (each failed transfer); every rank counts the same
+        self.rdv = self._group()
         self.pg = None
         self.dtype = files.dtype
         refusal = broadcast_refusal(model)
         if refusal is not None:
             raise TrainerError(refusal)
         if d.is_main:
-            logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {group})")
+            logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {self.rdv.group})")
+
+    def _group(self) -> Rendezvous:
+        b = self.config.weight_transfer
+        return Rendezvous(b.host, b.port, f"{self.nonce}.{self.generation}", 0, self.backend, b.timeout)
 
     def _asked(self, step: int) -> bool:
-        """Whether every seat of the group asked for `step` (the last one to ask says so)."""
-        return self.store.check([all_ready_key(self.rdv, step)])
+        """Whether every seat of the group asked for `step` (the last one to ask says so), or one gave up."""
+        return self.store.check([all_ready_key(self.rdv, step)]) or self.store.check([failed_key(self.rdv, step)])
 
     def send(self, model: torch.nn.Module, step: int) -> None:
-        """Announce step `step`, wait until every receiver asked for it, send it."""
+        """Announce step `step`, wait until every receiver asked for it, send it. A transfer that fails (a
+        server died, or timed out) gives the group up and sends the step again in a new one, to the seats that
+        ask then: the orchestrator asks its live servers only. TrainerError after SEND_ATTEMPTS failures."""
+        problems = []
+        for _ in range(SEND_ATTEMPTS):
+            problem = self._any_rank(self._try_send(model, step))
+            if problem is None:
+                return
+            problems.append(problem)
+            abandon(self.pg)
+            self.pg, self.generation = None, self.generation + 1
+            gc.collect()  # the group's last references go now: gloo closes its sockets, so the other seats fail at once
+            self.rdv = self._group()
+            if self.d.is_main:
+                logger.warning(f"weight broadcast of step {step} failed: {problem}; sending it again in group "
+                               f"{self.rdv.group} to the inference workers that ask for it")  # fmt: skip
+        raise TrainerError(
+            f"weight broadcast of step {step} to the inference workers at {self.rdv.where} failed "
+            f"{SEND_ATTEMPTS} times: {'; '.join(problems)}"
+        )
+
+    def _try_send(self, model: torch.nn.Module, step: int) -> str | None:
+        """One transfer of step `step` in the current group; what went wrong, or None."""
         c, rdv = self.config, self.rdv
         if self.d.is_main:
             write_marker(c.output_dir, step, rdv)
@@ -78,28 +113,44 @@ class WeightSender:
                 heartbeat_timeout=c.data.heartbeat_timeout,
                 poll=0.002,  # one loopback round trip to the store: the hand-off stays within milliseconds
             )
+            if self.store.check([failed_key(rdv, step)]):
+                return self._reported(step) or "a receiver gave up"
             world = int(self.store.get(size_key(rdv)))
             if self.rdv.world_size == 0:
                 self.rdv = rdv = dataclasses.replace(rdv, world_size=world)
-            elif world != rdv.world_size:
-                raise TrainerError(
-                    f"the inference servers now hold {world - 1} broadcast seat(s); the group was formed with "
-                    f"{rdv.world_size - 1}. Restart the trainer to form a new group"
-                )
+            elif world != rdv.world_size:  # a server came back (or one more joined): a new group seats it
+                return f"the inference servers now hold {world - 1} seat(s), the group {rdv.world_size - 1}"
             if self.d.is_main and self.pg is None:
                 self.pg = join_group(self.store, rdv, 0)
             state, exported = export_specs(model, self.dtype)
             specs = [(n, *spec) for n, spec in exported.items()]
             checksum = Checksum()
             full = self._exported(state, exported, checksum)
-            send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d))
-        except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died, or the store went
-            raise TrainerError(
-                f"weight broadcast of step {step} to the inference workers at {rdv.where} failed: {e}; "
-                "did an inference server die?"
-            ) from None
+            send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d), rdv.timeout)
+        except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
+            return f"{e}{self._reported(step, ' (')}"
         if self.d.is_main:  # what the servers check what they received against (docs/design.md §4)
             write_marker(c.output_dir, step, rdv, checksum.hex)
+        return None
+
+    def _reported(self, step: int, prefix: str = "") -> str:
+        """What a receiver reported of its failure in this group (protocol.broadcast.report_failure), if any."""
+        try:
+            if self.store.check([failed_key(self.rdv, step)]):
+                said = self.store.get(failed_key(self.rdv, step)).decode()
+                return f"{prefix}{said}{')' if prefix else ''}"
+        except (RuntimeError, torch.distributed.DistError):
+            pass
+        return ""
+
+    def _any_rank(self, problem: str | None) -> str | None:
+        """Every trainer rank's verdict on a transfer, so that all of them try again or none does (rank 0
+        sends; the others gather with it): rank 0's problem, or a stand-in for another rank's."""
+        if self.d.world_size == 1:
+            return problem
+        flag = torch.tensor([0 if problem is None else 1], device=self.d.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return problem if problem is not None or not int(flag.item()) else "another trainer rank's transfer failed"
 
     def _exported(self, state: dict, exported: dict, checksum: Checksum):
         """Each full tensor in its export dtype, added to `checksum` on rank 0 (on the trainer's device)."""

@@ -186,3 +186,43 @@ def test_barrier_mode_and_inflight_finish_ask_nothing(config, caplog):
         assert asyncio.run(weight_client(config, servers).update_weights("/w/step_7")) == 7
     assert servers.bodies == [{"weight_dir": "/w/step_7"}] * 2
     assert not [r for r in caplog.records if "swaps weights between requests" in r.message]
+
+
+class FailingBroadcast:
+    """Two servers in a broadcast whose seat b died: b answers nothing any more, a answers 400 (its transfer
+    failed with the group) until it is asked in another group."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"step": 3, "weight_receivers": 1})
+        body = json.loads(request.content)["broadcast"]
+        self.asked.append((body["group"], body["world_size"], body["rank"]))
+        if body["group"] == "g":
+            return httpx.Response(400, json={"error": {"message": "weight broadcast of step 8 failed (peer gone)"}})
+        return httpx.Response(200, json={"step": 8, "checksum": "c"})
+
+
+def test_a_broadcast_that_fails_drops_the_dead_server_and_keeps_the_one_that_answered(caplog):
+    servers = FailingBroadcast()
+    client = weight_client(OrchestratorConfig(batch_size=4, rollouts_per_example=2), servers)
+    a, b = client.pool.servers
+    for server in (a, b):
+        server.receivers, server.step = 1, 3
+    rendezvous = {"host": "h", "port": 1, "group": "g", "backend": "gloo", "timeout": 5}
+
+    async def failed_then_again():
+        first = await client.broadcast_weights(8, rendezvous)
+        return first, await client.broadcast_weights(8, rendezvous | {"group": "g2"})
+
+    with caplog.at_level(logging.WARNING, logger="prime_rl"):
+        assert asyncio.run(failed_then_again()) == (3, 8)  # a kept step 3, then took 8 in the new group
+    assert not b.alive and a.alive and a.step == 8 and a.group == "g2"
+    assert client.weights.failed == {(8, "g")}  # never asked again in that group
+    assert servers.asked == [("g", 3, 1), ("g2", 2, 1)]  # the new group seats the live server alone
+    said = " ".join(r.message for r in caplog.records)
+    assert "http://b:2/v1 is down, taking it out of the pool" in said and "keeps serving weight step 3" in said

@@ -1,0 +1,145 @@
+"""The weight group's failure handling (protocol/broadcast.py): on nccl the group is created so that a dead peer
+is an error of this process, not its end, and every collective is waited for on the host for at most the transfer
+timeout; a failed send still walks every tensor (the trainer's ranks gather in lockstep).
+
+NCCL needs a GPU: the nccl tests replace torch's ProcessGroupNCCL constructor (and, on a torch built without it,
+its Options) by a recorder, and a work that never completes by a stand-in; the gloo test runs real groups."""
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from prime_rl.protocol import broadcast
+from prime_rl.protocol.broadcast import BroadcastError, Rendezvous, join_group, receive_step, send_step, wait_for_work
+from prime_rl.utils.net import free_port
+
+
+class RecordedNCCL:
+    """Stands in for dist.ProcessGroupNCCL (no GPU here): records what the group was created with."""
+
+    made: list[dict] = []
+    Options = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
+
+    def __init__(self, store, rank, size, options):
+        env = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        RecordedNCCL.made.append({"rank": rank, "size": size, "timeout": options._timeout, "env": env})
+
+
+class FakeOptions:
+    _timeout = None
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+def test_the_nccl_weight_group_takes_the_transfer_timeout_and_aborts_instead_of_ending_the_process(monkeypatch, before):
+    """Mode 2 (CleanUpOnly) while the group is created, read by torch's constructor; the setting before comes
+    back afterwards (the trainer's own groups keep it)."""
+    if RecordedNCCL.Options is None:  # a torch built without NCCL: its Options are a plain holder too
+        monkeypatch.setattr(RecordedNCCL, "Options", FakeOptions)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", RecordedNCCL, raising=False)
+    if before is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", before)
+    RecordedNCCL.made.clear()
+    store = dist.HashStore()
+    join_group(store, Rendezvous("127.0.0.1", 1, "g", 3, "nccl", 7.0), 2)
+    assert RecordedNCCL.made == [{"rank": 2, "size": 3, "timeout": timedelta(seconds=7), "env": "2"}]
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before
+
+
+class NeverDone:
+    """A work whose peer died with nothing to notice it (nccl: a kernel waiting for it forever)."""
+
+    def __init__(self):
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self):
+        self.waited = True
+
+
+class Group:
+    def __init__(self):
+        self.aborted = 0
+
+    def abort(self):
+        self.aborted += 1
+
+
+def test_a_collective_that_never_completes_is_a_timeout_naming_it_and_the_group_is_aborted():
+    work, pg = NeverDone(), Group()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^bucket 3 of weight step 5 did not complete within 0.3s"):
+        wait_for_work(work, pg, 0.3, "bucket 3 of weight step 5")
+    assert 0.3 <= time.monotonic() - start < 1.5
+    assert pg.aborted == 1 and not work.waited  # wait() would block the host forever on nccl
+    with pytest.raises(BroadcastError):  # callers that catch BroadcastError catch it too
+        wait_for_work(work, pg, 0.01, "x")
+
+
+def gloo_pair(timeout: float):
+    port = free_port()
+    rdv = Rendezvous("127.0.0.1", port, "g", 2, "gloo", timeout)
+    master = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+    groups = {}
+    threads = [threading.Thread(target=lambda r, s: groups.update({r: join_group(s, rdv, r)}), args=(r, s))
+               for r, s in ((0, master), (1, client))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return groups[0], groups[1], (master, client)
+
+
+def test_a_send_whose_receiver_left_raises_at_once_after_walking_every_tensor():
+    sender, receiver, stores = gloo_pair(timeout=20)
+    specs = [(f"w{i}", torch.float32, (2**20,)) for i in range(4)]  # 4 MiB each, a bucket of 16 MiB
+    walked, got, holder = [], {}, {"pg": receiver}
+    del receiver
+
+    def tensors():
+        for i, (_, dtype, shape) in enumerate(specs):
+            walked.append(i)
+            yield torch.full(shape, float(i), dtype=dtype)
+
+    def receive_the_header_then_leave():
+        stream = receive_step(holder["pg"], torch.device("cpu"), lambda step, specs: None, 20)
+        got["header"] = next(stream)
+        stream.close()
+        del stream
+        holder.pop("pg")  # the group's last reference: its sockets close, as when a server dies
+
+    thread = threading.Thread(target=receive_the_header_then_leave)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(BroadcastError):
+        send_step(sender, 4, specs, tensors(), torch.device("cpu"), 20)
+    thread.join(30)
+    assert got["header"] == (4, None)
+    assert time.monotonic() - start < 10  # noticed at once, not at the 20 s timeout
+    assert walked == [0, 1, 2, 3]  # every tensor was still gathered (other trainer ranks gather with rank 0)
+    del stores
+
+
+def test_wait_for_work_raises_the_peers_error_once_the_work_completes():
+    sender, receiver, _ = gloo_pair(timeout=2)
+    work = receiver.broadcast(torch.zeros(3), 0)
+    sender = None  # noqa: F841 (dropping the sender's group closes its sockets: the receiver's work fails)
+    with pytest.raises(RuntimeError, match="Connection (closed|reset) by peer"):
+        wait_for_work(work, receiver, 10, "the header")
+
+
+def test_environment_restores_what_was_there(monkeypatch):
+    monkeypatch.setenv("A_SET", "x")
+    monkeypatch.delenv("A_UNSET", raising=False)
+    with broadcast.environment({"A_SET": "y", "A_UNSET": "z"}):
+        assert os.environ["A_SET"] == "y" and os.environ["A_UNSET"] == "z"
+    assert os.environ["A_SET"] == "x" and "A_UNSET" not in os.environ
