@@ -84,7 +84,7 @@ def nccl_probe(model: str) -> int:
     for step in range(1, 4):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        send_step(pg, step, specs, tensors, device)
+        send_step(pg, step, specs, tensors, device, rdv.timeout)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     print(
