@@ -36,6 +36,7 @@ from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.openai.protocol import chat_messages_problem
 from prime_rl.inference.vllm.args import vllm_cli_args, vllm_parser, vllm_serve_args
+from prime_rl.inference.vllm.spans import record_weight_versions, recording, with_weight_steps
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
@@ -120,7 +121,16 @@ class VllmControlPlane(ControlPlane):
         if self.served.client is None and "app" in scope:
             self.served.client = scope["app"].state.engine_client
             self.served.models = getattr(scope["app"].state, "openai_serving_models", None)
+            if self.served.labels_tokens:
+                record_weight_versions(self.served.client)
         await super().__call__(scope, receive, send)
+
+    async def _generate_stamped(self, scope, body: bytes, receive, send) -> None:
+        """Each choice also says which weight step sampled which of its tokens (`weight_steps`, spans.py)."""
+        if not self.served.labels_tokens:
+            return await super()._generate_stamped(scope, body, receive, send)
+        with recording() as record:
+            await super()._generate_stamped(scope, body, receive, with_weight_steps(send, record))
 
 
 def sampling_mask_refusal(body: bytes) -> JSONResponse | None:
@@ -143,14 +153,16 @@ def sampling_mask_refusal(body: bytes) -> JSONResponse | None:
 class VllmModel:
     """vLLM's engine (through its engine client) as the control plane sees it.
 
-    It swaps only with no request in flight (`continues` False: an update asking inflight "continue" is
-    answered "finish"). vLLM 0.32 could pause mid-request (`pause_generation(mode="keep", clear_cache=True)`
-    preempts running requests, whose KV is recomputed on resume) and records weight-version spans on its
-    `RequestOutput`s, but only its token-in/token-out route returns them: putting them on the OpenAI routes
-    we serve would mean replacing how vLLM's serving classes build every choice."""
+    Inflight "continue": the swap pauses vLLM's scheduler with `mode="keep"` and `clear_cache=True`, which
+    preempts the running requests (their KV blocks are freed, `Scheduler.reset_prefix_cache`); once the new
+    weights are in and the scheduler resumes, each is prefilled again (prompt and tokens so far) under the new
+    weights and decodes on, so a token is sampled by one policy over a context that policy computed, as on
+    the built-in engine. vLLM labels each token with the weight version that sampled it (`weight_versions`,
+    set here to the step by `finish_weight_update`); spans.py puts them on the OpenAI choices as `weight_steps`.
+    With `model.lora` updates are adapter loads, which set no version: they wait for the requests in flight
+    (`continues` False, answered "finish") and choices carry no spans (their `x-weight-step` holds)."""
 
     backend = "vllm"
-    continues = False
 
     def __init__(self, config: InferenceConfig):
         self.model = config.model.name
@@ -176,6 +188,15 @@ class VllmModel:
         return self._specs
 
     @property
+    def continues(self) -> bool:
+        return self.lora is None
+
+    @property
+    def labels_tokens(self) -> bool:
+        """Whether vLLM's weight version is the step of the weights serving (set at every full-weight update)."""
+        return self.lora is None
+
+    @property
     def base_name(self) -> str | None:
         """While an adapter is loaded, the name under which requests still get the base weights (step 0)."""
         return self.model if self.adapter is not None else None
@@ -196,7 +217,7 @@ class VllmModel:
                 return source.step, Update(source.step, "broadcast, streamed", self._streamed(source))
             start = time.perf_counter()
             try:
-                await self.client.collective_rpc("stage_broadcast", args=(source.model_dump(),))
+                await rpc_all(self.client, "stage_broadcast", (source.model_dump(),))
             except Exception as e:
                 raise WeightsError(f"{worker_error(e)}; the previous weights keep serving") from None
             how = f"broadcast, staged on the device in {time.perf_counter() - start:.2f} s"
@@ -208,14 +229,15 @@ class VllmModel:
 
     async def apply(self, prepared: Any, inflight: str = "finish") -> None:
         # Pausing clears the prefix cache: its blocks hold keys of the old weights (or the old adapter,
-        # whose id an in-place load keeps).
-        await self.client.pause_generation(mode="wait", clear_cache=True)
+        # whose id an in-place load keeps); "keep" also preempts the running requests (see the class docstring).
+        await self.client.pause_generation(mode="keep" if inflight == "continue" else "wait", clear_cache=True)
         try:
             if self.lora is not None:
                 await (self.unload_adapter() if prepared is None else self.load_adapter(prepared[0]))
                 self.checksum = None if prepared is None else prepared[1]
             elif prepared is None:
-                await self.client.collective_rpc("reload_base_weights")
+                await rpc_all(self.client, "reload_base_weights")
+                await self.client.update_weight_version("0")
                 self.unservable, self.checksum = None, None
             else:
                 await self._transfer(prepared)
@@ -236,7 +258,7 @@ class VllmModel:
             await self.client.update_weights(WeightTransferUpdateRequest(update_info=update.info))
         except Exception as e:
             try:
-                await self.client.collective_rpc("abandon_weight_update")
+                await rpc_all(self.client, "abandon_weight_update")
             except Exception as cleanup:  # the layers stay as they are: still unservable, still one line
                 logger.error(f"ending the failed weight update: {worker_error(cleanup)}")
             self.unservable = (
@@ -251,8 +273,7 @@ class VllmModel:
         self.unservable = None
         # Every worker was fed the whole checkpoint-format step: their sums agree unless a load went wrong,
         # and then all of them are reported (which matches no trainer's checksum).
-        sums = await self.client.collective_rpc("weights_checksum")
-        self.checksum = sums[0] if len(set(sums)) == 1 else "/".join(map(str, sums))
+        self.checksum = agreed(await rpc_all(self.client, "weights_checksum"))
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in times.items())
         logger.info(f"weights step {update.step} ({update.how}) through vLLM's weight transfer: {phases}")
 
@@ -271,7 +292,7 @@ class VllmModel:
         """Whether a broadcast step is received whole before the swap (`weight_staging`)."""
         if self.staging != "auto":
             return self.staging == "device"
-        rooms = await self.client.collective_rpc("staging_room")
+        rooms = await rpc_all(self.client, "staging_room")
         return all(free > STAGING_HEADROOM * need for need, free in rooms)
 
     def _streamed(self, request: BroadcastRequest) -> list[dict]:
@@ -317,3 +338,21 @@ def worker_error(e: Exception) -> str:
     """The message of a worker's exception, which vLLM's RPC wraps (its last line names it)."""
     text = str(e).strip()
     return text.splitlines()[-1] if text else type(e).__name__
+
+
+async def rpc_all(client: Any, method: str, args: tuple = ()) -> list:
+    """Call `method` on every worker of every data-parallel engine: one answer per worker, engines in rank order.
+
+    vLLM's `collective_rpc` answers for the first engine only with DP > 1 (DPLBAsyncMPClient.call_utility_async
+    sends the call to every engine and returns `results[0]`), so checksums and staging decisions would ignore
+    the other replicas; its engine client's `call_utility_all_async` returns every engine's answer."""
+    every = getattr(getattr(client, "engine_core", None), "call_utility_all_async", None)
+    if every is None:  # an engine client without it (one engine): its own answer is every worker's
+        return await client.collective_rpc(method, args=args)
+    per_engine = await every("collective_rpc", method, None, args, None)
+    return [answer for answers in per_engine for answer in answers]
+
+
+def agreed(sums: list) -> str | None:
+    """The workers' weight checksums as one: theirs when all agree, else all of them (which match no trainer's)."""
+    return sums[0] if len(set(sums)) == 1 else "/".join(map(str, sums))
