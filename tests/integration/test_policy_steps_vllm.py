@@ -11,6 +11,7 @@ One vLLM server starts for the module (minutes on 2 cores).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -108,6 +109,14 @@ def test_a_swap_inside_a_request_continues_it_and_each_span_has_its_policys_logp
     assert httpx.post(f"{server.url}/reload_weights", timeout=120).json()["step"] == 0
     base = asyncio.run(complete(server.url, tiny_qwen3_hd32, short))
     assert base.token_steps == [0] * len(base.completion_ids) and base.weight_step == 0
+    # Streamed, n = 2: each choice's spans on the chunk that finishes it.
+    body = {"model": str(tiny_qwen3_hd32), "prompt": PROMPT, "max_tokens": 6, "n": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"ignore_eos": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    finishing = {c["index"]: c["weight_steps"] for c in choices if c.get("finish_reason")}
+    assert finishing == {0: [[0, 0, 6]], 1: [[0, 0, 6]]}
+    assert not any("weight_steps" in c for c in choices if not c.get("finish_reason"))
 
 
 async def complete(url: str, model, sampling: SamplingConfig):
