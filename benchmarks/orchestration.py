@@ -3,6 +3,7 @@
     uv run python benchmarks/orchestration.py                  # all cases
     uv run python benchmarks/orchestration.py --cases long-tail
     uv run python benchmarks/orchestration.py --cases long-tail --before /tmp/before/src   # and an older commit's
+    uv run python benchmarks/orchestration.py --cases long-tail --backend vllm   # vLLM serving (its CPU build here)
 
 - `long-tail`: a long-tailed multi-turn environment (benchmarks/long_tail.py: one group in 8 plays 10 model
   turns, the rest 1; 8 groups of 4 a step), barrier mode (each step samples its own batch and waits for
@@ -23,6 +24,8 @@ per rollout, `off_policy_gap/k`); the share of long episodes among trained rollo
 the run reports `generated/*`); groups dropped as stale; the evals' share of requests.
 `--before` also runs each mode with `rl` from another source tree ahead of this venv's (e.g. `git worktree add
 /tmp/before <commit>`), right before this tree's: before/after in one invocation, same environment file.
+`--backend vllm` serves with vLLM (compiled graphs off, 1 GiB KV cache: it starts in minutes on 2 cores; the
+server's idle share reads vLLM's `vllm:generation_tokens_total`); `long-tail` only.
 Inference and the trainer get one torch thread each: two multi-threaded processes on two cores spin
 against each other, and whichever mode keeps both busier would look slower for that reason alone.
 """
@@ -96,11 +99,21 @@ SHAPES = {  # case: (batch_size, rollouts_per_example, max_tokens)
 }
 
 
-def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: str, src: Path | None) -> list[dict]:
+VLLM = 'backend = "vllm"\nenforce_eager = true  # no compile warm-up: starts sooner on 2 cores\n'
+
+
+def run_case(
+    model: Path, out: Path, steps: int, port: int, case: str, extra: str, src: Path | None, backend: str = "builtin"
+) -> list[dict]:
     # TOML tables cannot be reopened: fold the extra [orchestrator] keys into the base's table.
     batch_size, rollouts, max_tokens = SHAPES[case]
     base = BASE.format(out=out, steps=steps, model=model, port=port, max_tokens=max_tokens, batch_size=batch_size,
                        rollouts=rollouts)  # fmt: skip
+    if backend == "vllm":
+        # Unseeded: vLLM's CPU engine dies on a seeded request whose prefill is chunked (its V1 model runner
+        # rewinds the request's generator with `set_offset`, which a CPU generator lacks: "CPU Generator does
+        # not use offset"), which continuous mode's long contexts reach.
+        base = base.replace("[inference]\n", "[inference]\n" + VLLM).replace("sampling.seed = 7\n", "")
     if extra.startswith("[orchestrator]\n"):
         keys, _, extra = extra.removeprefix("[orchestrator]\n").partition("[[")
         base, extra = base.replace("[orchestrator]\n", "[orchestrator]\n" + keys), "[[" + extra
@@ -108,7 +121,7 @@ def run_case(model: Path, out: Path, steps: int, port: int, case: str, extra: st
     cfg.write_text(base + extra)
     paths = [str(src)] if src is not None else []  # ahead of the venv's own prime_rl
     paths += [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(cfg)], cwd=ROOT,
                           capture_output=True, text=True, env=env)  # fmt: skip
     if done.returncode != 0:
@@ -164,7 +177,8 @@ class ServerLoad(threading.Thread):
             except httpx.HTTPError:
                 continue  # not up yet, or gone
             tokens = [float(line.split()[-1]) for line in text.splitlines()
-                      if line.startswith("prime_rl_inference_generated_tokens_total ")]  # fmt: skip
+                      if line.startswith(("prime_rl_inference_generated_tokens_total ",
+                                          "vllm:generation_tokens_total"))]  # fmt: skip
             if tokens:
                 self.reads.append(((sent + time.time()) / 2, tokens[0]))
 
@@ -225,6 +239,7 @@ def main() -> None:
     parser.add_argument("--cases", default="long-tail,long-tail-generation,eval")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--backend", choices=["builtin", "vllm"], default="builtin")
     parser.add_argument("--before", type=Path, help="also run `rl` from this source tree (an older commit's "
                         "worktree's src/), each mode before this tree's")  # fmt: skip
     args = parser.parse_args()
@@ -237,6 +252,8 @@ def main() -> None:
             print("| mode | step (median) | generate | trainer idle | server idle | lag | long episodes: trained "
                   "(generated) | stale groups | eval share |")  # fmt: skip
             print("|---|---|---|---|---|---|---|---|---|")
+            if args.backend != "builtin" and case != "long-tail":
+                sys.exit(f"--backend {args.backend}: only the long-tail case runs a chosen backend")
             for mode, extra in CASES[case].items():
                 for tree, src in trees.items():
                     if case == "long-tail-generation" and src is not None:
@@ -252,7 +269,7 @@ def main() -> None:
                         if case == "long-tail-generation":
                             orch = generation_only(model, out, steps, mode == "continuous", port)
                         else:
-                            orch = run_case(model, out, steps, port, case, extra, src)
+                            orch = run_case(model, out, steps, port, case, extra, src, args.backend)
                     finally:
                         load.stopped.set()
                     print(row(case, label, out, orch, args.warmup, load), flush=True)

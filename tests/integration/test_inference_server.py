@@ -715,13 +715,13 @@ def test_sampled_logprobs_equal_the_trainers_and_the_engines_at_temperature_0_7(
 @pytest.mark.parametrize("filters", [{"top_p": 0.8}, {"top_k": 20}], ids=["top_p", "top_k"])
 def test_top_p_and_top_k_samples_carry_kept_sets_scored_as_the_trainer_scores_them(server, tiny_model, filters):
     """Training with top-p / top-k: the built-in engine returns each token's kept set and its logprob renormalised
-    over it, equal (within 1e-4) to the trainer's over the same sets. vLLM's routes return no sets: a 400."""
+    over it, equal (within 1e-4) to the trainer's over the same sets. vLLM's CPU build returns no sets: a 400."""
     body = {"prompt": PROMPT, "max_tokens": 24, "n": 4, "temperature": 0.7, "seed": 5, "logprobs": 0,
             "ignore_eos": True, "return_sampling_mask": True} | TOKEN_IDS | filters  # fmt: skip
     response = server.post("/v1/completions", json=body)
     if server.backend == "vllm":
-        assert response.status_code == 400 and "cannot return sampling masks" in response.text, response.text
-        pytest.skip("vLLM cannot return sampling masks (its OpenAI routes carry none): refused with a 400, as tested")
+        assert response.status_code == 400 and "CPU build cannot return sampling masks" in response.text, response.text
+        pytest.skip("vLLM's CPU build cannot return sampling masks (Model Runner V2 only): refused, as tested")
     gaps, sizes = [], []
     for choice in response.json()["choices"]:
         completion, logprobs = choice["token_ids"], choice["logprobs"]

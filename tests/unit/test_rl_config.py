@@ -149,12 +149,16 @@ def test_output_dir_env_is_every_services_default_and_flags_still_win(monkeypatc
 
 
 def test_rl_with_top_p_or_top_k_needs_a_backend_that_returns_sampling_masks():
-    """The trainer replays each token's kept set; vLLM's routes do not return it, so vLLM is refused up front."""
+    """The trainer replays each token's kept set; vLLM returns it only when started with --return-sampling-mask
+    (GPU), so vLLM without the flag is refused up front."""
     sampling = load_config(RLConfig, ["--orchestrator.sampling.top-p", "0.9", "--orchestrator.sampling.top-k", "20"])
     assert (sampling.orchestrator.sampling.top_p, sampling.orchestrator.sampling.top_k) == (0.9, 20)
-    with pytest.raises(ConfigError, match=r"orchestrator.sampling.top_k.*the vLLM backend\s+cannot return"):
+    with pytest.raises(ConfigError, match=r"orchestrator.sampling.top_k.*only with\s+inference.vllm.return-sampling"):
         load_config(RLConfig, ["--orchestrator.sampling.top-k", "5", "--inference.backend", "vllm"])
     assert load_config(RLConfig, ["--inference.backend", "vllm"]).orchestrator.sampling.filtered is False
+    masked = ["--orchestrator.sampling.top-p", "0.9", "--inference.backend", "vllm"]
+    masked += ["--inference.vllm.return-sampling-mask", "true"]
+    assert load_config(RLConfig, masked).orchestrator.sampling.top_p == 0.9  # the server refuses it on a CPU
 
 
 def test_config_mistakes_are_one_line_errors_not_tracebacks(tmp_path):

@@ -220,15 +220,17 @@ class RLConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _backend_can_replay_the_sampling(self) -> RLConfig:
-        """top-p / top-k training replays each token's kept set, which only the built-in engine returns."""
+        """top-p / top-k training replays each token's kept set, which vLLM returns only when started with
+        `--return-sampling-mask` (a GPU: vLLM's CPU build cannot, and its server refuses the flag at start)."""
         sampling = self.orchestrator.sampling
-        if sampling.filtered and self.inference.backend == "vllm":
+        flags = {name.replace("_", "-"): value for name, value in self.inference.vllm.items()}
+        if sampling.filtered and self.inference.backend == "vllm" and not flags.get("return-sampling-mask"):
             key = "orchestrator.sampling.top_p" if sampling.top_p < 1 else "orchestrator.sampling.top_k"
             raise FieldError(
                 key,
-                "training with top_p < 1 or top_k > 0 replays each sampled token's kept set, which the vLLM backend "
-                "cannot return (vLLM's OpenAI routes carry no sampling masks): use inference.backend = builtin, or "
-                "top_p = 1 and top_k = 0",
+                "training with top_p < 1 or top_k > 0 replays each sampled token's kept set, which vLLM returns "
+                "only with inference.vllm.return-sampling-mask = true (GPU only: vLLM's CPU build cannot return "
+                "sampling masks): set it, or use inference.backend = builtin, or top_p = 1 and top_k = 0",
                 also=("inference.backend",),
             )
         return self

