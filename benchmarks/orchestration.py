@@ -110,9 +110,9 @@ def run_case(
     base = BASE.format(out=out, steps=steps, model=model, port=port, max_tokens=max_tokens, batch_size=batch_size,
                        rollouts=rollouts)  # fmt: skip
     if backend == "vllm":
-        # Unseeded: vLLM's CPU engine dies on a seeded request whose prefill is chunked (its V1 model runner
-        # rewinds the request's generator with `set_offset`, which a CPU generator lacks: "CPU Generator does
-        # not use offset"), which continuous mode's long contexts reach.
+        # Unseeded: code before vllm/args.py turned chunked prefill off on CPU (a --before tree) ran vLLM's CPU
+        # build with it, whose engine dies on a seeded request whose prefill is chunked ("CPU Generator does not
+        # use offset"), which continuous mode's long contexts reach.
         base = base.replace("[inference]\n", "[inference]\n" + VLLM).replace("sampling.seed = 7\n", "")
     if extra.startswith("[orchestrator]\n"):
         keys, _, extra = extra.removeprefix("[orchestrator]\n").partition("[[")

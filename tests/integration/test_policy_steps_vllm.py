@@ -123,3 +123,20 @@ async def complete(url: str, model, sampling: SamplingConfig):
     async with InferenceClient(ClientConfig(base_url=[f"{url}/v1"]), str(model)) as client:
         (completion,) = await client.complete(PROMPT, 1, sampling, seed=4)
     return completion
+
+
+def test_seeded_prompts_that_overflow_a_prefill_step_leave_the_engine_serving(server, tiny_qwen3_hd32):
+    """vLLM's CPU build rewinds a seeded request's generator after a partial prefill (`set_offset`), which torch's
+    CPU generators refuse: with vLLM's default chunked prefill (2,048 tokens a step on CPU) each of these prompts
+    was split and the engine died. On CPU we prefill whole prompts (vllm/args.py)."""
+    prompt = (PROMPT * 500)[:3000]
+    body = {"model": str(tiny_qwen3_hd32), "prompt": prompt, "max_tokens": 2}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as http:
+            requests = (http.post(f"{server.url}/v1/completions", json=body | {"seed": 7 + i}) for i in range(3))
+            return await asyncio.gather(*requests)
+
+    answers = asyncio.run(burst())
+    assert [a.status_code for a in answers] == [200] * 3, [a.text[:300] for a in answers]
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200

@@ -100,6 +100,11 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True, parse
         # One API server, in this process: the control plane's state (step, gate) lives in it.
         args += ["--api-server-count", "1", "--middleware", CONTROL_PLANE]
     args += kv_cache_args(config, cuda)
+    if not cuda and not {"enable-chunked-prefill", "enable_chunked_prefill"} & set(config.vllm):
+        # vLLM's CPU build rewinds a seeded request's generator after a partial prefill chunk (`set_offset`), which
+        # torch's CPU generators refuse: one seeded request whose prefill was split killed the engine. Whole
+        # prefills, as vLLM itself runs MLA models on CPU (it then sizes max-num-batched-tokens to max-model-len).
+        args.append("--no-enable-chunked-prefill")
     if config.vllm:
         args += passthrough_args(config, parser if parser is not None else vllm_parser())
     args += ["--disable-uvicorn-access-log", "--disable-fastapi-docs"]

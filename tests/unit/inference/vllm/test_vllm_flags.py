@@ -210,3 +210,20 @@ def test_vllms_strict_tool_calling_is_switched_off_unless_the_environment_chose(
     with caplog.at_level("WARNING", logger="prime_rl"):
         assert apply_vllm_env(chosen) == {} and chosen["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "1"
     assert "logprobs then differ from the trainer's" in caplog.text
+
+
+def test_cpu_build_prefills_whole_unless_the_table_says_otherwise(tiny_model):
+    """vLLM's CPU build killed its engine on a seeded request whose prefill was split (torch's CPU generators
+    have no offset to rewind): on CPU the prefill is never split; on a GPU vLLM's default (chunked) stands."""
+    cpu = InferenceConfig.model_validate({"model": {"name": str(tiny_model)}, "max_model_len": 512})
+    assert "--no-enable-chunked-prefill" in vllm_serve_args(cpu, "127.0.0.1", cuda=False)
+    assert not any("chunked-prefill" in a for a in vllm_serve_args(cpu, "127.0.0.1", cuda=True))
+    chosen = cpu.model_copy(update={"vllm": {"enable-chunked-prefill": True}})
+    args = vllm_serve_args(chosen, "127.0.0.1", cuda=False, parser=vllm_like_parser_with_chunked_prefill())
+    assert "--no-enable-chunked-prefill" not in args and "--enable-chunked-prefill" in args
+
+
+def vllm_like_parser_with_chunked_prefill() -> argparse.ArgumentParser:
+    parser = vllm_like_parser()
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    return parser
