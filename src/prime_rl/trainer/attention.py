@@ -92,9 +92,11 @@ def cpu_kernel():
 def build_lock(build_dir: Path, timeout: float = BUILD_WAIT_S):
     """Hold the kernel's build dir against other processes of ours while torch builds or loads it.
 
-    torch marks a build in progress with a `lock` file that outlives a process killed mid-compile, and then
-    every later `load` waits on it forever. Ours is a flock, which the OS drops when its holder dies, so under
-    it any `lock` file torch left is stale and is removed. Waits at most `timeout` for a live builder.
+    torch up to 2.13 marks a build in progress with a `lock` file (FileBaton) that outlives a process killed
+    mid-compile, and then every later `load` waits on it forever. Ours is a flock, which the OS drops when its
+    holder dies, so under it any such `lock` file is stale and is removed. (torch 2.14 flocks that same file
+    itself, which leaves it in place and never waits on a dead holder: nothing to remove there.) Waits at most
+    `timeout` for a live builder.
     """
     build_dir.mkdir(parents=True, exist_ok=True)
     path = build_dir / "prime_rl.lock"
@@ -110,10 +112,17 @@ def build_lock(build_dir: Path, timeout: float = BUILD_WAIT_S):
                     raise TimeoutError(msg) from None
                 time.sleep(0.2)
         stale = build_dir / "lock"
-        if stale.exists():
+        if stale.exists() and torch_uses_file_baton():
             logger.warning(f"removing {stale}, left by a kernel build that was killed before it finished")
             stale.unlink()
         yield
+
+
+def torch_uses_file_baton() -> bool:
+    """Whether torch's extension builds mark themselves with a plain `lock` file (FileBaton, torch <= 2.13)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def kernel_name() -> str:
