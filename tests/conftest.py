@@ -64,6 +64,12 @@ def free_port() -> int:
     return _free_port()
 
 
+# vLLM's CPU build in tests: a 1 GiB KV cache, and its EngineCore forked rather than spawned (the `inference`
+# default, as `vllm serve`'s): a spawned one imports vLLM again, ~40 s a start on 2 cores, on ~8 starts a CI run.
+# `rl` with vLLM (tests/integration/test_rl.py) and tests/gpu_extra's probe keep the default.
+VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+
+
 class InferenceProcess:
     """One real `inference` process on a free loopback port, started and awaited as `rl` does (rl.Service,
     rl.wait_for_inference, rl.stop_all). `extra_args` go to its command line after the common ones."""
@@ -78,7 +84,7 @@ class InferenceProcess:
         cmd += ["--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file", *extra_args]
         if backend == "vllm":
             cmd.append("--enforce-eager")  # no compile warm-up: starts ~40 s sooner on 2 cores
-        self.service = Service(backend, cmd, output_dir / "server.out", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+        self.service = Service(backend, cmd, output_dir / "server.out", VLLM_TEST_ENV)
 
     def wait_ready(self) -> None:
         if self.ready:
