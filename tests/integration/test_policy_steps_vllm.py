@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.client import InferenceClient, parse_completion_response
 from prime_rl.orchestrator.packing import make_sample
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs
@@ -70,13 +70,17 @@ def test_a_swap_inside_a_request_continues_it_and_each_span_has_its_policys_logp
     server, tiny_qwen3_hd32, tmp_path, one_rank
 ):
     step_1 = write_perturbed_weights(tiny_qwen3_hd32, tmp_path, step=1)
-    client = InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), str(tiny_qwen3_hd32))
     sampling = SamplingConfig(max_tokens=MAX_TOKENS, temperature=1.0)
+    # ignore_eos: the request must still be decoding when the update pauses the engine, however slowly the
+    # update's checks run on a loaded machine (an early EOS under step 0 once ended it before the swap).
+    body = {"model": str(tiny_qwen3_hd32), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+            "seed": 3, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "ignore_eos": True}  # fmt: skip
 
     async def swap_mid_request():
-        async with client, httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=300) as http:
             start = await generated_tokens(http, server.url)
-            request = asyncio.create_task(client.complete(PROMPT, 1, sampling, seed=3))
+            request = asyncio.create_task(http.post(f"{server.url}/v1/completions", json=body))
             while await generated_tokens(http, server.url) < start + 20:  # the request is decoding
                 assert not request.done(), "the request ended before 20 tokens"
                 await asyncio.sleep(0.01)
@@ -85,7 +89,7 @@ def test_a_swap_inside_a_request_continues_it_and_each_span_has_its_policys_logp
                     f"{server.url}/update_weights", json={"weight_dir": str(step_1), "inflight": "continue"}
                 )
             ).json()
-            return answer, await request
+            return answer, parse_completion_response((await request).json())
 
     answer, (completion,) = asyncio.run(swap_mid_request())
     assert (answer["step"], answer["inflight"]) == (1, "continue"), answer
