@@ -25,6 +25,7 @@ from prime_rl.protocol.files import (
     mark_stable,
     prune_steps,
     stable_steps,
+    unreadable,
     writing,
 )
 from prime_rl.protocol.liveness import RUN_VAR, Beat, Heartbeat, doing, heartbeat_age, read_beat, stamp, ticking
@@ -76,6 +77,7 @@ __all__ = [
     "WaitTimeout",
     "WriterDead",
     "atomic_write",
+    "unreadable",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",

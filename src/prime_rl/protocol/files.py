@@ -58,6 +58,18 @@ def writing(path: Path) -> Iterator[None]:
         raise
 
 
+def unreadable(path: Path, what: str, error: BaseException) -> str:
+    """One line for a file of the output dir that cannot be read: which file, what it should be, and the first
+    sentence of why (torch's own messages run to paragraphs; a truncated file can even be `[Errno 22]`)."""
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint: each rank's (exception, traceback)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    reason = f"{type(error).__name__}: {error}".splitlines()[0]
+    reason = reason.split(". ")[0][:200]
+    return f"{path}: not a readable {what} (cut short or overwritten?): {reason}"
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
     """Write `path` via `write(fileobj)` so readers see either nothing or the whole file."""
     path = Path(path)

@@ -37,8 +37,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir, writing
+from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir, unreadable, writing
 from prime_rl.protocol.paths import STABLE
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import adapter_config
@@ -293,7 +294,11 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     path = trainer_checkpoint_dir(output_dir, step)
     base_lrs = list(scheduler.base_lrs)
     state = _app_state(model, optimizer, scheduler, Progress())
-    dcp.load(state, storage_reader=_safe_reader(path))
+    reader = _safe_reader(path)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as e:  # DCP's own is a BaseException holding each rank's error
+        raise CheckpointError(unreadable(path, "trainer checkpoint", e)) from None
     options = state_dict_options(model)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(state["scheduler"])
@@ -305,7 +310,10 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(unreadable(rng_file, "RNG state", e)) from None
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
