@@ -15,6 +15,7 @@ from prime_rl.protocol.checkpoints import (
 )
 from prime_rl.protocol.files import (
     DiskFull,
+    UnsafeOutputDir,
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
@@ -45,6 +46,7 @@ from prime_rl.protocol.paths import (
     rollout_step_dir,
     rollouts_dir,
     run_dir,
+    run_record_file,
     step_dir,
     step_of,
     stopped_file,
@@ -71,6 +73,7 @@ __all__ = [
     "stamp",
     "ticking",
     "DiskFull",
+    "UnsafeOutputDir",
     "Heartbeat",
     "RunLock",
     "RunLocked",
@@ -109,6 +112,7 @@ __all__ = [
     "rollouts_dir",
     "stopped_file",
     "run_dir",
+    "run_record_file",
     "run_locks",
     "stable_steps",
     "step_dir",

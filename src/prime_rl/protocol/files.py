@@ -32,6 +32,11 @@ class DiskFull(OSError):
     """The filesystem under the output dir is full (or over quota); the message names what was being written."""
 
 
+class UnsafeOutputDir(OSError):
+    """The output dir holds what a run must not write over or delete: step dirs no prime-rl run wrote, or a
+    symbolic link planted where a run writes. The message names the path."""
+
+
 def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
     if error is None or depth > 8:
         return False
