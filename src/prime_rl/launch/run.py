@@ -16,8 +16,8 @@ from prime_rl.launch.services import assign_devices, count_gpus, resume_step, se
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
 from prime_rl.launch.watchdog import Watchdog
 from prime_rl.protocol import RUN_VAR, log_file, prepare_output_dir, run_dir, run_locks
-from prime_rl.protocol.prepare import check_ours
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
+from prime_rl.protocol.prepare import check_ours
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import logger
 from prime_rl.utils.run_record import write_run_config

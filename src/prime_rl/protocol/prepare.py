@@ -38,7 +38,7 @@ def check_ours(output_dir: Path) -> None:
     if found:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         raise UnsafeOutputDir(
-            f"{Path(output_dir).resolve()} holds {', '.join(found[:3])}{more} but no run/{run_record_file(output_dir).name}: "
+            f"{Path(output_dir).resolve()} holds {', '.join(found[:3])}{more} but no run/versions.json: "
             "no prime-rl run wrote them, and a run there would delete them; move them or choose another output_dir"
         )
 
