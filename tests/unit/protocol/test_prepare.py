@@ -47,8 +47,11 @@ def test_step_dirs_no_prime_rl_run_wrote_are_refused_and_left_alone(tmp_path):
     run_record_file(tmp_path).unlink()
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for resume_step in (None, 3):
-        with pytest.raises(UnsafeOutputDir, match=rf"^{tmp_path} holds rollouts/step_0, rollouts/step_1, "
-                           r"rollouts/step_2 and 5 more but no run/versions.json: no prime-rl run wrote them"):
+        with pytest.raises(
+            UnsafeOutputDir,
+            match=rf"^{tmp_path} holds rollouts/step_0, rollouts/step_1, "
+            r"rollouts/step_2 and 5 more but no run/versions.json: no prime-rl run wrote them",
+        ):
             prepare_output_dir(tmp_path, resume_step, launcher=True)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
