@@ -1,5 +1,5 @@
-"""Operator errors through the real commands (issue 48, points 8-12; the table in docs/usage.md "When a run
-refuses or fails"): each is one line and a documented exit status, and leaves the output dir as the table says.
+"""Operator errors through the real commands (issue 48, points 8-12; the table in docs/usage.md "Exit statuses
+and operator errors"): each is one line and a documented exit status, and leaves the output dir as the table says.
 The config cases that fail at parse are in tests/unit/test_config_errors.py."""
 
 import shutil

