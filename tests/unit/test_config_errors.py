@@ -99,7 +99,38 @@ CASES = [
      "2**63 - 1) [flag --async-level]"),
     ("trainer", [], {"PRIME_MAX_STEPS": "99999999999999999999"}, "max_steps: 99999999999999999999 is too large "
      "(at most 2**63 - 1) [env PRIME_MAX_STEPS]"),
+    # Issue 48, point 12. A URL httpx cannot use: the orchestrator retried `UnsupportedProtocol` for 600 s.
+    ("orchestrator", ["--client.base-url", "ftp://x"], {}, "client.base_url: 'ftp://x' is not an http(s) URL with "
+     "a host; e.g. http://host:8000/v1 [flag --client.base-url]"),
+    ("rl", ["--orchestrator.teacher.base-url", "http://"], {}, "orchestrator.teacher.base_url: 'http://' is not an "
+     "http(s) URL with a host; e.g. http://host:8000/v1 [flag --orchestrator.teacher.base-url]"),
+    # A union (int | 'latest'): one line, not one per member type and per service, blamed on the flag (it was 6
+    # lines, 4 of them blaming the TOML file).
+    ("rl", ["@", "top.toml", "--ckpt.resume-step", "banana"], {}, "ckpt.resume_step: Input should be a valid "
+     "integer or 'latest' (got 'banana') [flag --ckpt.resume-step]"),
+    # sft's data file at parse (exit 2), not after the model loaded (exit 1).
+    ("sft", ["--data.path", "nope.jsonl"], {}, "data.path: no such file: nope.jsonl [flag --data.path]"),
 ]  # fmt: skip
+
+
+# Issue 48, point 8: "" was the current directory, where a fresh run cleared rollouts/ and weights/.
+OUTPUT_DIRS = [
+    ("rl", [], {"OUTPUT_DIR": "/"}, "output_dir: is the filesystem root or the home directory: give a directory of "
+     "its own for the run (got '/') [env OUTPUT_DIR]"),
+    ("orchestrator", ["--output-dir", ""], {}, "output_dir: must name a directory: an empty path would be the "
+     "current directory (got '') [flag --output-dir]"),
+    ("sft", ["--output-dir", str(Path.home())], {}, "output_dir: is the filesystem root or the home directory: give "
+     f"a directory of its own for the run (got {str(Path.home())!r}) [flag --output-dir]"),
+    ("rl", ["--output-dir", " "], {}, "output_dir: must name a directory: an empty path would be the current "
+     "directory (got ' ') [flag --output-dir]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "argv", "env", "line"), OUTPUT_DIRS, ids=[c[0] for c in OUTPUT_DIRS])
+def test_an_empty_root_or_home_output_dir_is_refused_at_parse(tmp_path, command, argv, env, line):
+    result = run(command, *argv, cwd=tmp_path, env=env)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [f"{command}: config error: {line}"])
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a log
 
 
 @pytest.mark.parametrize(("command", "argv", "env", "line"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -132,6 +163,7 @@ def test_a_start_refused_by_a_live_runs_lock_writes_nothing_into_its_logs(tmp_pa
             (logs / f"{name}.log").write_text("the live run's line\n")
         before = {p.name: p.read_text() for p in logs.iterdir()}
         started = time.monotonic()
+        (tmp_path / "x.jsonl").touch()
         result = run(command, "--output-dir", str(out), *(["--data.path", "x.jsonl"] if command == "sft" else []),
                      cwd=tmp_path)  # fmt: skip
         assert result.returncode == 1, result.stderr

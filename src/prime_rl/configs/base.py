@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "PRIME_"
@@ -62,9 +62,33 @@ def default_output_dir() -> Path:
     return Path(os.environ.get("OUTPUT_DIR") or "outputs")
 
 
-# The `output_dir` field of the three RL services: they must agree on it, so they share its default too.
+def _names_a_dir(value: Any) -> Any:
+    # Path("") is Path("."): an empty value (a blank `$X` in a script) would make the current directory the
+    # output dir, and a fresh run clears rollouts/ and weights/ there.
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("must name a directory: an empty path would be the current directory")
+    return value
+
+
+def _not_root_or_home(path: Path) -> Path:
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
+        raise ValueError("is the filesystem root or the home directory: give a directory of its own for the run")
+    return path
+
+
+# Any output directory: never empty, `/` or the home directory (a run writes and clears step dirs there).
+OutputPath = Annotated[Path, BeforeValidator(_names_a_dir), AfterValidator(_not_root_or_home)]
+
+# The `output_dir` field of the three RL services: they must agree on it, so they share its default too
+# ($OUTPUT_DIR is checked like a value given).
 OutputDir = Annotated[
-    Path, Field(default_factory=default_output_dir, description="shared output directory ($OUTPUT_DIR or outputs)")
+    OutputPath,
+    Field(
+        default_factory=default_output_dir,
+        validate_default=True,
+        description="shared output directory ($OUTPUT_DIR or outputs)",
+    ),
 ]
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,8 @@ def _source_of(loc: tuple, sources: dict, cls: type[BaseModel], exact: bool = Fa
             return loc, sources[loc[:n]]
         if env := _env_var(loc[:n]):
             return loc, f"env {env}"
+    if loc[-1:] == ("output_dir",) and os.environ.get("OUTPUT_DIR"):  # the services' default reads it
+        return min((loc, *copies), key=len), "env OUTPUT_DIR"  # `rl`: once, as its shared key
     return loc, "default"
 
 
@@ -107,9 +111,45 @@ def _field_error_line(model_loc: tuple, error: FieldError, sources: dict, cls: t
     return f"{'.'.join(loc)}: {error} [{'; '.join([source, *others])}]"
 
 
+def _union_member(cls: type[BaseModel], loc: tuple) -> int | None:
+    """Where pydantic's `loc` goes past a field into the members of its union type (`resume_step.int`,
+    `resume_step.literal['latest']`): the length of the field's own key, else None."""
+    for n in range(1, len(loc)):
+        info = field_info(cls, list(loc[:n]))
+        if info is None:
+            return None
+        annotation = unwrap(info.annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            return n
+    return None
+
+
+def _merge_union_errors(errors: list[dict], cls: type[BaseModel]) -> list[dict]:
+    """One error per value a union field refused, not one per member type: `int | Literal['latest']` given
+    'banana' is "Input should be a valid integer or 'latest'", once."""
+    merged: list[dict] = []
+    at: dict[tuple, dict] = {}
+    for e in errors:
+        loc = tuple(str(p) for p in e["loc"] if not isinstance(p, int))
+        n = _union_member(cls, loc)
+        if n is None:
+            merged.append(e)
+            continue
+        # "Input should be a valid integer, unable to parse string as an integer" -> "a valid integer"
+        wants = e["msg"].removeprefix("Value error, ").removeprefix("Input should be ").split(", ")[0]
+        if loc[:n] in at:
+            at[loc[:n]]["wants"].append(wants)
+        else:
+            at[loc[:n]] = {**e, "loc": loc[:n], "wants": [wants]}
+            merged.append(at[loc[:n]])
+    for e in at.values():
+        e["msg"] = "Input should be " + " or ".join(dict.fromkeys(e.pop("wants")))
+    return merged
+
+
 def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseModel]) -> list[str]:
     lines: list[str] = []
-    for e in err.errors():
+    for e in _merge_union_errors(err.errors(), cls):
         loc = tuple(str(p) for p in e["loc"] if not isinstance(p, int))
         msg = e["msg"].removeprefix("Value error, ")
         if isinstance(error := e.get("ctx", {}).get("error"), FieldError):
@@ -125,7 +165,8 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
             elif e["type"] == "missing":
                 msg = "too few items" if isinstance(e["loc"][-1], int) else "required but not set"
             elif "input" in e and not isinstance(e["input"], dict) and not isinstance(error, ShowsValue):
-                msg = f"{msg} (got {e['input']!r})"
+                shown = str(e["input"]) if isinstance(e["input"], Path) else e["input"]  # a default's Path
+                msg = f"{msg} (got {shown!r})"
             line = f"{'.'.join(loc)}: {msg} [{source}]{hint}"
         if line not in lines:  # a shared key of `rl` fails once, not once per service it was copied to
             lines.append(line)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from prime_rl.configs import BaseConfig, LogConfig, ModelConfig
+from prime_rl.configs import BaseConfig, LogConfig, ModelConfig, OutputPath
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 
 
@@ -15,7 +15,7 @@ class EvalConfig(BaseConfig):
     """Evaluates environments against an inference server, optionally for every weights/step_n."""
 
     model: Annotated[ModelConfig, Field(description="the model the server serves")] = ModelConfig()
-    output_dir: Annotated[Path, Field(description="where eval/ results go")] = Path("outputs/eval")
+    output_dir: Annotated[OutputPath, Field(description="where eval/ results go")] = Path("outputs/eval")
     env_ids: Annotated[
         list[str], Field(min_length=1, description="environments to evaluate (built-in names or module:function)")
     ] = ["arithmetic"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import (
@@ -22,13 +23,31 @@ from prime_rl.configs.shared import (
     EnvVars,
     ParityConfig,
     SelfHangTimeout,
+    ShowsValue,
     WandbConfig,
 )
 
 
+def _http_url(url: str) -> str:
+    # Checked here: httpx refuses another scheme per request (`UnsupportedProtocol`), which the client retried
+    # until client.health_timeout (600 s) ran out.
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError as e:
+        raise ShowsValue(f"{url!r} is not a URL ({e}); e.g. http://host:8000/v1") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ShowsValue(f"{url!r} is not an http(s) URL with a host; e.g. http://host:8000/v1")
+    return url
+
+
+# A server's OpenAI-compatible base URL.
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+
+
 class ClientConfig(Section):
     base_url: Annotated[
-        list[str], Field(min_length=1, description="OpenAI-compatible base URL(s) of the inference server(s)")
+        list[HttpUrl], Field(min_length=1, description="OpenAI-compatible base URL(s) of the inference server(s)")
     ] = ["http://localhost:8000/v1"]
     traffic_share: Annotated[
         list[float] | None,
@@ -160,7 +179,7 @@ class TeacherConfig(Section):
     μ being the student's sampling logprob (docs/design.md §6)."""
 
     base_url: Annotated[
-        list[str],
+        list[HttpUrl],
         Field(min_length=1, description="OpenAI-compatible base URL(s) of the teacher server(s); rl sets it to the "
               "teacher it starts ([teacher])"),
     ] = ["http://localhost:8001/v1"]  # fmt: skip

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from pathlib import Path
 from typing import Annotated, Any, ClassVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
-from prime_rl.configs.base import ENV_PREFIX, BaseConfig, FieldError, Section
+from prime_rl.configs.base import ENV_PREFIX, BaseConfig, FieldError, OutputPath, Section
 from prime_rl.configs.fields import expand_shorthands
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.orchestrator import OrchestratorConfig
@@ -67,7 +66,7 @@ class RLConfig(BaseConfig):
         OrchestratorConfig, Field(default_factory=OrchestratorConfig, description="orchestrator config")
     ]
     trainer: Annotated[TrainerConfig, Field(default_factory=TrainerConfig, description="trainer config")]
-    output_dir: Annotated[Path | None, Field(description="shared output directory for all services")] = None
+    output_dir: Annotated[OutputPath | None, Field(description="shared output directory for all services")] = None
     model: Annotated[SharedModelConfig, Field(description="shared model")] = SharedModelConfig()
     max_steps: Annotated[int | None, Field(ge=1, description="training steps (orchestrator and trainer)")] = None
     async_level: Annotated[int | None, Field(ge=0, description="max policy lag of the rollouts")] = None

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from prime_rl.configs import Section
-from prime_rl.configs.shared import StepLogConfig, WandbConfig
+from prime_rl.configs import OutputPath, Section
+from prime_rl.configs.shared import CHECK_MODEL_PATHS, ShowsValue, StepLogConfig, WandbConfig
 from prime_rl.configs.slurm import SlurmConfig
 from prime_rl.configs.training import OptimConfig, TrainingConfig
 
@@ -39,6 +39,16 @@ class SFTDataConfig(Section):
     ] = "messages"
     shuffle: Annotated[bool, Field(description="reshuffle the rows every epoch (seeded)")] = True
 
+    @field_validator("path")
+    @classmethod
+    def _readable(cls, path: Path | None) -> Path | None:
+        # At parse (exit 2), not after the model loaded (it was exit 1, seconds later).
+        if path is not None and path.suffix not in (".jsonl", ".parquet"):
+            raise ValueError("expected a .jsonl or .parquet file")
+        if path is not None and CHECK_MODEL_PATHS.get() and not path.is_file():
+            raise ShowsValue(f"no such file: {path}")
+        return path
+
     @model_validator(mode="after")
     def _one_source(self):
         if sum(x is not None for x in (self.path, self.name, self.env_id)) != 1:
@@ -67,8 +77,8 @@ class SFTValConfig(Section):
 class SFTConfig(TrainingConfig):
     """FSDP2 supervised fine-tuning on prompt-completion data; loss only on completion tokens."""
 
-    output_dir: Annotated[Path, Field(description="weights/, checkpoints/, logs/sft.log, metrics/sft.jsonl")] = Path(
-        "outputs/sft"
+    output_dir: Annotated[OutputPath, Field(description="weights/, checkpoints/, logs/sft.log, metrics/sft.jsonl")] = (
+        Path("outputs/sft")
     )
     data: Annotated[SFTDataConfig, Field(description="training data")] = SFTDataConfig(path=Path("data.jsonl"))
     seq_len: Annotated[int, Field(ge=8, description="tokens per packed row; longer samples are truncated")] = 2048

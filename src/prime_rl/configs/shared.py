@@ -33,7 +33,8 @@ class LoraConfig(Section):
 
 
 # Set while a command parses its own config (`parse_config`), unless it submits to Slurm (the job checks on its
-# node): only then must a local model path exist. A Python caller may name a path an earlier step writes.
+# node): only then must a local model path (and `sft`'s data.path) exist. A Python caller may name a path an
+# earlier step writes.
 CHECK_MODEL_PATHS: ContextVar[bool] = ContextVar("CHECK_MODEL_PATHS", default=False)
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 
-from prime_rl.protocol import DiskFull, RunLocked, WriterDead
+from prime_rl.protocol import DiskFull, RunLocked, UnsafeOutputDir, WriterDead
 from prime_rl.utils.logging import console_only
 from prime_rl.utils.process import FATAL, PEER_LOST, PREEMPTED, StopRequested
 
@@ -31,10 +31,11 @@ def run_service(
     interrupted: str | None = None,
     fatal: tuple[type[BaseException], ...] = (),
 ) -> None:
-    """Call `run()`. A known failure (`errors`) is one ERROR line and exit status 1 (FATAL for a full disk and
-    `fatal`: a restart cannot help; PEER_LOST when the peer it waited on went silent), a stop on a stop signal
-    a WARNING and `stopped`, Ctrl-C exit 130 (after `interrupted`, if given): never a traceback for these. A
-    start refused by another run's lock (RunLocked) is told on the console only, never in that run's log file."""
+    """Call `run()`. A known failure (`errors`) is one ERROR line and exit status 1 (FATAL for a full disk,
+    an output dir it must not touch (UnsafeOutputDir) and `fatal`: a restart cannot help; PEER_LOST when the
+    peer it waited on went silent), a stop on a stop signal a WARNING and `stopped`, Ctrl-C exit 130 (after
+    `interrupted`, if given): never a traceback for these. A start refused by another run's lock (RunLocked) is
+    told on the console only, never in that run's log file."""
     try:
         run()
     except RunLocked as e:  # another run holds the output dir: its log file is not ours to write
@@ -44,7 +45,7 @@ def run_service(
     except WriterDead as e:
         logger.error(str(e))
         raise SystemExit(PEER_LOST) from None
-    except (DiskFull, *fatal) as e:
+    except (DiskFull, UnsafeOutputDir, *fatal) as e:
         logger.error(str(e))
         raise SystemExit(FATAL) from None
     except errors as e:

@@ -13,10 +13,13 @@ from prime_rl.utils.run_record import write_run_config
 def main() -> None:
     config = parse_config(EvalConfig, prog="eval")
     setup_logging("eval", config.output_dir, config.log.level, config.log.file)
-    write_run_config(config, "eval", config.output_dir)
     from prime_rl.eval.eval import ERRORS, run
 
-    run_service(lambda: run(config), ERRORS)
+    def recorded() -> None:
+        write_run_config(config, "eval", config.output_dir)
+        run(config)
+
+    run_service(recorded, ERRORS)
 
 
 if __name__ == "__main__":

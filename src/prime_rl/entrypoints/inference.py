@@ -17,11 +17,14 @@ def main() -> None:
     config = parse_config(InferenceConfig, prog="inference")
     apply_env_vars(config.env_vars)
     setup_logging("inference", config.output_dir, config.log.level, config.log.file)
-    write_run_config(config, "inference", config.output_dir)
     ignore_usr1()  # a job's stop signal is for the trainer and orchestrator; the engine's processes inherit this
     from prime_rl.inference.server import run
 
-    run_service(lambda: run(config), (StartupError,), fatal=(BadVllmFlag,))
+    def recorded() -> None:
+        write_run_config(config, "inference", config.output_dir)
+        run(config)
+
+    run_service(recorded, (StartupError,), fatal=(BadVllmFlag,))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from prime_rl.configs import parse_config
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.entrypoints import apply_env_vars, run_service
 from prime_rl.protocol import RunLock
+from prime_rl.protocol.prepare import check_ours
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import ignore_usr1
 from prime_rl.utils.run_record import write_run_config
@@ -22,6 +23,7 @@ def main() -> None:
 
     def locked() -> None:
         with RunLock(config.output_dir, "orchestrator"):
+            check_ours(config.output_dir)  # before its record marks the dir as a run's: its fresh start deletes
             write_run_config(config, "orchestrator", config.output_dir)
             run(config)
 

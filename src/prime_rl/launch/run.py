@@ -17,6 +17,7 @@ from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inf
 from prime_rl.launch.watchdog import Watchdog
 from prime_rl.protocol import RUN_VAR, log_file, prepare_output_dir, run_dir, run_locks
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
+from prime_rl.protocol.prepare import check_ours
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import logger
 from prime_rl.utils.run_record import write_run_config
@@ -32,6 +33,7 @@ def run(config: RLConfig) -> None:
 def _run(config: RLConfig, lock_token: str) -> None:
     started = time.time()  # the status line counts only metrics records written from now: not an earlier run's
     output_dir = config.orchestrator.output_dir
+    check_ours(output_dir)  # at once, not after the checks below (seconds)
     check_environments(config)
     check_model_source(config.inference.model.name, ValueError)  # no network: one line now, not after 56 s
     if said := memory_warning(config, count_gpus()):

@@ -3,20 +3,29 @@
 torchrun ends a failed worker with a `ChildFailedError` traceback and a summary table, and an ordered stop
 with a `SignalException` traceback: the cause (the worker's own ERROR line) scrolls away behind them, and a
 launcher reading the log's last lines shows boilerplate. Here a failure is one line naming the first rank
-that failed, and the exit status is that worker's own (so FATAL and PEER_LOST reach the launcher); a stop
-signal exits 128 + its number, quietly.
+that failed (torch's own `failed (exitcode: N)` log line is dropped), and the exit status is that worker's own
+(so FATAL and PEER_LOST reach the launcher); a stop signal exits 128 + its number, quietly.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 
+def _not_the_exit_summary(record: logging.LogRecord) -> bool:
+    """torch's agent logs `failed (exitcode: N) local_rank: ...` beside the line `main` prints for the same
+    failure; that one goes."""
+    return not str(record.msg).startswith("failed (exitcode:")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    api.logger.addFilter(_not_the_exit_summary)
     try:
         run(parse_args(argv))
     except ChildFailedError as e:

@@ -32,6 +32,22 @@ class DiskFull(OSError):
     """The filesystem under the output dir is full (or over quota); the message names what was being written."""
 
 
+class UnsafeOutputDir(OSError):
+    """The output dir holds what a run must not write over or delete: step dirs no prime-rl run wrote, or a
+    symbolic link planted where a run writes. The message names the path."""
+
+
+def refuse_links(*paths: Path) -> None:
+    """UnsafeOutputDir naming the first of `paths` (where a run is about to write or delete a directory) that is
+    a symbolic link: a run never makes one there, and following it would write into, or delete, its target."""
+    for path in paths:
+        if Path(path).is_symlink():
+            raise UnsafeOutputDir(
+                f"{path} is a symbolic link (to {os.readlink(path)}), where a run writes a directory of its own: "
+                "remove the link"
+            )
+
+
 def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
     if error is None or depth > 8:
         return False
@@ -45,17 +61,51 @@ def _out_of_space(error: BaseException | None, depth: int = 0) -> bool:
     return _out_of_space(error.__cause__ or error.__context__, depth + 1)
 
 
+# Below this much free space a failed write is taken for a full disk: torch's zip writer (torch.save, DCP's
+# shards) reports ENOSPC as "[enforce fail at inline_container.cc:672] unexpected pos", the errno lost.
+NEARLY_FULL = 1 << 20
+
+
+def _no_space_left(path: Path) -> bool:
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free < NEARLY_FULL
+    except OSError:
+        return False
+
+
+def is_disk_full(error: BaseException, path: Path) -> bool:
+    """Whether `error`, raised while writing `path`, means its filesystem is full (or over quota)."""
+    failed = isinstance(error, Exception) or getattr(error, "failures", None) is not None  # not a signal or exit
+    return failed and (_out_of_space(error) or _no_space_left(path))
+
+
 @contextmanager
 def writing(path: Path) -> Iterator[None]:
-    """Turn running out of disk space while writing `path` (however deep the error) into one DiskFull line."""
+    """Turn running out of disk space while writing `path` (however deep the error, whatever torch made of it)
+    into one DiskFull line."""
     try:
         yield
     except DiskFull:
         raise
-    except Exception as e:
-        if _out_of_space(e):
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if is_disk_full(e, path):
             raise DiskFull(f"no space left on the device of {path} while writing it; free space there") from None
         raise
+
+
+def unreadable(path: Path, what: str, error: BaseException) -> str:
+    """One line for a file of the output dir that cannot be read: which file, what it should be, and the first
+    sentence of why (torch's own messages run to paragraphs; a truncated file can even be `[Errno 22]`)."""
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint: each rank's (exception, traceback)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    reason = f"{type(error).__name__}: {error}".splitlines()[0]
+    reason = reason.split(". ")[0][:200]
+    return f"{path}: not a readable {what} (cut short or overwritten?): {reason}"
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
@@ -129,6 +179,8 @@ def prune_steps(parent: Path, keep: int, protect: Iterable[int] = ()) -> list[in
         if step in kept or step in protected or (kept and step > max(kept)):
             continue
         target = Path(parent) / f"step_{step}"
+        if target.is_symlink():  # not ours (a run never makes one): never delete in its target
+            continue
         # Drop the marker first so a concurrent reader never takes a half-deleted dir as complete.
         (target / STABLE).unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)

@@ -13,6 +13,12 @@ def run_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "run"
 
 
+def run_record_file(output_dir: Path) -> Path:
+    """`run/versions.json`: written by every command before anything else (utils/run_record.py), so a dir that
+    holds it is one a prime-rl run wrote; only there may a run delete the step dirs it finds (protocol.prepare)."""
+    return run_dir(output_dir) / "versions.json"
+
+
 def stopped_file(output_dir: Path, service: str) -> Path:
     """Present while `service`'s last run stopped on a stop signal (not done): what a job script checks."""
     return run_dir(output_dir) / f"{service}.stopped"

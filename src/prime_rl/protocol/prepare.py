@@ -12,9 +12,36 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from prime_rl.protocol.files import clear_previous_run
+from prime_rl.protocol.files import UnsafeOutputDir, clear_previous_run
 from prime_rl.protocol.lock import RunLock
-from prime_rl.protocol.paths import STABLE, heartbeat_dir, list_steps, rollout_step_dir, rollouts_dir
+from prime_rl.protocol.paths import (
+    STABLE,
+    checkpoints_root,
+    heartbeat_dir,
+    list_steps,
+    rollout_step_dir,
+    rollouts_dir,
+    run_record_file,
+    weights_root,
+)
+
+
+def check_ours(output_dir: Path) -> None:
+    """Refuse (UnsafeOutputDir) a dir holding `rollouts/`, `weights/` or `checkpoints/` step dirs but no
+    `run/versions.json`, the record every command writes first: no prime-rl run wrote them (a user's own
+    `weights/step_1`, a mistyped --output-dir), and a fresh run would delete them. Called by the commands whose
+    fresh start deletes (`rl`, the orchestrator) before they write that record, and by `prepare_output_dir`. The
+    trainer does not check: it reads rollouts written before it starts (by hand, in tests)."""
+    if run_record_file(output_dir).is_file():
+        return
+    found = [f"{parent.name}/step_{s}" for parent in (rollouts_dir(output_dir), weights_root(output_dir),
+             checkpoints_root(output_dir)) for s in list_steps(parent)]  # fmt: skip
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise UnsafeOutputDir(
+            f"{Path(output_dir).resolve()} holds {', '.join(found[:3])}{more} but no run/versions.json: "
+            "no prime-rl run wrote them, and a run there would delete them; move them or choose another output_dir"
+        )
 
 
 def prepare_output_dir(output_dir: Path, resume_step: int | None, *, launcher: bool = False) -> str:
@@ -29,6 +56,7 @@ def prepare_output_dir(output_dir: Path, resume_step: int | None, *, launcher: b
     since the interrupted run may have written some the resumed one redoes; earlier ones stay for a trainer
     that resumes at an earlier step, and so do the weights (the inference server may be serving them).
     """
+    check_ours(output_dir)
     if launcher:
         for beat in heartbeat_dir(output_dir).glob("*.json"):
             beat.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from prime_rl.protocol.files import atomic_write
+from prime_rl.protocol.files import atomic_write, unreadable
 from prime_rl.protocol.paths import rank_file
 
 RANK_FILE_VERSION = 3
@@ -187,9 +187,19 @@ def write_rank_file(output_dir: Path, step: int, rank: int, micro_batches: list[
 
 
 def read_rank_file(path: Path, step: int, rank: int) -> list[MicroBatch]:
-    record = torch.load(path, weights_only=True)
+    """The micro batches of a rank file; any problem is a ValueError whose message starts with the file (a
+    truncated one fails in torch.load as EOFError, RuntimeError, UnpicklingError or OSError [Errno 22])."""
+    try:
+        record = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise ValueError(unreadable(path, "rank file", e)) from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not a rank file (a {type(record).__name__}, not a dict)")
     if record.get("version") != RANK_FILE_VERSION:
         raise ValueError(f"{path}: rank file version {record.get('version')}, expected {RANK_FILE_VERSION}")
     if record.get("step") != step or record.get("rank") != rank:
         raise ValueError(f"{path}: holds step {record.get('step')} rank {record.get('rank')}, expected {step}/{rank}")
-    return [MicroBatch.from_dict(d) for d in record["micro_batches"]]
+    try:
+        return [MicroBatch.from_dict(d) for d in record["micro_batches"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: malformed rank file: {type(e).__name__}: {e}") from None

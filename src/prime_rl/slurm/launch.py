@@ -308,7 +308,7 @@ def prepare_for_run(config) -> None:
 
 def submit(config, service: str, argv: list[str] | None = None) -> int:
     """Render the job of `config` (`service` = rl or sft); print it (dry run) or write and sbatch it. Exit status."""
-    from prime_rl.protocol import RunLocked
+    from prime_rl.protocol import RunLocked, UnsafeOutputDir
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -319,6 +319,9 @@ def submit(config, service: str, argv: list[str] | None = None) -> int:
         if service == "rl":
             prepare_for_run(config)
         script = write_job(job)
+    except UnsafeOutputDir as e:  # permanent, as in run_service
+        print(f"{service}: {e}", file=sys.stderr)
+        return 2
     except (ValueError, RunLocked) as e:
         print(f"{service}: {e}", file=sys.stderr)
         return 1

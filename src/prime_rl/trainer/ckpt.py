@@ -37,8 +37,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from prime_rl.protocol import atomic_write, is_stable, mark_stable, trainer_checkpoint_dir, writing
+from prime_rl.protocol import (
+    atomic_write,
+    is_disk_full,
+    is_stable,
+    mark_stable,
+    refuse_links,
+    trainer_checkpoint_dir,
+    unreadable,
+    writing,
+)
 from prime_rl.protocol.paths import STABLE
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import adapter_config
@@ -133,18 +143,37 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     path = _fresh_dir(output_dir, step, rank)
-    with writing(path):
-        dcp.save(_app_state(model, optimizer, scheduler, progress), checkpoint_id=path)
-        _write_small_files(path, files, rank)
+    try:
+        with writing(path):
+            dcp.save(_app_state(model, optimizer, scheduler, progress), checkpoint_id=path)
+            _write_small_files(path, files, rank)
+    except CheckpointException as e:  # a BaseException: it would pass every handler as a traceback
+        _discard(path, rank)
+        raise CheckpointError(f"writing checkpoint {path} failed: {_describe(e)}") from None
+    except BaseException:
+        _discard(path, rank)
+        raise
     dist.barrier()
     if rank == 0:
         mark_stable(path)
     return path
 
 
+def _discard(path: Path, rank: int) -> None:
+    """A checkpoint whose write failed goes at once (rank 0): its space back, and no half-written dir beside
+    the complete ones (resume would skip it, having no STABLE; a person listing checkpoints/ would not)."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            path.parent.rmdir()  # checkpoints/step_n too, unless the orchestrator's record is there
+        except OSError:
+            pass
+
+
 def _fresh_dir(output_dir: Path, step: int, rank: int) -> Path:
     """Collective: the empty (or absent) dir of checkpoint `step`."""
     path = trainer_checkpoint_dir(output_dir, step)
+    refuse_links(path.parent, path)
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # an incomplete leftover (or an older run's): DCP must not mix its files in
     dist.barrier()
@@ -212,12 +241,16 @@ class AsyncCheckpointer:
         if self.in_flight is not None:
             raise RuntimeError(f"checkpoint {self.in_flight.path} is still being written: finish() it first")
         path = _fresh_dir(output_dir, step, self.rank)
-        with writing(path):
-            # Before the shards: a rank takes part in DCP's first gather only after this, so a write that
-            # ended on every rank (DCP's finish gather) also means every rank's small files are there.
-            _write_small_files(path, files, self.rank)
-            state = _app_state(model, optimizer, scheduler, progress)
-            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group, async_stager=self.stager)
+        try:
+            with writing(path):
+                # Before the shards: a rank takes part in DCP's first gather only after this, so a write that
+                # ended on every rank (DCP's finish gather) also means every rank's small files are there.
+                _write_small_files(path, files, self.rank)
+                state = _app_state(model, optimizer, scheduler, progress)
+                future = dcp.async_save(state, checkpoint_id=path, process_group=self.group, async_stager=self.stager)
+        except BaseException:
+            _discard(path, self.rank)
+            raise
         in_flight = self.in_flight = InFlight(path, step, future)
         future.add_done_callback(lambda f: self._written(in_flight, f))
         return path
@@ -249,11 +282,15 @@ class AsyncCheckpointer:
         # Every rank agrees before STABLE (and every rank raises if one failed, rather than one rank going on).
         failed = torch.tensor([float(error is not None)])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        if error is not None:
-            with writing(in_flight.path):
-                raise CheckpointError(f"writing checkpoint {in_flight.path} failed: {_describe(error)}") from error
-        if failed.item() > 0:
-            raise CheckpointError(f"writing checkpoint {in_flight.path} failed on another rank")
+        try:
+            if error is not None:
+                with writing(in_flight.path):  # a full disk is DiskFull, judged before the dir goes
+                    raise CheckpointError(f"writing checkpoint {in_flight.path} failed: {_describe(error)}") from error
+            if failed.item() > 0:
+                raise CheckpointError(f"writing checkpoint {in_flight.path} failed on another rank")
+        except BaseException:
+            _discard(in_flight.path, self.rank)
+            raise
         if self.rank == 0 and not is_stable(in_flight.path):
             mark_stable(in_flight.path)
         return in_flight
@@ -267,7 +304,9 @@ class AsyncCheckpointer:
         try:
             error = in_flight and in_flight.future.exception()
             if error:
-                logger.warning(f"checkpoint {in_flight.path} not written (left without {STABLE}): {_describe(error)}")
+                why = "no space left on its device" if is_disk_full(error, in_flight.path) else _describe(error)
+                logger.warning(f"checkpoint {in_flight.path} not written (removed): {why}")
+                _discard(in_flight.path, self.rank)
             elif in_flight and self.rank == 0 and not is_stable(in_flight.path):  # the done callback's mark failed
                 mark_stable(in_flight.path)
         except OSError as e:  # never hide the error this exit is about
@@ -293,7 +332,11 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     path = trainer_checkpoint_dir(output_dir, step)
     base_lrs = list(scheduler.base_lrs)
     state = _app_state(model, optimizer, scheduler, Progress())
-    dcp.load(state, storage_reader=_safe_reader(path))
+    reader = _safe_reader(path)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as e:  # DCP's own is a BaseException holding each rank's error
+        raise CheckpointError(unreadable(path, "trainer checkpoint", e)) from None
     options = state_dict_options(model)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(state["scheduler"])
@@ -305,7 +348,10 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(unreadable(rng_file, "RNG state", e)) from None
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

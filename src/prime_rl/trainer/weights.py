@@ -42,6 +42,7 @@ from prime_rl.protocol import (
     checkpoint_steps,
     mark_stable,
     prune_steps,
+    refuse_links,
     stamp,
     weights_dir,
     weights_root,
@@ -161,6 +162,8 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
     # Written beside, then renamed in: a server may be loading a complete `step_n` of an earlier attempt
     # (a resumed run redoes steps), which must never be seen half-deleted or half-written.
     partial = path.with_name(path.name + ".partial")
+    replaced = path.with_name(path.name + ".replaced")
+    refuse_links(partial, path, replaced)  # on every rank (the dir is shared): none waits for rank 0 alone
     peak = PeakMemory()
     try:
         with writing(path):
@@ -203,7 +206,6 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
         raise
     if rank != 0:
         return None
-    replaced = path.with_name(path.name + ".replaced")
     shutil.rmtree(replaced, ignore_errors=True)
     if path.exists():
         os.rename(path, replaced)  # open files of a reader stay valid; new readers see the new dir

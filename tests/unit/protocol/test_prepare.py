@@ -5,19 +5,24 @@ import pytest
 from prime_rl.protocol import (
     RunLock,
     RunLocked,
+    UnsafeOutputDir,
+    atomic_write_text,
     list_steps,
     mark_stable,
     prepare_output_dir,
     rank_file,
     rollouts_dir,
     run_locks,
+    run_record_file,
     weights_dir,
     weights_root,
 )
 
 
 def earlier_run(out) -> None:
-    """Rollouts of steps 0..4 (complete), weights of steps 3 and 4, a checkpoint at step 3."""
+    """Rollouts of steps 0..4 (complete), weights of steps 3 and 4, a checkpoint at step 3, and the record every
+    command writes at its start."""
+    atomic_write_text(run_record_file(out), "{}")
     for step in range(5):
         rank_file(out, step, 0).parent.mkdir(parents=True)
         mark_stable(rank_file(out, step, 0).parent)
@@ -33,6 +38,22 @@ def test_a_fresh_run_clears_rollouts_and_weights_and_keeps_checkpoints(tmp_path)
     assert said == f"fresh start: removed rollouts/step_0..4, weights/step_3..4 left in {tmp_path} by an earlier run"
     assert list_steps(rollouts_dir(tmp_path)) == [] and list_steps(weights_root(tmp_path)) == []
     assert (tmp_path / "checkpoints" / "step_3").is_dir()
+
+
+def test_step_dirs_no_prime_rl_run_wrote_are_refused_and_left_alone(tmp_path):
+    """Issue 48, point 8: a fresh run deleted rollouts/step_* and weights/step_* wherever it was pointed (the
+    current directory, for `--output-dir ""`). Without the record of a prime-rl run there, nothing is deleted."""
+    earlier_run(tmp_path)
+    run_record_file(tmp_path).unlink()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for resume_step in (None, 3):
+        with pytest.raises(
+            UnsafeOutputDir,
+            match=rf"^{tmp_path} holds rollouts/step_0, rollouts/step_1, "
+            r"rollouts/step_2 and 5 more but no run/versions.json: no prime-rl run wrote them",
+        ):
+            prepare_output_dir(tmp_path, resume_step, launcher=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_a_resumed_run_drops_rollouts_from_its_start_step_on_and_keeps_the_rest(tmp_path):

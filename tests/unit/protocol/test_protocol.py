@@ -210,3 +210,19 @@ def test_broadcast_buckets_are_runs_of_one_dtype_within_the_byte_limit():
     assert buckets(specs, limit=40) == [[0, 1], [2], [3, 4], [5]]  # c (40 bytes) would overflow a+b's bucket
     assert buckets(specs, limit=1) == [[0], [1], [2], [3], [4], [5]]  # each larger than the limit: alone
     assert [i for run in buckets(specs) for i in run] == list(range(len(specs)))
+
+
+def test_a_truncated_rank_file_is_one_value_error_naming_it(tmp_path):
+    """Issue 48, point 9: cut short at some lengths, torch.load raises `OSError: [Errno 22] Invalid argument`,
+    which the trainer let through as a 34-line traceback naming no file."""
+    path = write_rank_file(tmp_path, 0, 0, [MicroBatch.padding(100_000, 1.0)] * 3)
+    data = path.read_bytes()
+    reasons = set()
+    for n in range(0, len(data), len(data) // 200):
+        path.write_bytes(data[:n])
+        with pytest.raises(ValueError) as raised:
+            read_rank_file(path, 0, 0)
+        assert len(str(raised.value).splitlines()) == 1
+        assert str(raised.value).startswith(f"{path}: not a readable rank file (cut short or overwritten?): ")
+        reasons.add(str(raised.value).split("?): ")[1].split(":")[0])
+    assert "OSError" in reasons, reasons  # the case reported, among EOFError and torch's RuntimeError

@@ -56,3 +56,23 @@ def test_a_truncated_index_names_the_checkpoint(checkpoint):
     index.write_bytes(index.read_bytes()[:40])
     with pytest.raises(CheckpointError, match=rf"{index}: not a readable checkpoint index"):
         load_hf_state_dict(checkpoint)
+
+
+@pytest.mark.parametrize(("name", "what"), [("__0_0.distcp", "trainer checkpoint"), ("rng_rank0.pt", "RNG state")])
+def test_a_truncated_shard_or_rng_file_is_one_error_naming_it(tiny_model, tmp_path, one_rank, name, what):
+    """Issue 48, point 9: a cut-short shard was DCP's CheckpointException (a BaseException: a raw traceback)."""
+    from prime_rl.trainer.ckpt import Progress, load_checkpoint, save_checkpoint
+    from prime_rl.trainer.model import build_model
+    from prime_rl.trainer.weights import build_model_files
+
+    model = build_model(str(tiny_model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = save_checkpoint(
+        tmp_path, 1, model, optimizer, scheduler, Progress(step=1), build_model_files(str(tiny_model)), 0
+    )
+    damaged = path / name
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 3])
+    shown = path if name.endswith(".distcp") else damaged
+    with pytest.raises(CheckpointError, match=rf"^{shown}: not a readable {what} \(cut short or overwritten\?\): "):
+        load_checkpoint(tmp_path, 1, model, optimizer, scheduler, 0)
