@@ -143,7 +143,11 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
         async with AsyncExitStack() as stack:
             client = await stack.enter_async_context(
                 InferenceClient(
-                    config.client, config.model.name, adapter=config.model.adapter, inflight=inflight_ask(config)
+                    config.client,
+                    config.model.name,
+                    adapter=config.model.adapter,
+                    inflight=inflight_ask(config),
+                    output_dir=config.output_dir,
                 )
             )
             teacher = await open_teacher(config, stack)
