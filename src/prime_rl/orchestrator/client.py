@@ -289,11 +289,14 @@ class InferenceClient:
             url = f"{server.base}{path}"
             body = body | {"model": self.request_model}
             server.requests += 1
+            updates = self.weights.updates
             try:
                 data, headers = await self._exchange("POST", url, body, server)
                 weight_step = weight_step_of(headers)
-                if weight_step is not None and weight_step < self.weights.floor:  # e.g. a restarted server
-                    stale.append(f"{server.base} step {weight_step}")
+                if weight_step is not None and weight_step < self.weights.floor:
+                    if self.weights.updates != updates:  # it ran across an update (e.g. an eval): asked again
+                        continue
+                    stale.append(f"{server.base} step {weight_step}")  # e.g. a server restarted since its update
                     if len(stale) >= STALE_ANSWERS:
                         raise InferenceError(
                             f"POST {path}: {len(stale)} answers sampled from weights older than step "

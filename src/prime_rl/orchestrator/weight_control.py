@@ -56,6 +56,7 @@ class WeightControl:
         self.output_dir = output_dir  # the run's OUTPUT_DIR (its weights/step_k); None: no run (eval, a teacher)
         self.floor = 0  # the oldest weight step a completion may come from (the client's set_floor)
         self._restoring: dict[str, asyncio.Lock] = {}  # per server: one restore at a time
+        self.updates = 0  # pool-wide updates and broadcasts started: an answer older than one it straddled is no fault
         self.inflight = inflight  # what updates ask of requests in flight ("continue"); None: the server's default
         self._finishing: set[str] = set()  # servers said to swap between requests (logged once each)
         self.failed: set[tuple[int, str]] = set()  # (step, group) of broadcasts that failed: never asked again
@@ -135,6 +136,7 @@ class WeightControl:
         any other failure is an error.
         """
         self.weight_dir = weight_dir
+        self.updates += 1
 
         async def one(server: Server) -> None:
             try:
@@ -178,6 +180,7 @@ class WeightControl:
         the live servers' seats (their /health `weight_receivers`)."""
         # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
         self.weight_dir = None  # the pool serves broadcast steps now: a dir loaded before is no longer its policy
+        self.updates += 1
         servers = self.pool.live()
         if not servers:
             await self.pool.revive(f"no inference server is up to take weight step {step}", self.load)

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
+from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.orchestrator.client import STALE_ANSWERS, InferenceClient, InferenceError
+from prime_rl.orchestrator.policy import wait_for_policy
 from prime_rl.protocol import weights_dir
 from prime_rl.protocol.files import mark_stable
 
@@ -42,6 +43,7 @@ class Server:
 
     def __init__(self, step: int = 0, port: int = 0, lying: bool = False):
         self.step, self.lying = step, lying
+        self.gate: threading.Semaphore | None = None  # when set, each generation answers once given a permit
         self.updates: list[str] = []
         self.requests = 0
         fake = self
@@ -72,7 +74,10 @@ class Server:
                     fake.step = int(source.name.removeprefix("step_"))
                     return self.reply({"step": fake.step, "checksum": None})
                 fake.requests += 1
-                self.reply(chat_answer(body["n"]), sampled=0 if fake.lying else None)
+                arrived = fake.step  # x-weight-step: the step held when the request arrived
+                if fake.gate is not None:
+                    fake.gate.acquire(timeout=BOUND)
+                self.reply(chat_answer(body["n"]), sampled=0 if fake.lying else arrived)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
@@ -218,3 +223,61 @@ def test_a_server_that_keeps_sampling_old_weights_after_reloads_fails_the_reques
         + ", ".join([f"{restarted.url} step 0"] * STALE_ANSWERS)
     )
     assert restarted.requests == STALE_ANSWERS
+
+
+def test_requests_running_while_the_trainers_weights_are_awaited_keep_the_previous_floor(tmp_path, started):
+    """Continuous mode with max_off_policy_steps = async_level = 1: step 3 needs weights 2, which the trainer has
+    not written yet. Requests running meanwhile sample weights 1, still the previous step's policy: they are
+    answered (the floor rises once the servers hold step 2), not thrown away or failed for an absent step_2."""
+    write_weights(tmp_path, 1)
+    servers = [Server(step=1)]
+    started.extend(servers)
+    config = OrchestratorConfig(
+        output_dir=tmp_path, batch_size=4, rollouts_per_example=2, max_inflight=8, max_off_policy_steps=1,
+        async_level=1, client={"base_url": [servers[0].url]},
+    )  # fmt: skip
+
+    async def go():
+        async with InferenceClient(config.client, "m", output_dir=tmp_path) as client:
+            assert await wait_for_policy(client, config, 2, {}) == 1 and client.weights.floor == 1
+            policy = asyncio.create_task(wait_for_policy(client, config, 3, {}))
+            answers = await asyncio.gather(*(client.chat([], 1, SamplingConfig()) for _ in range(4)))
+            assert not policy.done()  # still waiting for weights/step_2
+            write_weights(tmp_path, 2)
+            held = await asyncio.wait_for(policy, BOUND)
+            return answers, held, client.weights.floor
+
+    answers, held, floor = asyncio.run(go())
+    assert [a[0].weight_step for a in answers] == [1] * 4 and (held, floor) == (2, 2)
+    assert servers[0].updates == [str(weights_dir(tmp_path, 2))]
+
+
+def test_answers_older_than_updates_they_ran_across_are_asked_again_without_a_restore_or_a_count(
+    tmp_path, started, caplog
+):
+    """A request (an eval, say) that arrived before an update and answers after the floor rose: its policy was
+    current when it started, so it is asked again on the new weights, with no restore, and not counted towards
+    STALE_ANSWERS: here it runs across STALE_ANSWERS updates in a row and is still answered."""
+    write_weights(tmp_path, *range(3, 4 + STALE_ANSWERS))
+    servers = [Server(step=3)]
+    servers[0].gate = threading.Semaphore(0)
+    started.extend(servers)
+    config = ClientConfig(base_url=[servers[0].url], max_retries=0)
+
+    async def go():
+        async with InferenceClient(config, "m", output_dir=tmp_path) as client:
+            client.set_floor(3)
+            request = asyncio.create_task(client.chat([], 1, SamplingConfig()))
+            for step in range(4, 4 + STALE_ANSWERS):
+                while servers[0].requests < step - 3:  # attempt step - 3 arrived, on weights step - 1
+                    await asyncio.sleep(0.01)
+                assert await client.update_weights(str(weights_dir(tmp_path, step))) == step
+                client.set_floor(step)
+                servers[0].gate.release()  # it answers, stamped step - 1
+            servers[0].gate.release()  # the last attempt, on the newest weights
+            return await asyncio.wait_for(request, BOUND)
+
+    with caplog.at_level(logging.WARNING, logger="prime_rl"):
+        (answer,) = asyncio.run(go())
+    assert answer.weight_step == 3 + STALE_ANSWERS and servers[0].requests == 1 + STALE_ANSWERS
+    assert len(servers[0].updates) == STALE_ANSWERS and "restarted?" not in caplog.text
