@@ -33,7 +33,7 @@ def oldest_policy(step: int, config: OrchestratorConfig) -> int:
     Continuous mode (`max_inflight` set): step - max_off_policy_steps, since groups keep generating across
     updates. Older completions are redone by the client (`set_floor`); the stream starts only groups it can
     train before they pass this bound (stream.py), and drops one that does anyway as stale."""
-    lag = config.async_level if config.max_inflight is None else config.max_off_policy_steps
+    lag = config.async_level if config.max_inflight is None else config.off_policy_bound
     return max(0, step - lag)
 
 
