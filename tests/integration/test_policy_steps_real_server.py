@@ -75,7 +75,9 @@ def test_a_swap_inside_a_request_labels_its_tokens_and_the_trainer_masks_the_old
     # The rank file of step 1 carries them; the trainer at step 1 masks the step-0 tokens (lag 1 > 0).
     sample = make_sample(PROMPT, completion.completion_ids, completion.logprobs, 1.0, policy_steps=steps)
     write_rank_file(tmp_path, 1, 0, [MicroBatch.pack([sample], 1.0)])
-    config = TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, loss={"max_token_lag": 0})
+    # async_level 0: max_token_lag 0 masks every token of a run at async_level >= 1 (refused at parse)
+    config = TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, async_level=0,
+                           loss={"max_token_lag": 0})  # fmt: skip
     (mb,) = load_micro_batches(config, 1, one_rank, {})
     assert mb.policy_steps[0].tolist() == [-1] * len(PROMPT) + steps
     model = build_model(str(step_1))

@@ -97,6 +97,12 @@ CASES = [
      "equal to 1 (got '0') [flag --max-steps]"),
     ("rl", ["--async-level", "99999999999999999999"], {}, "async_level: 99999999999999999999 is too large (at most "
      "2**63 - 1) [flag --async-level]"),
+    # Settings that mask every token (grad norm 0 while AdamW keeps stepping): refused at parse, both sides named.
+    ("rl", ["--trainer.loss.max-token-lag", "0"], {}, "trainer.loss.max_token_lag: 0 < async_level (1) masks every "
+     "token from step 1 on (they are async_level steps old or older): set it to at least async_level, or unset it "
+     "[flag --trainer.loss.max-token-lag; trainer.async_level: default]"),
+    ("trainer", ["--loss.mask.token-high", "0.9"], {}, "loss.mask.token_high: 0.9 < 1 masks every token whose "
+     "ratio pi/mu is 1 (all of an on-policy step's): the band must hold 1 [flag --loss.mask.token-high]"),
     ("trainer", [], {"PRIME_MAX_STEPS": "99999999999999999999"}, "max_steps: 99999999999999999999 is too large "
      "(at most 2**63 - 1) [env PRIME_MAX_STEPS]"),
     # Issue 48, point 12. A URL httpx cannot use: the orchestrator retried `UnsupportedProtocol` for 600 s.

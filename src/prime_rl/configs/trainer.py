@@ -8,6 +8,7 @@ from pydantic import Field, StrictBool, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import OutputDir, Section, WeightTransferConfig
+from prime_rl.configs.base import FieldError
 from prime_rl.configs.fields import FLAG_TABLE
 from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, ParityConfig, SelfHangTimeout
 from prime_rl.configs.training import TrainingConfig
@@ -58,6 +59,14 @@ class MaskConfig(Section):
             low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
             if low is not None and high is not None and not low < high:
                 raise ValueError(f"loss.mask.{name}_low ({low}) must be below loss.mask.{name}_high ({high})")
+            # A band that leaves out r = 1 masks every token of an on-policy step (r is 1 up to engine noise):
+            # the gradient is 0 while AdamW keeps stepping on its momentum.
+            if low is not None and low > 1:
+                raise FieldError(f"{name}_low", f"{low} > 1 masks every token whose ratio pi/mu is 1 (all of an "
+                                 "on-policy step's): the band must hold 1")  # fmt: skip
+            if high is not None and high < 1:
+                raise FieldError(f"{name}_high", f"{high} < 1 masks every token whose ratio pi/mu is 1 (all of an "
+                                 "on-policy step's): the band must hold 1")  # fmt: skip
         return self
 
 
@@ -172,6 +181,21 @@ class TrainerConfig(TrainingConfig):
     bench_peak_tflops: Annotated[
         float | None, Field(gt=0, description="device peak TFLOP/s for MFU; unset = known GPUs only")
     ] = None
+
+    @model_validator(mode="after")
+    def _lag_mask_keeps_tokens(self):
+        # Step n's tokens come from policy n - async_level or older (the orchestrator loads newer weights only when
+        # it must), so a smaller max_token_lag masks every token from step async_level on: grad norm 0 while AdamW
+        # keeps stepping on its momentum.
+        lag = self.loss.max_token_lag
+        if lag is not None and lag < self.async_level:
+            raise FieldError(
+                "loss.max_token_lag",
+                f"{lag} < async_level ({self.async_level}) masks every token from step {self.async_level} on (they "
+                "are async_level steps old or older): set it to at least async_level, or unset it",
+                also=("async_level",),
+            )
+        return self
 
     @model_validator(mode="after")
     def _lora_reproducible(self):

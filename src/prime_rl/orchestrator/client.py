@@ -9,8 +9,10 @@ URL and the server's answer.
 
 Every completion is stamped with the weight step the server reports for it (`x-weight-step`), never with the
 client's guess of what the server holds. One below the floor (`set_floor`: the oldest policy the current step
-may use, policy.oldest_policy) is thrown away: that server gets the pool's weights again and the request is
-retried. Each generated token also gets the policy step that sampled it (`Completion.token_steps`): from the
+may use, policy.oldest_policy) is thrown away: that server is restored (weight_control.WeightControl.restore:
+weights of a step >= the floor loaded onto it, or benched) and the request is retried, on another server if it
+was benched; a request that gets STALE_ANSWERS such answers fails, naming the servers and their steps. Each
+generated token also gets the policy step that sampled it (`Completion.token_steps`): from the
 choice's `weight_steps` spans (protocol/spans.py; a server that swapped weights inside the request sends
 several), or, where a server sends none (an older server, vLLM), the response's `x-weight-step` for every token.
 Malformed spans are an InferenceError naming the server.
@@ -33,6 +35,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
@@ -48,6 +51,9 @@ logger = logging.getLogger("prime_rl")
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 BACKOFF = 0.5  # seconds before the first retry; doubles each time
+# A request fails at its STALE_ANSWERS-th answer from below the floor; each earlier one is followed by a restore of
+# its server (a /health and at most two weight loads, each within client.timeout): a bound in attempts and seconds.
+STALE_ANSWERS = 3
 
 
 @dataclass
@@ -197,6 +203,7 @@ class InferenceClient:
         transport: httpx.AsyncBaseTransport | None = None,
         adapter: str | None = None,
         inflight: str | None = None,
+        output_dir: Path | None = None,
     ):
         self.config = config
         self.model = model
@@ -213,9 +220,9 @@ class InferenceClient:
             limits=httpx.Limits(max_connections=(config.max_concurrency + 1) * len(config.base_url)),
         )
         self.pool = ServerPool(config, self._http, self._request)
-        # `inflight`: what weight updates ask of requests in flight (weight_control.inflight_ask)
-        self.weights = WeightControl(self.pool, self._request, self._http, inflight)
-        self._floor = 0  # the oldest weight step a completion may come from: `set_floor`
+        # `inflight`: what weight updates ask of requests in flight (weight_control.inflight_ask); `output_dir`:
+        # the run's, whose weights/step_k restore a server that answered from below the floor
+        self.weights = WeightControl(self.pool, self._request, self._http, inflight, output_dir)
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -272,22 +279,31 @@ class InferenceClient:
         raise ServerDown(f"{method} {url} failed after {attempts} attempt(s): {problem}")
 
     async def _generate(self, path: str, body: dict, parse) -> list[Completion]:
-        """POST `body` to the next live server; on ServerDown take that server out and go to another."""
+        """POST `body` to the next live server; on ServerDown take that server out and go to another; an answer
+        from below the floor is thrown away, its server restored, and the request asked again (STALE_ANSWERS)."""
+        stale: list[str] = []  # the answers from below the floor: "<server> step <k>"
         while True:
             server = self.pool.pick()
             if server is None:
-                raise InferenceError(f"no live inference server left (all of {self.pool.base_urls} were taken out)")
+                raise InferenceError(self.pool.none_usable())
             url = f"{server.base}{path}"
             body = body | {"model": self.request_model}
             server.requests += 1
+            updates = self.weights.updates
             try:
                 data, headers = await self._exchange("POST", url, body, server)
                 weight_step = weight_step_of(headers)
-                if weight_step is not None and weight_step < self._floor:  # e.g. a restarted server that
-                    logger.warning(  # answered before it was given weights: thrown away, asked again
-                        f"{url} sampled from weight step {weight_step} < {self._floor}; reloading its weights"
-                    )
-                    await self.weights.load(server)
+                if weight_step is not None and weight_step < self.weights.floor:
+                    if self.weights.updates != updates:  # it ran across an update (e.g. an eval): asked again
+                        continue
+                    stale.append(f"{server.base} step {weight_step}")  # e.g. a server restarted since its update
+                    if len(stale) >= STALE_ANSWERS:
+                        raise InferenceError(
+                            f"POST {path}: {len(stale)} answers sampled from weights older than step "
+                            f"{self.weights.floor} (the oldest this step may use), each after its server was given "
+                            f"weights >= {self.weights.floor}: {', '.join(stale)}"
+                        )
+                    await self.weights.restore(server, weight_step)
                     continue
             except ServerDown as e:  # the request, or the reload, found the server down
                 self.pool.take_out(server, str(e))
@@ -382,7 +398,7 @@ class InferenceClient:
         while True:
             target = server or self.pool.pick()
             if target is None:
-                raise InferenceError(f"no live inference server left (all of {self.pool.base_urls} were taken out)")
+                raise InferenceError(self.pool.none_usable())
             url = f"{target.base}/completions"
             try:
                 data = await self._request("POST", url, body | {"model": self.request_model}, target)
@@ -399,8 +415,8 @@ class InferenceClient:
 
     def set_floor(self, step: int) -> None:
         """From now on, completions sampled by a policy older than `step` are thrown away and asked again
-        (their server gets the pool's weights first). Set at each step's start by policy.wait_for_policy."""
-        self._floor = step
+        (their server restored first: WeightControl.restore). Set at each step's start by policy.wait_for_policy."""
+        self.weights.floor = step
 
     # ---- pool health and weight control -----------------------------------------------------------
 

@@ -143,7 +143,11 @@ async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Pro
         async with AsyncExitStack() as stack:
             client = await stack.enter_async_context(
                 InferenceClient(
-                    config.client, config.model.name, adapter=config.model.adapter, inflight=inflight_ask(config)
+                    config.client,
+                    config.model.name,
+                    adapter=config.model.adapter,
+                    inflight=inflight_ask(config),
+                    output_dir=config.output_dir,
                 )
             )
             teacher = await open_teacher(config, stack)
@@ -202,6 +206,8 @@ async def run_step(loop: Loop, step: int) -> None:
     times["step"] = time.perf_counter() - start
     m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
     m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
+    # what token_lag_max may reach: async_level (barrier mode), max_off_policy_steps (continuous mode)
+    m["token_lag_bound"] = config.async_level if loop.stream is None else config.off_policy_bound
     # trained/* beside generated/* (continuous mode): lengths, turns and rewards, so a length bias shows
     m |= loop.stream.window_metrics(batch) if loop.stream is not None else group_metrics("trained", batch.groups)
     state.total_samples += m["samples"]
@@ -237,6 +243,7 @@ def log_step(loop: Loop, step: int, m: dict, times: dict[str, float]) -> None:
     logger.info(
         f"step {step} | reward {m['reward_mean']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
         f"weight_step {m['weight_step']} (gap {m['off_policy_gap']}) | "
+        f"token lag {m.get('token_lag_mean', 0):.1f}/{m.get('token_lag_max', 0)} (bound {m['token_lag_bound']}) | "
         f"gen {times['generate']:.2f}s wait {times.get('wait_weights', 0):.2f}s | "
         f"{times['step']:.2f}s"
     )

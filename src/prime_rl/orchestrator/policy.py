@@ -33,7 +33,7 @@ def oldest_policy(step: int, config: OrchestratorConfig) -> int:
     Continuous mode (`max_inflight` set): step - max_off_policy_steps, since groups keep generating across
     updates. Older completions are redone by the client (`set_floor`); the stream starts only groups it can
     train before they pass this bound (stream.py), and drops one that does anyway as stale."""
-    lag = config.async_level if config.max_inflight is None else config.max_off_policy_steps
+    lag = config.async_level if config.max_inflight is None else config.off_policy_bound
     return max(0, step - lag)
 
 
@@ -42,9 +42,17 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
     """Ensure every live server holds weights step >= step - async_level; return the oldest step held.
 
     `held`: the oldest step the servers reported at this step's start (their /health, asked again when None).
-    `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them)."""
-    need = max(0, step - config.async_level)
+    `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them).
+    The client's floor rises to oldest_policy(step) once the servers hold the step's policy: before, while the
+    trainer's weights are awaited, requests still running (continuous mode, evals) sample the previous one."""
+    current = await _wait_for_policy(client, config, step, times, held)
     client.set_floor(oldest_policy(step, config))
+    return current
+
+
+async def _wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict,
+                           held: int | None) -> int:  # fmt: skip
+    need = max(0, step - config.async_level)
     current = held if held is not None else await client.server_step()
     if config.weight_transfer.type == "broadcast":
         current = await relay_broadcasts(client, config, current, need, times)

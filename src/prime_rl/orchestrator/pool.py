@@ -91,6 +91,7 @@ class Server:
     group: str | None = None  # the broadcast group its weights came from, from /health
     checksum: str | None = None  # the weight checksum of what it loaded (protocol.parity), from /health and updates
     alive: bool = True
+    benched: str | None = None  # why it gets no requests while alive (its weights are too old: WeightControl.restore)
     requests: int = 0  # generation requests sent (for metrics and tests)
     errors: list[str] = field(default_factory=list)
 
@@ -143,9 +144,20 @@ class ServerPool:
         return [s for s in self.servers if s.alive]
 
     def pick(self) -> Server | None:
-        """The next live server in the rotation; None when none is live."""
-        among = [i for i, s in enumerate(self.servers) if s.alive]
+        """The next live, unbenched server in the rotation; None when there is none."""
+        among = [i for i, s in enumerate(self.servers) if s.alive and s.benched is None]
         return self.servers[self._rotation.pick(among)] if among else None
+
+    def none_usable(self) -> str:
+        """Why `pick` found no server: the benched ones' reasons, or that every server was taken out."""
+        benched = [s.benched for s in self.live() if s.benched is not None]
+        if not benched:
+            return f"no live inference server left (all of {self.base_urls} were taken out)"
+        return (
+            f"no inference server can serve this step: {'; '.join(benched)}; with weight_transfer = broadcast a "
+            "restarted server gets weights at the next step's broadcast: resume the run from its checkpoint "
+            "(--ckpt.resume-step latest; `rl --restart` does), or run more servers"
+        )
 
     def take_out(self, server: Server, problem: str) -> None:
         if server.alive:

@@ -102,7 +102,7 @@ class RolloutStream:
     def fill(self) -> None:
         """Start groups while max_inflight and the deadlines allow (none whose deadline is already past: with
         max_off_policy_steps = async_level, between two steps, until the servers load the next weights)."""
-        deadline = self.served() + self.config.max_off_policy_steps
+        deadline = self.served() + self.config.off_policy_bound
         deadlines = [s.deadline for s in self.started]
         while (
             self.held + self.size <= self.config.max_inflight
@@ -123,7 +123,7 @@ class RolloutStream:
         group = started.result[0]
         self.completions += 1
         started.order = self.completions
-        started.deadline = group.weight_step + self.config.max_off_policy_steps
+        started.deadline = group.weight_step + self.config.off_policy_bound
         self.generated.append(group)
         if started.deadline < self.step:
             self.started.remove(started)

@@ -2,9 +2,16 @@
 live server (POST /update_weights), the base weights again (POST /reload_weights), or a step received over
 the trainer's broadcast group.
 
-`weight_dir` is what the pool serves: a server that rejoins, or that answered from a policy older than
-the step allows, is given it again by `load` (nothing to do before the first update). Each answer's weight
-checksum is kept on its server, which the parity gate (parity.py) compares with the trainer's.
+`weight_dir` is what the pool serves: a server that rejoins is given it again by `load` (nothing to do before
+the first update). Each answer's weight checksum is kept on its server, which the parity gate (parity.py)
+compares with the trainer's.
+
+The floor (`floor`, set by the client's `set_floor`: the oldest policy the current step may use). A server that
+answered from below it (it restarted and holds its base weights) is `restore`d: given the pool's `weight_dir`,
+or, where the orchestrator posted none (after its own restart, and always with broadcasts), the newest complete
+`weights/step_k` on disk with k >= floor (filesystem mode writes every step; broadcast mode checkpoint steps and
+the last). With neither it is benched: it stays in the pool (updates and broadcasts reach it, which unbench it)
+but gets no requests; with every server benched a request fails, naming them and their steps.
 
 Requests in flight (`inflight`): continuous mode with `inflight_updates = "continue"` asks each update to swap
 inside running requests (`"inflight": "continue"`: they go on under the new weights, each token labelled with
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import httpx
 
@@ -29,6 +37,7 @@ from prime_rl.orchestrator.pool import (
     ServerPool,
     server_root,
 )
+from prime_rl.protocol import stable_steps, weights_dir, weights_root
 
 logger = logging.getLogger("prime_rl")
 
@@ -40,9 +49,14 @@ def inflight_ask(config: OrchestratorConfig) -> str | None:
 
 
 class WeightControl:
-    def __init__(self, pool: ServerPool, request: Request, http: httpx.AsyncClient, inflight: str | None = None):
+    def __init__(self, pool: ServerPool, request: Request, http: httpx.AsyncClient, inflight: str | None = None,
+                 output_dir: Path | None = None):  # fmt: skip
         self.pool, self._request, self._http = pool, request, http
         self.weight_dir: str | None = None  # what the pool serves (the last update); None: each server's base
+        self.output_dir = output_dir  # the run's OUTPUT_DIR (its weights/step_k); None: no run (eval, a teacher)
+        self.floor = 0  # the oldest weight step a completion may come from (the client's set_floor)
+        self._restoring: dict[str, asyncio.Lock] = {}  # per server: one restore at a time
+        self.updates = 0  # pool-wide updates and broadcasts started: an answer older than one it straddled is no fault
         self.inflight = inflight  # what updates ask of requests in flight ("continue"); None: the server's default
         self._finishing: set[str] = set()  # servers said to swap between requests (logged once each)
         self.failed: set[tuple[int, str]] = set()  # (step, group) of broadcasts that failed: never asked again
@@ -54,6 +68,7 @@ class WeightControl:
     def _answered(self, server: Server, data: dict) -> None:
         """Keep a server's /update_weights answer: its step, checksum, and whether it continued requests."""
         server.step, server.checksum = int(data["step"]), data.get("checksum")
+        server.benched = None  # it took weights: it serves again (checked against the floor when it answers)
         if self.inflight == "continue" and data.get("inflight") == "finish" and server.base not in self._finishing:
             self._finishing.add(server.base)
             logger.info(
@@ -67,6 +82,53 @@ class WeightControl:
             body = self._ask({"weight_dir": self.weight_dir})
             self._answered(server, await self._request("POST", f"{server_root(server.base)}/update_weights", body))
 
+    async def restore(self, server: Server, answered: int) -> None:
+        """`server` answered from weight step `answered`, older than the floor: give it weights of a step >= floor
+        (the pool's weight dir, else the newest on disk), or bench it (module docstring). Concurrent calls for one
+        server load once: a later one finds it restored (its /health) and returns. ServerDown if it is down."""
+        async with self._restoring.setdefault(server.base, asyncio.Lock()):
+            if server.benched is not None:
+                return
+            if (problem := await self.pool.probe_health(server, PROBE_TIMEOUT)) is not None:
+                raise ServerDown(f"{server.base} answered from weight step {answered}, then /health failed: {problem}")
+            if server.step >= self.floor:
+                return  # restored by another request, or an update reached it since it answered
+            for source in self._sources(server):
+                try:
+                    data = await self._request("POST", f"{server_root(server.base)}/update_weights",
+                                               self._ask({"weight_dir": source}))  # fmt: skip
+                except ServerDown:
+                    raise
+                except InferenceError as e:  # e.g. a dir pruned since it was listed: try the next, else bench
+                    logger.warning(f"{server.base} could not load {source}: {e}")
+                    continue
+                self._answered(server, data)
+                if server.step >= self.floor:
+                    logger.warning(
+                        f"{server.base} answered from weight step {answered}, older than {self.floor} (the oldest "
+                        f"this step may use; restarted?): loaded {source} onto it (step {server.step})"
+                    )
+                    return
+            where = f"in {weights_root(self.output_dir)}" if self.output_dir is not None else "known (no output dir)"
+            server.benched = (
+                f"{server.base} holds weight step {server.step} (answered from {answered}; restarted?), older than "
+                f"{self.floor}, and no complete weights of a step >= {self.floor} are {where}"
+            )
+            logger.warning(f"{server.benched}: it gets no requests until a weight update reaches it")
+
+    def _sources(self, server: Server) -> list[str]:
+        """Weight dirs to restore `server` from, best first: the pool's (the last update), then the newest complete
+        `weights/step_k` with floor <= k <= the newest step another live server holds (so the pool stays on one
+        policy where it can), then the newest with k >= floor."""
+        out = [] if self.weight_dir is None else [self.weight_dir]
+        if self.output_dir is not None:
+            steps = [k for k in stable_steps(weights_root(self.output_dir)) if k >= self.floor]
+            held = [s.step for s in self.pool.live() if s is not server and s.benched is None]
+            within = [k for k in steps if not held or k <= max(held)]
+            for k in ([max(within)] if within else []) + ([max(steps)] if steps else []):
+                out.append(str(weights_dir(self.output_dir, k)))
+        return list(dict.fromkeys(out))
+
     async def update(self, weight_dir: str) -> int:
         """Load `weight_dir` on every live server; return the step they now serve.
 
@@ -74,6 +136,7 @@ class WeightControl:
         any other failure is an error.
         """
         self.weight_dir = weight_dir
+        self.updates += 1
 
         async def one(server: Server) -> None:
             try:
@@ -116,6 +179,8 @@ class WeightControl:
         `rendezvous`: host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 +
         the live servers' seats (their /health `weight_receivers`)."""
         # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
+        self.weight_dir = None  # the pool serves broadcast steps now: a dir loaded before is no longer its policy
+        self.updates += 1
         servers = self.pool.live()
         if not servers:
             await self.pool.revive(f"no inference server is up to take weight step {step}", self.load)

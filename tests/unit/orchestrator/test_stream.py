@@ -8,6 +8,7 @@ is stamped with the weight step the test says the servers hold; the test plays t
 import asyncio
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -142,6 +143,38 @@ def test_a_group_sampled_by_weights_older_than_announced_is_counted_as_stale():
     first, second = asyncio.run(run())
     assert first.stale == 0 and second.stale == 2
     assert [g.weight_step for g in second.groups] == [3, 3]
+
+
+def trained_lags(config: OrchestratorConfig, steps: int) -> list[int]:
+    """The lag (step - the policy step that sampled it) of every token trained over `steps` steps, the trainer on
+    time (weights n - 1 at step n), every 4th example 10x longer."""
+    servers = Servers(lambda body: 0.05 if int(body["messages"][0]["content"]) % 4 == 0 else 0.005)
+    stream, client = stream_of(Numbered(), config, servers)
+
+    async def run():
+        lags = []
+        try:
+            for step in range(steps):
+                servers.hold(client, max(0, step - 1))
+                batch = await stream.take(step, ProgressLine(False, 1))
+                lags += [step - s for r in batch.rollouts for s in r.token_steps]
+            return lags
+        finally:
+            await stream.close()
+
+    return asyncio.run(run())
+
+
+def test_the_lag_of_trained_tokens_is_bounded_by_max_off_policy_steps_async_level_plus_1_unless_set():
+    """max_inflight 64 at batch 8 keeps 8 batches in flight: with max_off_policy_steps 8 tokens 8 steps old are
+    trained; unset, the bound is async_level + 1 = 2 and admissions hold the pipeline to it."""
+    bounded = dict(batch_size=8, rollouts_per_example=2, max_inflight=64, async_level=1)
+    assert OrchestratorConfig(**bounded).off_policy_bound == 2
+    default = trained_lags(OrchestratorConfig(**bounded), 12)
+    loose = trained_lags(OrchestratorConfig(**bounded, max_off_policy_steps=8), 12)
+    print(f"token lag mean/max: unset {statistics.fmean(default):.2f}/{max(default)}, "
+          f"8: {statistics.fmean(loose):.2f}/{max(loose)}")  # fmt: skip
+    assert max(default) <= 2 and max(loose) > 4
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,21 @@ def test_bands_must_be_ordered():
         LossConfig(mask={"tv_max": 1.5})
 
 
+@pytest.mark.parametrize(
+    ("band", "edge"),
+    [
+        ({"token_low": 1.1}, {"token_low": 1.0}),
+        ({"token_high": 0.9}, {"token_high": 1.0}),
+        ({"sequence_low": 1.01}, {"sequence_low": 1.0}),
+        ({"sequence_low": 0.1, "sequence_high": 0.5}, {"sequence_low": 0.1, "sequence_high": 1.0}),
+    ],
+)
+def test_a_band_that_leaves_out_ratio_1_is_refused_since_it_masks_every_on_policy_token(band, edge):
+    with pytest.raises(ValidationError, match="masks every token whose ratio pi/mu is 1"):
+        LossConfig(mask=band)
+    LossConfig(mask=edge)  # a band ending at 1 masks one side of r = 1 only: accepted
+
+
 def test_k2_penalty_value_and_gradient():
     logprobs = torch.tensor([[-1.0]], requires_grad=True)
     mu = torch.tensor([[-1.0 - math.log(2)]])  # log r = ln 2

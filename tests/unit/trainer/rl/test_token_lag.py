@@ -114,3 +114,11 @@ def test_without_the_trained_step_no_lag_is_measured(tiny_model, tmp_path, one_r
     mb = MicroBatch.pack([_sample(model, list(range(10, 22)), 1.0, [0] * 9)], 1.0)
     stats = train_step(model, build_optimizer(model, config.optim), [mb], config, one_rank)
     assert not any(key.startswith("token_lag") for key in stats.means) and "is_masked/lag" not in stats.means
+
+
+@pytest.mark.parametrize(("async_level", "lag"), [(1, 0), (3, 2)])
+def test_max_token_lag_below_async_level_is_refused_since_it_masks_every_token(tmp_path, async_level, lag):
+    """Step n's tokens are async_level steps old or older: a smaller max_token_lag would leave no gradient."""
+    with pytest.raises(ValueError, match=f"{lag} < async_level \\({async_level}\\) masks every token"):
+        TrainerConfig(output_dir=tmp_path, async_level=async_level, loss={"max_token_lag": lag})
+    assert TrainerConfig(output_dir=tmp_path, async_level=async_level, loss={"max_token_lag": async_level})
