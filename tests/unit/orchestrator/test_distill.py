@@ -72,6 +72,8 @@ def test_rl_points_the_orchestrator_at_the_teacher_server_it_starts(tmp_path):
         (["--teacher.server.port", "8000"], "a free port of its own"),
         (["--teacher.max-model-len", "2048"], r"make it at least seq_len \+ 1"),
         (["--orchestrator.teacher.kl-coef", "0"], "both 0: no advantage would be left"),
+        (["--teacher.backend", "vllm", "--orchestrator.sampling.temperature", "0.7"], "vllm cannot score the teacher"),
+        (["--teacher.backend", "vllm", "--orchestrator.sampling.top-p", "0.8"], r"temperature 1.0, top_p 0.8"),
     ],
 )
 def test_teacher_settings_that_cannot_work_are_config_errors(flags, problem):
