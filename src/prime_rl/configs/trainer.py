@@ -8,6 +8,7 @@ from pydantic import Field, StrictBool, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs import OutputDir, Section, WeightTransferConfig
+from prime_rl.configs.base import FieldError
 from prime_rl.configs.fields import FLAG_TABLE
 from prime_rl.configs.shared import WEIGHT_BROADCAST_MOVED, EnvVars, ParityConfig, SelfHangTimeout
 from prime_rl.configs.training import TrainingConfig
@@ -136,10 +137,12 @@ class LossConfig(Section):
         if self.type != "gspo":
             return self
         if "norm" in self.model_fields_set and self.norm == "token":
-            raise ValueError(
-                "loss.norm = 'token' with loss.type = 'gspo' weighs each sample by its length, which GSPO's "
-                "sequence-level objective does not (every sample weighs the same): drop loss.norm (gspo uses "
-                "'sequence') or use loss.type = 'ppo'"
+            raise FieldError(
+                "norm",
+                "'token' with loss.type = 'gspo' weighs each sample by its length, which GSPO's sequence-level "
+                "objective does not (every sample weighs the same): drop loss.norm (gspo uses 'sequence') or use "
+                "loss.type = 'ppo'",
+                also=("type",),
             )
         self.__dict__["norm"] = "sequence"
         for name, paper in (("clip_low", GSPO_CLIP[0]), ("clip_high", GSPO_CLIP[1])):
