@@ -920,6 +920,25 @@ def test_scored_tokens_equal_the_trainers_logprobs(server, tiny_model, monkeypat
         assert position[str(token)]["rank"] >= 1
 
 
+def test_prompt_scoring_at_a_temperature_is_echoed_or_refused_with_the_reason(server, tiny_model):
+    """The built-in engine's extension for distillation (`prompt_logprobs_temperature`, `prompt_logprobs_kept`):
+    the built-in engine answers it and echoes the temperature; vLLM, whose prompt logprobs are raw logits only,
+    answers a 400 saying so (vLLM alone would ignore the unknown fields and score at temperature 1)."""
+    from prime_rl.inference.vllm.server import PROMPT_SCORING
+
+    body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0, "prompt_logprobs_temperature": 0.7}
+    answer = server.post("/v1/completions", json=body | {"prompt_logprobs_kept": {"2": [331, 5]}})
+    if server.backend == "vllm":
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 400, answer.text
+        assert message == f"prompt_logprobs_temperature and prompt_logprobs_kept: {PROMPT_SCORING}"
+        return
+    choice = answer.json()["choices"][0]
+    assert choice["prompt_logprobs_temperature"] == 0.7
+    kept = choice["prompt_logprobs"][2]
+    assert kept["331"]["logprob"] <= 0 and all(e["logprob"] > -9999 for e in kept.values())
+
+
 def test_prompt_logprobs_that_cannot_be_served_are_a_400(server, builtin_only):
     """Streamed, on chat, or more alternatives than 20: one clear 400, never a silently unscored answer."""
     cases = [

@@ -253,6 +253,15 @@ class RLConfig(BaseConfig):
                 f"server's {self.inference.server.port})",
                 also=("inference.server.port",),
             )
+        sampling = self.orchestrator.sampling
+        if teacher.backend == "vllm" and (sampling.temperature != 1 or sampling.filtered):
+            raise FieldError(  # vLLM scores prompts from raw logits only (inference/vllm/server.py PROMPT_SCORING)
+                "teacher.backend",
+                f"vllm cannot score the teacher at the student's sampling (temperature {sampling.temperature}, top_p "
+                f"{sampling.top_p}, top_k {sampling.top_k}): its prompt logprobs are raw logits over the whole "
+                "vocabulary; use backend builtin, or temperature 1 with top_p = 1 and top_k = 0",
+                also=("orchestrator.sampling.temperature", "orchestrator.sampling.top_p"),
+            )
         seq_len = self.orchestrator.seq_len
         if teacher.max_model_len <= seq_len:  # a scoring request asks one token past the sample
             raise FieldError(

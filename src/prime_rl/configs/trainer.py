@@ -19,6 +19,9 @@ KwargValue = Annotated[
 ]
 
 
+GSPO_CLIP = (3e-4, 4e-4)  # the GSPO paper's clip range, left and right (Zheng et al. 2025, §5.1)
+
+
 class MaskConfig(Section):
     """Masks on the importance ratio r = pi/mu (trained policy over sampling policy), for every loss type: a
     masked token gets no gradient (its whole per-token term is dropped) but still counts in the normaliser N.
@@ -83,15 +86,20 @@ class LossConfig(Section):
         float, Field(gt=0, description="aipo: importance ratio pi/mu is truncated at this value (token level)")
     ] = 8.0
     clip_low: Annotated[
-        float, Field(ge=0, lt=1, description="ppo/gspo: ratio clipped below at 1 - clip_low (GSPO paper: 3e-4)")
-    ] = 0.2
+        float,
+        Field(ge=0, lt=1, description="ppo/gspo: ratio clipped below at 1 - clip_low (default: ppo 0.2, gspo 3e-4 "
+              "as in the GSPO paper)"),
+    ] = 0.2  # fmt: skip
     clip_high: Annotated[
-        float, Field(ge=0, description="ppo/gspo: ratio clipped above at 1 + clip_high (GSPO paper: 4e-4)")
-    ] = 0.2
+        float,
+        Field(ge=0, description="ppo/gspo: ratio clipped above at 1 + clip_high (default: ppo 0.2, gspo 4e-4 as in "
+              "the GSPO paper)"),
+    ] = 0.2  # fmt: skip
     norm: Annotated[
         Literal["token", "sequence"],
-        Field(description="token = every loss token of the step weighs the same; sequence = every sample does"),
-    ] = "token"
+        Field(description="token = every loss token of the step weighs the same; sequence = every sample does "
+              "(gspo: always sequence)"),
+    ] = "token"  # fmt: skip
     kl_coef: Annotated[
         float, Field(ge=0, description="weight of a KL(pi||mu) penalty per token (kl_type); 0 = off")
     ] = 0.0
@@ -127,6 +135,28 @@ class LossConfig(Section):
             "value that reads as a number or true/false is one)"
         ),
     ] = {}
+
+    @model_validator(mode="after")
+    def _gspo_is_the_papers(self):
+        """GSPO (Zheng et al. 2025) averages each sample's clipped sequence-ratio term over its tokens and the
+        samples equally (norm "sequence": 1/|y_i| per token), with clip range [1 - 3e-4, 1 + 4e-4] (a geometric
+        mean ratio sits far closer to 1 than a token's). Unset, `norm` and the clips take those values; a token
+        norm, which would weigh a sample by its length, is refused."""
+        if self.type != "gspo":
+            return self
+        if "norm" in self.model_fields_set and self.norm == "token":
+            raise FieldError(
+                "norm",
+                "'token' with loss.type = 'gspo' weighs each sample by its length, which GSPO's sequence-level "
+                "objective does not (every sample weighs the same): drop loss.norm (gspo uses 'sequence') or use "
+                "loss.type = 'ppo'",
+                also=("type",),
+            )
+        self.__dict__["norm"] = "sequence"
+        for name, paper in (("clip_low", GSPO_CLIP[0]), ("clip_high", GSPO_CLIP[1])):
+            if name not in self.model_fields_set:
+                self.__dict__[name] = paper
+        return self
 
     @model_validator(mode="after")
     def _custom_has_path(self):

@@ -41,6 +41,7 @@ from prime_rl.inference.openai.serving import (
     parses_tool_calls,
     request_id,
     sampling_params,
+    with_prompt_scoring,
 )
 from prime_rl.inference.openai.stream import chat_chunks, completion_chunks, merge, sse
 
@@ -112,6 +113,7 @@ async def completions(body: CompletionRequest, request: Request):
     name = check_model(body.model, config.model.name, engine.adapter)
     prompts = await completion_prompts(body, engine)
     params = [sampling_params(body, len(ids), 16, body.logprobs or 0, config, engine) for ids in prompts]
+    params = [with_prompt_scoring(p, body, prompts, engine.vocab_size) for p in params]
     meta = {"id": f"cmpl-{request_id()}", "created": int(time.time()), "model": name}
     if body.stream:
         streams = [open_stream(engine.stream, ids, p) for ids, p in zip(prompts, params, strict=True)]

@@ -8,9 +8,11 @@ With rewards r_1..r_G of one prompt's G rollouts,
 
 Worked example, one group of four: rewards [0, 0, 1, 1] → mean 0.5 → advantages [-0.5, -0.5, 0.5, 0.5];
 with std_norm the std is 0.5, so [-1, -1, 1, 1]; with leave_one_out, rollout 1's baseline is the mean of
-[0, 1, 1] = 2/3, so [-2/3, -2/3, 2/3, 2/3]. A group whose rewards are all equal gets all-zero advantages
-(nothing to learn from it) under every option; `is_zero` tells such groups apart so the orchestrator can
-skip them and sample other prompts instead.
+[0, 1, 1] = 2/3, so [-2/3, -2/3, 2/3, 2/3]. A group whose shaped rewards (below) are all equal gets all-zero
+advantages (nothing to learn from it) under every option; `is_zero` tells such groups apart so the
+orchestrator can skip them and sample other prompts instead. With `length_penalty`, equal rewards of
+different lengths are not equal once shaped: such a group keeps its signal (the shorter wins) and is not
+skipped.
 
 Dr.GRPO (Liu et al. 2025) is GRPO without the two normalisations that bias it toward long wrong answers:
 no std (std_norm = false, the default here) and no per-sequence length normalisation in the loss (the
@@ -19,7 +21,9 @@ trainer's `loss.norm = "token"`, its default: every loss token of a step weighs 
 Before the baseline, rewards can be shaped:
 - truncated completions (cut at max_tokens, or a multi-turn episode out of seq_len) can get reward 0
   (`truncated="zero_reward"`): rewards [1, 1(truncated), 0, 0] → [1, 0, 0, 0] → advantages
-  [0.75, -0.25, -0.25, -0.25];
+  [0.75, -0.25, -0.25, -0.25]. With `truncated="mask"` the cut rollout's tokens leave the loss
+  (batch.build_samples) but its reward stays in the group's baseline, as an outcome the policy produced on
+  this prompt: rewards [1, 0(truncated)] → advantages [0.5, -0.5], the first trained on +0.5;
 - `length_penalty` λ subtracts λ × (model tokens / token budget), the budget being max_tokens × max turns:
   λ = 0.1, budget 100, two correct answers of 20 and 80 tokens: rewards [0.98, 0.92] → advantages
   [0.03, -0.03]: among equally right answers the shorter wins, and a wrong one stays below any right one

@@ -387,14 +387,30 @@ class InferenceClient:
             body["max_tokens"] = max_tokens
         return await self._generate("/completions", body, parse_completion_response)
 
-    async def score(self, token_ids: list[int], server: Server | None = None) -> list[float]:
-        """The logprob of each token given the ones before it under the served weights (raw logits, temperature 1),
-        0.0 at index 0: one /v1/completions request with `prompt_logprobs: 0` to `server`, or (None) to the
-        next live server, going to another one when it is down. E.g. [5, 7, 9] -> [0.0, log p(7|5), log p(9|5,7)].
+    async def score(
+        self,
+        token_ids: list[int],
+        server: Server | None = None,
+        temperature: float = 1.0,
+        kept: dict[int, list[int]] | None = None,
+    ) -> list[float]:
+        """The logprob of each token given the ones before it under the served weights, 0.0 at index 0: one
+        /v1/completions request with `prompt_logprobs: 0` to `server`, or (None) to the next live server, going
+        to another one when it is down. E.g. [5, 7, 9] -> [0.0, log p(7|5), log p(9|5,7)].
+
+        From the raw logits (temperature 1) unless `temperature` ≠ 1 or `kept` (position -> the token ids the
+        sampler could draw there) is given: then under log_softmax(logits / temperature), renormalised over each
+        kept set, through the built-in engine's `prompt_logprobs_temperature` / `prompt_logprobs_kept`; a server
+        that does not echo the temperature back (vLLM ignores unknown fields) is an InferenceError.
         """
         if len(token_ids) < 2:  # nothing to score: a first token has no prefix
             return [0.0] * len(token_ids)
         body = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "n": 1}
+        processed = temperature != 1.0 or bool(kept)
+        if processed:
+            body["prompt_logprobs_temperature"] = temperature
+            if kept:
+                body["prompt_logprobs_kept"] = {str(p): ids for p, ids in kept.items()}
         while True:
             target = server or self.pool.pick()
             if target is None:
@@ -409,9 +425,16 @@ class InferenceClient:
                 await self.pool.revive(str(e), self.weights.load)
                 continue
             try:
-                return parse_prompt_logprobs(data, token_ids)
+                scored = parse_prompt_logprobs(data, token_ids)
+                echo = data["choices"][0].get("prompt_logprobs_temperature")
             except (KeyError, TypeError, ValueError) as e:
                 raise InferenceError(f"POST {url} returned malformed prompt_logprobs: {e}") from None
+            if processed and echo != temperature:
+                raise InferenceError(
+                    f"POST {url} scored the prompt without prompt_logprobs_temperature {temperature} (its answer "
+                    "does not echo it): only the built-in engine scores at a temperature and over kept sets"
+                )
+            return scored
 
     def set_floor(self, step: int) -> None:
         """From now on, completions sampled by a policy older than `step` are thrown away and asked again

@@ -1,10 +1,10 @@
 """On-policy distillation (`[orchestrator.teacher]`, docs/design.md §6): a teacher server scores the student's
 own samples, and its per-token reverse-KL signal becomes the advantage.
 
-Every rollout's prompt + completion goes to the teacher as one scoring request (`InferenceClient.score`:
-prompt logprobs at temperature 1), as soon as its group is scored, while other groups still generate; at most
-`teacher.max_concurrency` requests per teacher server are in flight, retried like every other request. On each
-token the student sampled (its completion mask) the advantage is
+Every rollout's prompt + completion goes to the teacher as one scoring request (`InferenceClient.score`), as
+soon as its group is scored, while other groups still generate; at most `teacher.max_concurrency` requests per
+teacher server are in flight, retried like every other request. On each token the student sampled (its
+completion mask) the advantage is
 
     A_t = reward_weight · A_env + kl_coef · (log p_T(t) − log μ(t))
 
@@ -12,6 +12,15 @@ where μ is the student's sampling logprob (the one the trainer's importance rat
 rollout's group advantage from its reward; env-reply tokens of multi-turn rollouts get none. The term is the
 negative of the per-token reverse-KL estimate log μ − log p_T, so the policy gradient lowers KL(μ ‖ p_T) on
 the student's own samples. `teacher_kl` in metrics/orchestrator.jsonl is its mean over the step's model tokens.
+
+Both sides of the gap are one distribution's: μ is log_softmax(logits / T) at the sampling temperature T,
+renormalised over the token's kept set with top-p / top-k (sampling.py), so the teacher is scored the same way,
+at T and over the same kept sets (the built-in engine's `prompt_logprobs_temperature` / `prompt_logprobs_kept`,
+engine/scoring.py). A teacher that is the student then gives A_t = reward_weight · A_env exactly (measured
+≤ 1e-6 at T = 0.7 and at top-p 0.8); scored at T = 1 over the whole vocabulary instead, the gap was up to 0.21
+at T = 0.7 and −0.22 on every token at top-p 0.8, pulling the student toward logits = T × the teacher's. vLLM
+scores prompts from raw logits only, so a vLLM teacher is refused at start (`Teacher.wait`, one line) unless
+T = 1 without top-p / top-k.
 
 Worked example, kl_coef 1, reward_weight 0.5, a rollout with A_env = 0.4 and two model tokens whose student
 logprobs are [-1.0, -0.5] and teacher logprobs [-0.2, -2.5]: A = [0.2 + 0.8, 0.2 - 2.0] = [1.0, -1.8]; the
@@ -24,15 +33,17 @@ import asyncio
 import logging
 import statistics
 
-from prime_rl.configs.orchestrator import ClientConfig, TeacherConfig
+from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig, TeacherConfig
 from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.pool import InferenceError
 from prime_rl.orchestrator.rollout import Group, Rollout
 
 logger = logging.getLogger("prime_rl")
 
 
 class TeacherMismatch(ValueError):
-    """The teacher cannot score the student's tokens (another vocabulary, or its tokenizer cannot be read)."""
+    """The teacher cannot score the student's tokens (another vocabulary, its tokenizer cannot be read, or its
+    server cannot score at the sampling temperature and kept sets)."""
 
 
 def token_advantages(rollout: Rollout, advantage: float, kl_coef: float, reward_weight: float) -> list[float]:
@@ -86,8 +97,8 @@ def check_vocabulary(student: str, teacher: str) -> None:
 class Teacher:
     """The teacher servers and how their scores become advantages. Use as `async with Teacher(...) as teacher:`."""
 
-    def __init__(self, config: TeacherConfig, client: ClientConfig, transport=None):
-        self.config = config
+    def __init__(self, config: TeacherConfig, client: ClientConfig, sampling: SamplingConfig, transport=None):
+        self.config, self.temperature, self.filtered = config, sampling.temperature, sampling.filtered
         settings = client.model_dump() | {
             "base_url": config.base_url,
             "traffic_share": None,
@@ -103,15 +114,33 @@ class Teacher:
         await self.client.close()
 
     async def wait(self) -> None:
-        """Until every teacher server answers /health (client.health_timeout)."""
+        """Until every teacher server answers /health (client.health_timeout) and, when the student samples at
+        T ≠ 1 or with top-p / top-k, scores a probe at T over a kept set (else TeacherMismatch, one line)."""
         await self.client.wait_for_servers(self.client.config.health_timeout)
+        if self.temperature != 1.0 or self.filtered:
+            for server in self.client.pool.servers:
+                try:  # token ids 0 and 1 exist in every vocabulary
+                    await self.client.score([0, 1], server, self.temperature, {1: [0, 1]} if self.filtered else None)
+                except InferenceError as e:
+                    raise TeacherMismatch(
+                        f"the student samples at temperature {self.temperature}"
+                        f"{' with top-p / top-k' if self.filtered else ''}, so the teacher must be scored the same "
+                        f"way, which teacher server {server.base} cannot: {e}"
+                    ) from None
         logger.info(f"teacher {self.config.model} ready at {', '.join(self.config.base_url)}")
 
     async def distil(self, group: Group, advantages: list[float]) -> list[list[float]]:
         """Score the group's rollouts with the teacher (concurrently) and return their per-token advantages."""
-        scores = await asyncio.gather(*(self.client.score(r.prompt_ids + r.completion_ids) for r in group.rollouts))
+        scores = await asyncio.gather(*(self._score(r) for r in group.rollouts))
         out = []
         for rollout, advantage, scored in zip(group.rollouts, advantages, scores, strict=True):
             rollout.teacher_logprobs = scored[len(rollout.prompt_ids) :]
             out.append(token_advantages(rollout, advantage, self.config.kl_coef, self.config.reward_weight))
         return out
+
+    async def _score(self, rollout: Rollout) -> list[float]:
+        """The teacher's logprob of each token of prompt + completion, at the sampling temperature and over each
+        sampled token's kept set (position in the whole sequence -> ids; [] = nothing was filtered)."""
+        start = len(rollout.prompt_ids)
+        kept = {start + i: ids for i, ids in enumerate(rollout.kept or []) if ids}
+        return await self.client.score(rollout.prompt_ids + rollout.completion_ids, None, self.temperature, kept)

@@ -181,7 +181,7 @@ async def open_teacher(config: OrchestratorConfig, stack: AsyncExitStack) -> Tea
         return None
     with doing("checking the teacher's vocabulary", long=True):
         check_vocabulary(config.model.name, config.teacher.model)
-    teacher = await stack.enter_async_context(Teacher(config.teacher, config.client))
+    teacher = await stack.enter_async_context(Teacher(config.teacher, config.client, config.sampling))
     await teacher.wait()
     return teacher
 

@@ -10,6 +10,7 @@ import itertools
 import json
 
 import httpx
+import pytest
 
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
 from prime_rl.envs import Example
@@ -93,6 +94,42 @@ def test_truncated_completions_can_get_zero_reward_or_be_masked():
     batch, _, _ = run_batch(truncated="mask")
     samples = build_samples(batch, "mask")
     assert [any(s["loss_mask"]) for s in samples] == [True, False] * 4
+
+
+def test_masked_truncated_rollouts_leave_the_loss_but_keep_their_reward_in_the_baseline():
+    # Odd groups: choice 0 ("a", stop) scores 1, choice 1 ("b", cut at max_tokens) 0.
+    batch, _, _ = run_batch(truncated="mask")
+    assert batch.advantages[1] == [0.5, -0.5]  # the cut rollout's 0 is in the baseline (without it: [0.0])
+    samples = build_samples(batch, "mask")
+    assert [any(s["loss_mask"]) for s in samples[2:4]] == [True, False]
+    assert samples[2]["advantages"][-1] == 0.5
+
+
+def test_length_penalty_gives_equal_rewards_a_signal_so_skip_zero_advantage_keeps_them():
+    """Every rollout scores 1; choice 0 is 1 token long, choice 1 is 3: shaped by length_penalty the group is
+    not all-equal (the shorter wins), so skip_zero_advantage keeps it; without the penalty it is skipped."""
+
+    def lengths(request):
+        n = json.loads(request.content)["n"]
+        choices = [
+            {"index": j, "message": {"content": "a"}, "finish_reason": "stop", "token_ids": [5] * (1 + 2 * j),
+             "logprobs": {"content": [{"token": "token_id:5", "logprob": -1.0}] * (1 + 2 * j)}}
+            for j in range(n)
+        ]  # fmt: skip
+        return httpx.Response(200, json={"prompt_token_ids": [1], "choices": choices}, headers={"x-weight-step": "0"})
+
+    def run(**advantage):
+        config = OrchestratorConfig(batch_size=4, rollouts_per_example=2, advantage=advantage)
+        client = InferenceClient(config.client, "m", transport=httpx.MockTransport(lengths))
+        mix = EnvMix([slot(AllRight(), config)])
+        return asyncio.run(generate_batch(client, mix, config, None, ProgressLine(False, 1)))
+
+    shaped = run(skip_zero_advantage=True, length_penalty=0.1)
+    assert shaped.skipped == 0 and shaped.rounds == 1
+    gap = 0.1 * 2 / 128 / 2  # λ × (3 − 1 tokens) / (max_tokens 128 × 1 turn), split around the mean
+    assert shaped.advantages == [[pytest.approx(gap), pytest.approx(-gap)]] * 2
+    plain = run(skip_zero_advantage=True, max_rounds=2)
+    assert plain.skipped == 2 and plain.rounds == 2 and plain.advantages == [[0.0, 0.0]] * 2
 
 
 def test_two_environments_mix_by_ratio_and_get_their_own_metrics():

@@ -1,15 +1,20 @@
 """On-policy distillation without servers: the per-token advantage formula, teacher_kl, make_sample's per-token
 advantages, the vocabulary check, and how `rl` wires [teacher] into [orchestrator.teacher]."""
 
+import asyncio
+import json
+
+import httpx
 import pytest
 
 from prime_rl.configs import ConfigError, load_config
+from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig, TeacherConfig
 from prime_rl.configs.rl import RLConfig
 from prime_rl.launch.services import service_commands, service_configs
 from prime_rl.orchestrator.advantage import is_zero
-from prime_rl.orchestrator.distill import TeacherMismatch, check_vocabulary, teacher_kl, token_advantages
+from prime_rl.orchestrator.distill import Teacher, TeacherMismatch, check_vocabulary, teacher_kl, token_advantages
 from prime_rl.orchestrator.packing import make_sample
-from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.rollout import Group, Rollout
 from prime_rl.utils.tiny_model import create_tiny_model
 
 
@@ -67,6 +72,8 @@ def test_rl_points_the_orchestrator_at_the_teacher_server_it_starts(tmp_path):
         (["--teacher.server.port", "8000"], "a free port of its own"),
         (["--teacher.max-model-len", "2048"], r"make it at least seq_len \+ 1"),
         (["--orchestrator.teacher.kl-coef", "0"], "both 0: no advantage would be left"),
+        (["--teacher.backend", "vllm", "--orchestrator.sampling.temperature", "0.7"], "vllm cannot score the teacher"),
+        (["--teacher.backend", "vllm", "--orchestrator.sampling.top-p", "0.8"], r"temperature 1.0, top_p 0.8"),
     ],
 )
 def test_teacher_settings_that_cannot_work_are_config_errors(flags, problem):
@@ -75,3 +82,51 @@ def test_teacher_settings_that_cannot_work_are_config_errors(flags, problem):
         load_config(RLConfig, [*base, *flags])
     with pytest.raises(ConfigError, match=r"teacher.model is unset: .*\(rl: \[teacher.model\] name\)"):
         load_config(RLConfig, ["--teacher.server.port", "8005"])
+
+
+def test_the_teacher_is_scored_at_the_sampling_temperature_over_each_tokens_kept_set():
+    """Kept sets go at their positions in prompt + completion; none is sent for tokens where nothing was cut."""
+    seen = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        seen.append(body)
+        scored = [None] + [{str(t): {"logprob": -0.5}} for t in body["prompt"][1:]]
+        choice = {"index": 0, "prompt_logprobs": scored, "prompt_logprobs_temperature": 0.7}
+        return httpx.Response(200, json={"choices": [choice]})
+
+    r = rollout([-0.5, -0.25, -1.0], [], [True, True, True])
+    r.kept = [[5, 8], [], [7, 1, 2]]
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9)
+
+    async def distil():
+        config = TeacherConfig(base_url=["http://127.0.0.1:9/v1"], model="t")
+        async with Teacher(config, ClientConfig(max_retries=0), sampling, httpx.MockTransport(handler)) as teacher:
+            return await teacher.distil(Group(None, [r]), [0.0])
+
+    assert asyncio.run(distil()) == [pytest.approx([0.0, -0.25, 0.5])]
+    assert seen[0]["prompt"] == [1, 2, 5, 6, 7] and seen[0]["prompt_logprobs_temperature"] == 0.7
+    assert seen[0]["prompt_logprobs_kept"] == {"2": [5, 8], "4": [7, 1, 2]}
+
+
+def test_a_teacher_server_that_cannot_score_at_the_sampling_temperature_is_refused_in_one_line():
+    """What a vLLM teacher answers (its control plane's 400, PROMPT_SCORING) ends the start as TeacherMismatch."""
+    from prime_rl.inference.vllm.server import PROMPT_SCORING
+
+    def handler(request):
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "step": 0})
+        message = f"prompt_logprobs_temperature: {PROMPT_SCORING}"
+        return httpx.Response(400, json={"error": {"message": message, "type": "invalid_request_error"}})
+
+    async def wait(sampling: SamplingConfig):
+        config = TeacherConfig(base_url=["http://127.0.0.1:9/v1"], model="t")
+        async with Teacher(config, ClientConfig(max_retries=0), sampling, httpx.MockTransport(handler)) as teacher:
+            await teacher.wait()
+
+    with pytest.raises(TeacherMismatch) as e:
+        asyncio.run(wait(SamplingConfig(temperature=0.7)))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("the student samples at temperature 0.7, so the teacher must be")
+    assert "http://127.0.0.1:9/v1 cannot" in line and "serve the teacher with the built-in engine" in line
+    asyncio.run(wait(SamplingConfig(temperature=1.0)))  # T = 1 without top-p: raw prompt logprobs are exact

@@ -21,13 +21,13 @@ def answer(prompt_logprobs) -> dict:
 GOOD = [None, {"7": {"logprob": -1.5, "rank": 3, "decoded_token": "a"}}, {"9": {"logprob": -0.25, "rank": 1}}]
 
 
-def score(handler, token_ids=TOKENS, urls=(A,), pick: int | None = None) -> list[float]:
+def score(handler, token_ids=TOKENS, urls=(A,), pick: int | None = None, **at) -> list[float]:
     config = ClientConfig(base_url=list(urls), max_retries=0)
 
     async def run():
         async with InferenceClient(config, "tiny", transport=httpx.MockTransport(handler)) as client:
             server = None if pick is None else client.pool.servers[pick]
-            return await client.score(token_ids, server)
+            return await client.score(token_ids, server, **at)
 
     return asyncio.run(run())
 
@@ -78,3 +78,24 @@ def test_a_given_server_is_asked_and_its_failure_is_the_answer_while_none_fails_
     asked.clear()
     assert score(handler, urls=(A, B)) == [0.0, -1.5, -0.25]  # A is taken out, B answers
     assert asked == [f"{A}/completions", f"{B}/completions"]
+
+
+def test_at_a_temperature_or_over_kept_sets_the_extension_is_sent_and_its_echo_required():
+    """The built-in engine's `prompt_logprobs_temperature` / `prompt_logprobs_kept` (distillation at T != 1 or with
+    top-p); a server that answers without echoing the temperature (vLLM ignores unknown fields) scored raw
+    logits: an InferenceError rather than a teacher scored at another temperature."""
+    seen = []
+
+    def echoing(request):
+        body = json.loads(request.content)
+        seen.append(body)
+        data = answer(GOOD)
+        data["choices"][0]["prompt_logprobs_temperature"] = body.get("prompt_logprobs_temperature")
+        return httpx.Response(200, json=data)
+
+    assert score(echoing, temperature=0.7, kept={2: [9, 4]}) == [0.0, -1.5, -0.25]
+    assert seen[0]["prompt_logprobs_temperature"] == 0.7 and seen[0]["prompt_logprobs_kept"] == {"2": [9, 4]}
+    assert score(echoing, kept={2: [9, 4]}) and seen[1]["prompt_logprobs_temperature"] == 1.0
+    assert score(echoing, temperature=1.0, kept={}) and "prompt_logprobs_temperature" not in seen[2]  # plain
+    with pytest.raises(InferenceError, match="without prompt_logprobs_temperature 0.7 .* does not echo it"):
+        score(lambda request: httpx.Response(200, json=answer(GOOD)), temperature=0.7)

@@ -334,7 +334,10 @@ class Engine:
             top = request.params.prompt_logprobs
             if top is not None:
                 try:
-                    request.prompt_logprobs = score_prompt(self.model, request.prompt_ids, top, self.device)
+                    params = request.params
+                    request.prompt_logprobs = score_prompt(
+                        self.model, request.prompt_ids, top, self.device, params.prompt_temperature, params.prompt_kept
+                    )
                 except Exception as e:
                     fail_request(request, e)
                     continue

@@ -28,7 +28,7 @@ Worked example, logits [2, 1, 0, -1] (probabilities ≈ [.644, .237, .087, .032]
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,8 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives to record per generated token
     return_sampling_mask: bool = False  # report each token's kept set and renormalise its logprob over it
     prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives (scoring.py)
+    prompt_temperature: float = 1.0  # ... at this temperature (our extension, for distillation: scoring.py)
+    prompt_kept: Mapping[int, Sequence[int]] | None = None  # ... renormalised over these sets (position -> ids)
 
 
 @dataclass

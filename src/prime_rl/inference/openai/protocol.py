@@ -83,11 +83,20 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     # vLLM's extra: each choice also carries the logprob of every prompt token given its prefix (serving.py)
     prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    # Our extension (distillation: a teacher scores the student's tokens under the distribution they were drawn
+    # from, engine/scoring.py): prompt logprobs at this temperature, and at each position named (position in the
+    # prompt -> token ids) renormalised over that kept set. vLLM has neither and ignores unknown fields, so the
+    # answer echoes the temperature on each choice: a client that sees no echo knows it was not applied.
+    prompt_logprobs_temperature: Annotated[float | None, Field(gt=0, le=2)] = None
+    prompt_logprobs_kept: dict[int, Annotated[list[int], Field(min_length=1)]] | None = None
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> CompletionRequest:
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream=true")
+        extension = self.prompt_logprobs_temperature is not None or self.prompt_logprobs_kept is not None
+        if extension and self.prompt_logprobs is None:
+            raise ValueError("prompt_logprobs_temperature and prompt_logprobs_kept need prompt_logprobs")
         return self
 
 

@@ -15,6 +15,7 @@ while it ran; streamed: on its last chunk). Every choice, streamed or not, is bu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 from collections.abc import Awaitable
@@ -202,6 +203,25 @@ def sampling_params(
     )
 
 
+def with_prompt_scoring(params: SamplingParams, body: CompletionRequest, prompts: list[list[int]], vocab: int):
+    """`params` with the prompt scoring of our extension (`prompt_logprobs_temperature`, `prompt_logprobs_kept`,
+    protocol.CompletionRequest), each kept set checked against the one prompt it is for: a position in [1, L),
+    ids in the vocabulary, the prompt's token among them (else its logprob would be -inf)."""
+    kept = body.prompt_logprobs_kept
+    if kept and len(prompts) != 1:
+        raise APIError(400, f"prompt_logprobs_kept names positions of one prompt; this request has {len(prompts)}")
+    for position, ids in (kept or {}).items():
+        prompt = prompts[0]
+        if not 1 <= position < len(prompt):
+            raise APIError(400, f"prompt_logprobs_kept position {position} is outside [1, {len(prompt)})")
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"prompt_logprobs_kept[{position}] has token ids outside [0, {vocab})")
+        if prompt[position] not in ids:
+            raise APIError(400, f"prompt_logprobs_kept[{position}] does not hold the prompt's token {prompt[position]}")
+    temperature = _temperature(body.prompt_logprobs_temperature)
+    return dataclasses.replace(params, prompt_temperature=temperature, prompt_kept=kept or None)
+
+
 def _temperature(requested: float | None) -> float:
     """1 when unset; below 1e-5 greedy (0), as vLLM: logits / 1e-39 overflow to inf and the logprobs to NaN."""
     if requested is None:
@@ -313,6 +333,8 @@ def completion_response(meta, body: CompletionRequest, prompts, results: list[li
         scored = [prompt_logprobs_json(ids, samples[0].prompt_logprobs, tokenizer) for ids, samples in pairs]
         for i, choice in enumerate(choices):
             choice["prompt_logprobs"] = scored[i // body.n]
+            if body.prompt_logprobs_temperature is not None:  # the echo a client checks (protocol.py)
+                choice["prompt_logprobs_temperature"] = body.prompt_logprobs_temperature
     return meta | {"object": "text_completion", "choices": choices, "usage": _usage(prompts, results)}
 
 

@@ -94,6 +94,8 @@ class VllmControlPlane(ControlPlane):
         refusal = super().check_generation(path, body)
         if refusal is None and b"return_sampling_mask" in body:
             refusal = sampling_mask_refusal(body, self.served.masks_unavailable())
+        if refusal is None and b"prompt_logprobs_" in body:
+            refusal = prompt_scoring_refusal(body)
         if refusal is not None or path != "/v1/chat/completions" or b"tool" not in body:
             return refusal
         try:
@@ -165,6 +167,29 @@ def sampling_mask_refusal(body: bytes, unavailable: str | None) -> JSONResponse 
         return error(400, "return_sampling_mask: the vLLM backend returns sampling masks on whole responses only: "
                      "ask with stream = false")  # fmt: skip
     return None
+
+
+# Why a vLLM server cannot score a distillation teacher at the sampling temperature, from vLLM 0.32's code:
+# `GPUModelRunner._get_prompt_logprobs_dict` takes `log_softmax` of the raw logits ("prompt tokens skip sampling
+# processors, so processed_* and raw_* yield the same scores here"), and so does Model Runner V2's
+# v1/worker/gpu/sample/prompt_logprob.py (read on vLLM's main branch; a `prompt_logprobs_temperature` was proposed
+# in vllm-project/vllm#37082, unmerged). Recovering them would take each position's whole-vocabulary logprobs.
+PROMPT_SCORING = (
+    "vLLM scores prompt tokens from the raw logits (they skip its sampler: no temperature, no top-p / top-k), "
+    "so it cannot score a distillation teacher at the sampling temperature or over kept sets: serve the teacher "
+    "with the built-in engine (backend builtin), or sample at temperature 1 with top_p = 1 and top_k = 0"
+)
+
+
+def prompt_scoring_refusal(body: bytes) -> JSONResponse | None:
+    """The 400 for a body asking for our prompt-scoring extension (`prompt_logprobs_temperature`,
+    `prompt_logprobs_kept`: the built-in engine's, openai/protocol.py), which vLLM would silently ignore."""
+    try:
+        parsed = json.loads(body)
+        asked = [k for k in ("prompt_logprobs_temperature", "prompt_logprobs_kept") if parsed.get(k) is not None]
+    except (ValueError, AttributeError):
+        return None  # not a JSON object: vLLM says so
+    return error(400, f"{' and '.join(asked)}: {PROMPT_SCORING}") if asked else None
 
 
 class VllmModel:

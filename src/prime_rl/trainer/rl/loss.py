@@ -8,12 +8,16 @@ k_t = 1 − (t masked by a ratio mask below) the keep flag.
     aipo (default)  ℓ_t = −sg[min(r_t, max_ratio)] · A_t · log π_t        truncated IS; the ratio is a constant
     ppo  (GRPO)     ℓ_t = −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t)           two-sided clip
     gspo            like ppo with r_t replaced by s_i,t = sg[s_i] · π_t / sg[π_t],
-                    s_i = exp(mean over sample i's loss tokens of (log π − log μ))   (GSPO-token form)
+                    s_i = exp(mean over sample i's loss tokens of (log π − log μ))   (GSPO-token form);
+                    always norm "sequence" and by default ε = 3e-4 / 4e-4 (the paper's), so with one
+                    advantage per sample the loss is the paper's −1/G Σ_i min(s_i A_i, clip(s_i) A_i)
     custom          ℓ_t = f(LossInputs, **loss.kwargs)[t], a function named in the config (`LossInputs`)
     loss            = Σ_t m_t k_t ω_t (ℓ_t + kl_coef · KL_t − entropy_coef · H_t) / N
 
-KL_t (`kl_type`, with gradient: keeps π near the sampling policy): k3 = 1/r_t − 1 + log r_t (default) or
-k2 = ½ (log r_t)².
+KL_t (`kl_type`, with gradient: keeps π near the sampling policy): k3 = min(1/r_t − 1 + log r_t, KL_MAX)
+(default) or k2 = ½ (log r_t)². Unbounded, k3 grows as 1/r: one token with r = 1e-6 added 1e6 · kl_coef, more
+than the rest of a step; capped at KL_MAX = 10 (verl's bound for its k3), past r < 0.073 or r > 6e4 a token's
+k3 is a constant, with no gradient.
 
 Ratio masks (`loss.mask`, all off by default; any rule masks, k_t = 0): the token band masks t when
 r_t ∉ [token_low, token_high] (IcePop-style); the sequence band masks every token of sample i when its
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
     from prime_rl.configs.trainer import LossConfig, MaskConfig
 
 MASK_RULES = ("token", "sequence", "tv", "lag")
+KL_MAX = 10.0  # the k3 penalty's cap per token (verl's clamp of its k3, `kl_penalty` in core_algos.py)
 
 
 def sample_index(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -208,13 +213,17 @@ def call_custom(fn: CustomLoss | None, inputs: LossInputs, cfg: LossConfig) -> t
 
 
 def kl_penalty(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """Per-token KL(π‖μ) estimate with gradient: k3 = 1/r − 1 + log r, k2 = ½ (log r)² (both ≥ 0, 0 at r = 1).
+    """Per-token KL(π‖μ) estimate with gradient: k3 = min(1/r − 1 + log r, KL_MAX), k2 = ½ (log r)² (both ≥ 0,
+    0 at r = 1).
 
     Example: log r = ln 2 → k3 = 0.5 − 1 + 0.693 = 0.193, k2 = 0.240; ∂k2/∂log π = log r = 0.693.
+    log r = ln 1e-6 → k3 = 1e6 − 1 − 13.8, capped at 10, gradient 0.
     """
     if kl_type == "k2":
         return 0.5 * log_ratio.square()
-    return (-log_ratio).exp() + log_ratio - 1
+    # exp(-log r) of a very negative log π overflows float32 to inf: clamp log r first (|log r| ≤ 20), as verl does.
+    log_ratio = log_ratio.clamp(-20.0, 20.0)
+    return ((-log_ratio).exp() + log_ratio - 1).clamp(max=KL_MAX)
 
 
 def ratio_masks(

@@ -142,13 +142,55 @@ def test_gspo_uses_one_sequence_ratio_per_sample():
     terms = policy_loss(logprobs, mu, advantages, mask, samples, cfg, scale=1.0)
     terms.loss.backward()
     s = math.sqrt(2)
-    assert terms.loss_sum.item() == pytest.approx(-s - s + 1.0)
-    # Gradient of −s_i,t·A_t w.r.t. log π_t is −s_i·A_t (the sequence ratio, not the token's own ratio 2).
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[-s, -s, 1.0]]))
+    # Sequence normalisation (always, for gspo): each of sample 0's two tokens weighs 1/2.
+    assert terms.loss_sum.item() == pytest.approx(-s / 2 - s / 2 + 1.0)
+    # Gradient of −s_i,t·A_t / |y_i| w.r.t. log π_t is −s_i·A_t / |y_i| (the sequence ratio, not the token's own 2).
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-s / 2, -s / 2, 1.0]]))
     # With a tight clip (1 ± 0.2) sample 0's ratio √2 is clipped on both tokens.
-    tight = policy_loss(logprobs, mu, advantages, mask, samples, _cfg(type="gspo"), scale=1.0)
+    tight = policy_loss(logprobs, mu, advantages, mask, samples, _cfg(type="gspo", clip_low=0.2, clip_high=0.2), 1.0)
     assert tight.clipped.item() == 2
-    assert tight.loss_sum.item() == pytest.approx(-1.2 - 1.2 + 1.0)
+    assert tight.loss_sum.item() == pytest.approx(-1.2 / 2 - 1.2 / 2 + 1.0)
+
+
+def test_gspo_by_default_is_the_papers_sequence_level_objective():
+    """J = 1/G Σ_i min(s_i A_i, clip(s_i, 1 − 3e-4, 1 + 4e-4) A_i), s_i = (π(y_i)/μ(y_i))^(1/|y_i|), by hand, in
+    value and gradient (autograd of that formula); scale = 1/G as the trainer passes with norm "sequence"."""
+    lengths, a = [3, 1, 2], [1.0, -1.0, 1.0]
+    # per-token log ratios; sample means: 1e-4 (s inside the band), -1e-3 (below 1 − 3e-4), 6e-4 (above 1 + 4e-4)
+    log_r = [[1e-4, 3e-4, -1e-4], [-1e-3], [0.0, 1.2e-3]]
+    pi = torch.tensor([[-1.0, -2.0, -0.5, -1.5, -0.7, -3.0]], requires_grad=True)
+    mu = pi.detach() - torch.tensor([[x for row in log_r for x in row]])
+    samples = torch.tensor([[0, 0, 0, 1, 2, 2]])
+    advantages = torch.tensor([[a[i] for i, n in enumerate(lengths) for _ in range(n)]])
+    cfg = LossConfig(type="gspo")
+    assert (cfg.norm, cfg.clip_low, cfg.clip_high) == ("sequence", 3e-4, 4e-4)
+    terms = policy_loss(pi, mu, advantages, torch.ones(1, 6, dtype=torch.bool), samples, cfg, scale=1 / 3)
+    terms.loss.backward()
+
+    s = [math.exp(sum(row) / len(row)) for row in log_r]  # [1.0001, 0.999, 1.0006]
+    hand = -sum(min(si * ai, min(max(si, 1 - 3e-4), 1 + 4e-4) * ai) for si, ai in zip(s, a, strict=True)) / 3
+    assert terms.loss.item() == pytest.approx(hand, rel=1e-6)
+    # Clipped: sample 1 (s = 0.999 < 1 − 3e-4 with A < 0) and sample 2's two tokens (s = 1.0006 > 1 + 4e-4, A > 0).
+    assert terms.clipped.item() == 3
+
+    ref = pi.detach().clone().requires_grad_()
+    paper = 0.0
+    for i, (start, end) in enumerate([(0, 3), (3, 4), (4, 6)]):
+        si = ((ref[0, start:end] - mu[0, start:end]).mean()).exp()
+        paper = paper - torch.minimum(si * a[i], si.clamp(1 - 3e-4, 1 + 4e-4) * a[i]) / 3
+    paper.backward()
+    torch.testing.assert_close(pi.grad, ref.grad)
+
+
+def test_gspo_refuses_token_normalisation_and_keeps_clips_the_user_sets():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="'token' with loss.type = 'gspo' weighs each sample"):
+        LossConfig(type="gspo", norm="token")
+    assert (LossConfig(type="gspo", clip_high=0.01).clip_low, LossConfig(type="gspo", clip_high=0.01).clip_high) == (
+        3e-4, 0.01
+    )  # fmt: skip
+    assert (LossConfig(type="ppo").norm, LossConfig(type="ppo").clip_low) == ("token", 0.2)  # ppo unchanged
 
 
 def test_sequence_normalisation_weighs_every_sample_equally():
@@ -180,6 +222,26 @@ def test_kl_and_entropy_terms_are_off_by_default_and_add_when_set():
     with_terms.loss.backward()
     # ∂k3/∂log π = 1 − exp(−log r) = 0.5
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.05]]))
+
+
+def test_one_token_with_a_tiny_ratio_adds_at_most_kl_max_to_the_k3_penalty():
+    """Uncapped, log r = ln 1e-6 on one token added 1e6 · kl_coef to the step; capped (KL_MAX = 10, verl's bound)
+    it adds 10 and no gradient, while a token with a moderate ratio keeps its exact k3 and gradient."""
+    from prime_rl.trainer.rl.loss import KL_MAX
+
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    mu = torch.tensor([[-1.0 + math.log(1e6), -1.0 - math.log(2), -1.0]])  # r = [1e-6, 2, 1]
+    mask, samples = torch.ones(1, 3, dtype=torch.bool), _one_sample(3)
+    terms = policy_loss(logprobs, mu, torch.zeros(1, 3), mask, samples, _cfg(kl_coef=1.0), scale=1.0)
+    terms.loss.backward()
+    k3_of_2 = 0.5 + math.log(2) - 1
+    assert KL_MAX == 10.0 and terms.loss_sum.item() == pytest.approx(KL_MAX + k3_of_2)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.5, 0.0]]))
+    extreme = torch.tensor([[-200.0]], requires_grad=True)  # exp(200) overflows float32: still finite
+    terms = policy_loss(extreme, torch.zeros(1, 1), torch.zeros(1, 1), mask[:, :1], samples[:, :1],
+                        _cfg(kl_coef=1.0), scale=1.0)  # fmt: skip
+    terms.loss.backward()
+    assert terms.loss_sum.item() == KL_MAX and extreme.grad.item() == 0.0
 
 
 def test_sample_index_from_cu_seqlens():
