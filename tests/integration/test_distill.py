@@ -106,4 +106,6 @@ def test_a_teacher_that_is_the_student_gives_zero_advantage_at_any_temperature_a
     advantages = asyncio.run(distil())
     worst = max(abs(a) for a in advantages)
     print(f"teacher = student, {sampling}: max |A_t| {worst:.2e} over {len(advantages)} tokens")
-    assert len(advantages) >= 64 and worst <= 1e-6
+    # 9.5e-7 measured here (float32 rounding between decode and prefill); a margin for other CPUs' kernels:
+    # the bug this guards against was 0.2.
+    assert len(advantages) >= 64 and worst <= 4e-6
