@@ -189,7 +189,8 @@ async def run_step(loop: Loop, step: int) -> None:
     times: dict[str, float] = {}
     start = time.perf_counter()
     held = await loop.parity.check_servers(loop.client)  # what each server holds against the trainer's checksums
-    await wait_for_policy(loop.client, config, step, times, held)
+    on_policy = loop.parity.on_policy(step)  # a gate step samples from weight step `step` (parity.py)
+    await wait_for_policy(loop.client, config, step, times, held, on_policy)
     await loop.parity.start_step(loop.client)  # checksums; at a gate step the servers score the canaries
     loop.evals.start(loop.client, step)
     if loop.stream is None:
@@ -200,7 +201,7 @@ async def run_step(loop: Loop, step: int) -> None:
     await loop.parity.choose_canaries(loop.client, batch)  # the run's first batch: before its rank files
     write_batch(config, step, batch, times)
     times["step"] = time.perf_counter() - start
-    m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
+    m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step, on_policy)
     m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
     # trained/* beside generated/* (continuous mode): lengths, turns and rewards, so a length bias shows
     m |= loop.stream.window_metrics(batch) if loop.stream is not None else group_metrics("trained", batch.groups)

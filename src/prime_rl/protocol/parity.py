@@ -148,6 +148,10 @@ def read_checksum(weight_dir: Path) -> str | None:
 #              replies are False. Written before the rank files of the step that chose them.
 # step_n.json  {"step", "logprobs": [[...] per canary]}: the trainer's logprob of every token given its
 #              prefix (0.0 at index 0) with the weights of step n, written at the start of its step n.
+# sampled_step_n_rank_r.json  {"step", "entries": [[server, tokens, Σ k3, max |Δ logprob|] per sample and
+#              server]}: the on-policy loss tokens of trainer rank r's step n (a gate step), each server an
+#              index in the orchestrator's client.base_url; written after the step's backward, read and
+#              deleted by the orchestrator.
 
 
 def parity_dir(output_dir: Path) -> Path:
@@ -197,6 +201,33 @@ def read_trainer_scores(output_dir: Path, step: int) -> list[list[float]] | None
     except (OSError, ValueError):
         return None
     return data.get("logprobs") if isinstance(data, dict) and data.get("step") == step else None
+
+
+def sampled_file(output_dir: Path, step: int, rank: int) -> Path:
+    return parity_dir(output_dir) / f"sampled_step_{step}_rank_{rank}.json"
+
+
+def write_sampled(output_dir: Path, step: int, rank: int, entries: list[list[float]]) -> None:
+    atomic_write_json(sampled_file(output_dir, step, rank), {"step": step, "entries": entries})
+
+
+def read_sampled(output_dir: Path, step: int, ranks: int) -> list[list[float]] | None:
+    """Every trainer rank's sampled-token entries of step `step`, None until all `ranks` wrote theirs."""
+    entries = []
+    for rank in range(ranks):
+        try:
+            data = json.loads(sampled_file(output_dir, step, rank).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("step") != step or not isinstance(data.get("entries"), list):
+            return None
+        entries += data["entries"]
+    return entries
+
+
+def clear_sampled(output_dir: Path, step: int, ranks: int) -> None:
+    for rank in range(ranks):
+        sampled_file(output_dir, step, rank).unlink(missing_ok=True)
 
 
 def clear_parity(output_dir: Path) -> None:
