@@ -183,3 +183,20 @@ def test_a_server_whose_decode_path_samples_another_policy_is_stopped_within_a_g
     assert len(steps) <= gate + 2  # stopped at the end of the gate step's next step, or the one after
     canary = [m for m in steps if "parity_kl/127.0.0.1:" + str(free_port) in m]
     assert canary and all(m[f"parity_kl/127.0.0.1:{free_port}"] < 1e-9 for m in canary)  # prefill: blind to it
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_clean_runs_pass_the_sampled_token_gate_at_every_step(tiny_model, tmp_path, free_port, seed):
+    """Every step a gate step (interval 1: every step on-policy and judged) with the default `max_kl`: an honest
+    server is never stopped; the sampled-token KL it measures is the fp32 engine-vs-trainer noise (~1e-13 here)."""
+    out = tmp_path / "out"
+    extra = ["--max-steps", "4", "--parity.interval", "1", "--orchestrator.seed", str(seed)]
+    extra += ["--orchestrator.sampling.seed", str(seed)]
+    result = subprocess.run(rl_args(tiny_model, out, free_port, *extra), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, orchestrator_error(out) if (out / "logs").is_dir() else result.stderr[-3000:]
+    log = (out / "logs" / "orchestrator.log").read_text()
+    line = rf"parity of the sampled tokens of step (\d+): parity_sampled_kl/127.0.0.1:{free_port} (\S+),"
+    found = re.findall(line, log)
+    judged = {int(step): float(kl) for step, kl in found}
+    print(f"\nseed {seed}: sampled-token KL per on-policy step {judged}")
+    assert sorted(judged) == [0, 1, 2, 3] and max(judged.values()) < 1e-9

@@ -93,6 +93,12 @@ def robust_kl(entries: list[tuple[int, float, float]]) -> tuple[float, int, floa
     return sum(e[1] for e in kept) / max(tokens, 1), tokens, max(e[2] for e in kept), drop
 
 
+def worst_of(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two gate steps' metrics compared at one step's end, in its one record: the larger of each value (the later
+    gate step, the larger KL), token counts added."""
+    return a | {k: a[k] + v if "tokens" in k and k in a else max(v, a.get(k, v)) for k, v in b.items()}
+
+
 class ParityGate:
     def __init__(self, config: OrchestratorConfig, resumed: bool):
         self.config, self.c = config, config.parity
@@ -214,7 +220,7 @@ class ParityGate:
                 )
             trainer = read_trainer_scores(out, gate)
             if trainer is not None:
-                metrics |= self.compare(client, gate, trainer, self.pending.pop(gate))
+                metrics = worst_of(metrics, self.compare(client, gate, trainer, self.pending.pop(gate)))
                 self.done.add(gate)
         ranks = config.num_train_workers
         for gate in sorted(self.sampled):
@@ -227,7 +233,7 @@ class ParityGate:
             if entries is not None:
                 self.sampled.discard(gate)
                 clear_sampled(out, gate, ranks)
-                metrics |= self.compare_sampled(client, gate, entries)
+                metrics = worst_of(metrics, self.compare_sampled(client, gate, entries))
         return metrics
 
     async def wait_for(self, ready, what: str) -> None:

@@ -69,9 +69,9 @@ class SampledMismatch:
     def active(self, step: int | None) -> bool:
         return step is not None and not self.config.bench and is_gate_step(step, self.config.parity.interval)
 
-    def add(self, mb: MicroBatch, k3: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-            samples: torch.Tensor, step: int) -> None:  # fmt: skip
-        """`k3`, `log_ratio` [1, L] of the loss; `samples` the packed sample of each position."""
+    def add(self, mb: MicroBatch, log_ratio: torch.Tensor, mask: torch.Tensor, samples: torch.Tensor,
+            step: int) -> None:  # fmt: skip
+        """`log_ratio` [1, L]: log π − log μ of the loss; `samples` the packed sample of each position."""
         if not mb.token_server.numel() or not mb.policy_steps.numel():
             return  # an orchestrator that sends no servers: nothing to attribute
         device = mask.device
@@ -84,8 +84,9 @@ class SampledMismatch:
         unique, inverse = torch.unique(keys, return_inverse=True)
         zeros = torch.zeros(len(unique), dtype=torch.float64, device=device)
         tokens = zeros.index_add(0, inverse, torch.ones_like(inverse, dtype=torch.float64))
-        total = zeros.index_add(0, inverse, k3[on_policy].double())
-        worst = zeros.scatter_reduce(0, inverse, log_ratio[on_policy].abs().double(), "amax", include_self=False)
+        d = log_ratio[on_policy].double()
+        total = zeros.index_add(0, inverse, torch.expm1(d) - d)  # k3 in float64: fp32's rounds honest noise to 0
+        worst = zeros.scatter_reduce(0, inverse, d.abs(), "amax", include_self=False)
         for key, n, kl, d in zip(unique.tolist(), tokens.tolist(), total.tolist(), worst.tolist(), strict=True):
             self.entries.append([key % servers, int(n), kl, d])
 

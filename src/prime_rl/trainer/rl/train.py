@@ -256,7 +256,7 @@ def rl_loss(c: LossConfig, sampled: SampledMismatch | None = None) -> LossFn:
         )
         if sampled is not None and sampled.active(step):
             log_ratio = torch.where(mask, out.logprobs.detach() - inference_logprobs, 0.0)
-            sampled.add(mb, terms.mismatch_kl, log_ratio, mask, samples, step)
+            sampled.add(mb, log_ratio, mask, samples, step)
         entropy = torch.where(mask, out.entropy.detach(), 0.0)
         reported = {
             "loss": terms.loss_sum,
