@@ -6,7 +6,9 @@ Two checks, each ending the run with one line naming the server and the weight s
   start, its /update_weights answer after the step's update, protocol.parity) against the trainer's for that
   step (`weights/step_n/checksum.json`, or the broadcast announcement; kept once read, so a step the trainer
   has pruned since is still known). A wrong dir, a partial load, a server swapped behind the orchestrator's
-  back: caught at the next step's start.
+  back: caught at the next step's start. Any publish of the step passes: a resumed trainer redoes steps and
+  CUDA training is not bit-reproducible, so a server may hold the step's earlier attempt (its checksum is in
+  the file's "earlier", or was read here before); such a server's sampled tokens of that step are not judged.
 - parity canaries, at weight steps 0, interval, ...: a few fixed token sequences (`parity/canary.json`, the
   first sample of `num_canaries` groups of the run's first batch, across envs) scored by every server right
   after it loaded the gate step, and by the trainer with the same weights (`parity/step_n.json`). The mismatch
@@ -50,7 +52,7 @@ from prime_rl.protocol.parity import (
     clear_sampled,
     is_gate_step,
     read_canaries,
-    read_checksum,
+    read_checksums,
     read_sampled,
     read_trainer_scores,
     sampled_file,
@@ -107,7 +109,9 @@ class ParityGate:
         self.held = 0  # the weight step the servers hold this step
         self.pending: dict[int, dict[str, list[list[float]]]] = {}  # gate step -> server -> canary logprobs
         self.done: set[int] = set()  # gate steps compared
-        self.expected: dict[int, tuple[str, str]] = {}  # weight step -> (trainer's checksum, where it was read)
+        # weight step -> (every checksum the trainer published as it, newest first; where the newest was read)
+        self.expected: dict[int, tuple[list[str], str]] = {}
+        self.earlier: set[tuple[str, int]] = set()  # (server, weight step): it holds an earlier publish of the step
         self.sampled: set[int] = set()  # on-policy gate steps whose sampled tokens the trainer will report
 
     def on_policy(self, step: int) -> bool:
@@ -141,27 +145,42 @@ class ParityGate:
         self.pending[step] = await self.score_servers(client, canaries)
 
     async def check_checksums(self, client: InferenceClient) -> None:
+        """Each live server's checksum against the trainer's publishes of the step it holds: the newest, or an
+        earlier one (a resumed trainer redid the step: not a fault; its sampled tokens are not judged)."""
         for server in client.pool.live():
             if server.step == 0 or server.checksum is None:
                 continue  # the base weights, or a server that reports none
-            expected = await self.trainer_checksum(server)
-            if expected is not None and expected[0] != server.checksum:
-                raise ParityError(
-                    f"checksum: server {server.base} at weight step {server.step}: loaded {server.checksum}, "
-                    f"the trainer exported {expected[0]} ({expected[1]}); it serves other weights than the trainer's"
-                )
+            expected = await self.trainer_checksums(server)
+            if expected is None or server.checksum == expected[0][0]:
+                continue
+            if server.checksum in expected[0]:
+                if (server.base, server.step) not in self.earlier:
+                    logger.info(
+                        f"parity: server {server.base} holds an earlier publish of weight step {server.step} "
+                        f"({server.checksum}; the trainer redid the step: now {expected[0][0]})"
+                    )
+                self.earlier.add((server.base, server.step))
+                continue
+            raise ParityError(
+                f"checksum: server {server.base} at weight step {server.step}: loaded {server.checksum}, "
+                f"the trainer exported {expected[0][0]} ({expected[1]}); it serves other weights than the trainer's"
+            )
 
-    async def trainer_checksum(self, server: Server) -> tuple[str, str] | None:
-        """(checksum, where it was read) of the trainer's weight step `server.step`, None where unknown."""
-        found = await self._read_trainer_checksum(server)
+    async def trainer_checksums(self, server: Server) -> tuple[list[str], str] | None:
+        """(every checksum the trainer published as weight step `server.step`, newest first; where the newest was
+        read), None where unknown. Read afresh each time (a resumed trainer may redo the step), and remembered:
+        a pruned step, or an earlier publish the trainer's file or announcement no longer names, stays known."""
+        found = await self._read_trainer_checksums(server)
+        known = self.expected.get(server.step)
         if found is None:  # pruned since (or not written: a dir from elsewhere)
-            return self.expected.get(server.step)
-        self.expected[server.step] = found  # read afresh each time: a resumed trainer may redo a step otherwise
+            return known
+        checksums = list(dict.fromkeys(found[0] + (known[0] if known else [])))
+        self.expected[server.step] = checksums, found[1]
         for old in sorted(self.expected)[:-16]:  # a few recent steps are all a server can hold
             del self.expected[old]
-        return found
+        return self.expected[server.step]
 
-    async def _read_trainer_checksum(self, server: Server) -> tuple[str, str] | None:
+    async def _read_trainer_checksums(self, server: Server) -> tuple[list[str], str] | None:
         out, step = self.config.output_dir, server.step
         if server.group is not None:  # from a broadcast: the announcement gets its checksum once it was sent
             await wait_until_async(
@@ -171,9 +190,9 @@ class ParityGate:
             )
             marker = read_marker(out)
             if marker is not None and marker["step"] == step and marker["group"] == server.group:
-                return marker["checksum"], f"broadcast announcement of step {step}"
-        checksum = read_checksum(weights_dir(out, step))
-        return None if checksum is None else (checksum, str(weights_dir(out, step) / "checksum.json"))
+                return [marker["checksum"]], f"broadcast announcement of step {step}"
+        checksums = read_checksums(weights_dir(out, step))
+        return (checksums, str(weights_dir(out, step) / "checksum.json")) if checksums else None
 
     async def score_servers(self, client: InferenceClient, canaries: list[dict]) -> dict[str, list[list[float]]]:
         async def one(server: Server) -> tuple[str, list[list[float]]]:
@@ -279,6 +298,9 @@ class ParityGate:
             if not 0 <= index < len(client.pool.servers):
                 continue  # an index from another client.base_url list (a resumed run with other servers)
             server = client.pool.servers[index]
+            if (server.base, step) in self.earlier:
+                logger.info(f"parity: server {server.base} sampled step {step} from an earlier publish: not judged")
+                continue
             name, tokens = server_name(server), sum(n for n, _, _ in parts)
             metrics |= {
                 f"parity_sampled_kl/{name}": sum(k for _, k, _ in parts) / max(tokens, 1),  # the plain mean

@@ -190,3 +190,29 @@ def test_an_on_policy_gate_step_judges_each_servers_sampled_tokens_from_the_trai
     }  # fmt: skip
     with pytest.raises(Exception, match=r"the trainer's sampled-token mismatch of step 19 \(.*sampled_step_19_rank_0"):
         asyncio.run(g.finish_step(client, 19, on_policy=True))  # the run's last step (max_steps 20)
+
+
+def test_a_server_holding_an_earlier_publish_of_a_redone_step_is_no_fault_and_its_samples_are_not_judged(tmp_path):
+    """A resumed trainer redid step 3 (other weights: CUDA is not bit-reproducible) while the server kept its first
+    attempt: it is no fault whether the step's file names the earlier publish or the gate read it before (a
+    broadcast announcement names only the newest); other weights still stop the run."""
+    step_dir = weights_dir(tmp_path, 3)
+    step_dir.mkdir(parents=True)
+    mark_stable(step_dir)
+    client = FakeClient({"http://127.0.0.1:1/v1": []})
+    server = client.pool.servers[0]
+    server.step, server.checksum = 3, f"{0xA:016x}"
+    write_checksum(step_dir, Checksum(0xB, 2), earlier=[f"{0xA:016x}"])
+    g = gate(tmp_path, interval=1)
+    asyncio.run(g.start_step(client))  # the file names the earlier publish: passes
+    g = gate(tmp_path, interval=1)
+    write_checksum(step_dir, Checksum(0xA, 2))
+    asyncio.run(g.start_step(client))  # read before the redo ...
+    write_checksum(step_dir, Checksum(0xB, 2))
+    asyncio.run(g.start_step(client))  # ... still known after it
+    entries = [[0, 10, 10.0, 3.0], [0, 10, 10.0, 3.0]]  # far off: the trainer's weights of step 3 are the redo's
+    write_sampled(tmp_path, 3, 0, entries)
+    assert asyncio.run(g.finish_step(client, 3, on_policy=True)) == {"parity_sampled_step": 3}
+    server.checksum = f"{0xC:016x}"
+    with pytest.raises(ParityError, match="loaded 000000000000000c, the trainer exported 000000000000000b"):
+        asyncio.run(g.start_step(client))
