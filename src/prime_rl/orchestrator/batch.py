@@ -176,14 +176,18 @@ async def generate_batch(
 
 def build_samples(batch: Batch, truncated: str, env_names: list[str] = ()) -> list[dict]:
     """The batch's rollouts as trainer samples, each tagged with its environment's index in `env_names` and
-    carrying the policy step of each token (`policy_steps` in the rank files)."""
+    carrying the policy step and the server of each token (`policy_steps`, `token_server` in the rank files)."""
     index = {name: i for i, name in enumerate(env_names)}
     samples = []
     for group, advantages in zip(batch.groups, batch.advantages, strict=True):
         for r, a in zip(group.rollouts, advantages, strict=True):
             mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
             env = index.get(group.env, -1)
-            samples.append(make_sample(r.prompt_ids, r.completion_ids, r.logprobs, a, mask, env, r.kept, r.token_steps))
+            samples.append(
+                make_sample(
+                    r.prompt_ids, r.completion_ids, r.logprobs, a, mask, env, r.kept, r.token_steps, r.token_servers
+                )
+            )
     return samples
 
 

@@ -66,6 +66,7 @@ class Completion:
     weight_step: int  # the policy step the server reported for the response (x-weight-step)
     kept: list[list[int]] | None = None  # per token the ids it was drawn among ([] = all), when masks were asked
     token_steps: list[int] | None = None  # per token the policy step that sampled it (None: weight_step for all)
+    server: int = -1  # the server that sampled it: its index in client.base_url (-1: unknown)
 
     def __post_init__(self) -> None:
         if self.token_steps is None:
@@ -85,8 +86,10 @@ class Choice(NamedTuple):
     kept: list[list[int]] | None  # the sampling masks, None when the server sent none
     token_steps: list[int] | None  # from the choice's `weight_steps`, None when the server sent none
 
-    def completion(self, weight_step: int) -> Completion:
-        return Completion(*self[:5], weight_step=weight_step, kept=self.kept, token_steps=self.token_steps)
+    def completion(self, weight_step: int, server: int = -1) -> Completion:
+        return Completion(
+            *self[:5], weight_step=weight_step, kept=self.kept, token_steps=self.token_steps, server=server
+        )
 
 
 def parse_token_id(token: str) -> int:
@@ -325,7 +328,7 @@ class InferenceClient:
                     "token's kept set (return_sampling_mask), which this server does not return (the built-in "
                     "engine does); use top_p = 1 and top_k = 0 here"
                 )
-            return [choice.completion(weight_step) for choice in choices]
+            return [choice.completion(weight_step, self.pool.servers.index(server)) for choice in choices]
 
     @property
     def request_model(self) -> str:

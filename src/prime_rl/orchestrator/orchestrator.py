@@ -193,7 +193,8 @@ async def run_step(loop: Loop, step: int) -> None:
     times: dict[str, float] = {}
     start = time.perf_counter()
     held = await loop.parity.check_servers(loop.client)  # what each server holds against the trainer's checksums
-    await wait_for_policy(loop.client, config, step, times, held)
+    on_policy = loop.parity.on_policy(step)  # a gate step samples from weight step `step` (parity.py)
+    await wait_for_policy(loop.client, config, step, times, held, on_policy)
     await loop.parity.start_step(loop.client)  # checksums; at a gate step the servers score the canaries
     loop.evals.start(loop.client, step)
     if loop.stream is None:
@@ -204,7 +205,7 @@ async def run_step(loop: Loop, step: int) -> None:
     await loop.parity.choose_canaries(loop.client, batch)  # the run's first batch: before its rank files
     write_batch(config, step, batch, times)
     times["step"] = time.perf_counter() - start
-    m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step)
+    m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step, on_policy)
     m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
     # what token_lag_max may reach: async_level (barrier mode), max_off_policy_steps (continuous mode)
     m["token_lag_bound"] = config.async_level if loop.stream is None else config.off_policy_bound

@@ -37,6 +37,7 @@ def make_sample(
     env: int = -1,
     kept: list[list[int]] | None = None,
     policy_steps: list[int] | None = None,
+    servers: list[int] | None = None,
 ) -> dict:
     """One rollout as the per-token lists that `MicroBatch.pack` lays end to end.
 
@@ -45,7 +46,8 @@ def make_sample(
     rollout's, or one per completion token (distillation: [0.5, -1.2] for two tokens). `env` is the
     index of the rollout's environment in the step's env names; `kept` the token ids the sampler could draw
     at each completion token (top-p/top-k; [] = the whole vocabulary), None when it sampled without a filter;
-    `policy_steps` the weight step that sampled each completion token (-1: none, e.g. env replies), None: unknown.
+    `policy_steps` the weight step that sampled each completion token (-1: none, e.g. env replies), None: unknown;
+    `servers` likewise the server that sampled it (its index in client.base_url), for the parity gate.
     """
     if len(logprobs) != len(completion_ids):
         raise ValueError(f"{len(logprobs)} logprobs for {len(completion_ids)} completion tokens")
@@ -71,6 +73,10 @@ def make_sample(
         if len(policy_steps) != len(completion_ids):
             raise ValueError(f"{len(policy_steps)} policy steps for {len(completion_ids)} completion tokens")
         sample["policy_steps"] = [-1] * n_prompt + [int(s) for s in policy_steps]
+    if servers is not None:
+        if len(servers) != len(completion_ids):
+            raise ValueError(f"{len(servers)} servers for {len(completion_ids)} completion tokens")
+        sample["servers"] = [-1] * n_prompt + [int(s) for s in servers]
     return sample
 
 

@@ -38,21 +38,22 @@ def oldest_policy(step: int, config: OrchestratorConfig) -> int:
 
 
 async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict,
-                          held: int | None = None) -> int:  # fmt: skip
-    """Ensure every live server holds weights step >= step - async_level; return the oldest step held.
+                          held: int | None = None, on_policy: bool = False) -> int:  # fmt: skip
+    """Ensure every live server holds weights step >= step - async_level (`on_policy`: >= step, a parity gate
+    step, parity.py); return the oldest step held.
 
     `held`: the oldest step the servers reported at this step's start (their /health, asked again when None).
     `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them).
     The client's floor rises to oldest_policy(step) once the servers hold the step's policy: before, while the
     trainer's weights are awaited, requests still running (continuous mode, evals) sample the previous one."""
-    current = await _wait_for_policy(client, config, step, times, held)
+    current = await _wait_for_policy(client, config, step, times, held, on_policy)
     client.set_floor(oldest_policy(step, config))
     return current
 
 
 async def _wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict,
-                           held: int | None) -> int:  # fmt: skip
-    need = max(0, step - config.async_level)
+                           held: int | None, on_policy: bool) -> int:  # fmt: skip
+    need = step if on_policy else max(0, step - config.async_level)
     current = held if held is not None else await client.server_step()
     if config.weight_transfer.type == "broadcast":
         current = await relay_broadcasts(client, config, current, need, times)

@@ -64,10 +64,15 @@ class Rollout:
     teacher_logprobs: list[float] | None = None  # distillation: the teacher's logprob of each completion token
     # per completion token the policy step that sampled it, -1 on env tokens (None: weight_step on model tokens)
     token_steps: list[int] | None = None
+    # per completion token the server that sampled it (its index in client.base_url), -1 on env tokens and where
+    # unknown: the parity gate compares each server's sampled tokens with the trainer's logprobs
+    token_servers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.token_steps is None:
             self.token_steps = [self.weight_step if m else -1 for m in self.completion_mask]
+        if self.token_servers is None:
+            self.token_servers = [-1] * len(self.completion_mask)
         self._span_steps()
 
     def _span_steps(self) -> None:
@@ -83,6 +88,7 @@ class Rollout:
         self.completion_mask += [False] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.token_steps += [-1] * len(ids)
+        self.token_servers += [-1] * len(ids)
         extend_kept(self, None, len(ids))
 
     def add_turn(self, turn: Completion) -> None:
@@ -91,6 +97,7 @@ class Rollout:
         self.completion_mask += [True] * len(turn.completion_ids)
         self.logprobs += turn.logprobs
         self.token_steps += turn.token_steps
+        self.token_servers += [turn.server] * len(turn.completion_ids)
         extend_kept(self, turn.kept, len(turn.completion_ids))
         self.finish_reason = turn.finish_reason
         self.turns += 1
@@ -122,6 +129,7 @@ def from_completion(example: Example, c: Completion) -> Rollout:
     return Rollout(
         example, c.prompt_ids, c.completion_ids, [True] * len(c.completion_ids), c.logprobs, c.text,
         c.finish_reason, c.weight_step, kept=c.kept, token_steps=list(c.token_steps),
+        token_servers=[c.server] * len(c.completion_ids),
     )  # fmt: skip
 
 

@@ -22,8 +22,9 @@ value = 1 · 1065353216 + 2 · 1073741824 mod P = 1065353217 (P = 2147483647); i
 key("w", float32, (2, 1)) · 1065353217 mod 2^64. Products stay below 2^63 before each `mod`, so CPU and
 CUDA give the same integer.
 
-The trainer writes `checksum.json` {"checksum", "tensors"} into each `weights/step_n` (before `STABLE`) and
-adds "checksum" to the broadcast announcement once the step is sent.
+The trainer writes `checksum.json` {"checksum", "tensors", "earlier"} into each `weights/step_n` (before
+`STABLE`; "earlier": the checksums of the step's earlier publishes, when a resumed trainer redid it) and adds
+"checksum" to the broadcast announcement once the step is sent.
 
 Parity canaries (`OUTPUT_DIR/parity/`, JSON only): their paths and formats are at the end of this module; the
 orchestrator's gate (orchestrator/parity.py) and the trainer (trainer/rl/parity.py) read and write them here.
@@ -127,18 +128,27 @@ def checksum_file(weight_dir: Path) -> Path:
     return Path(weight_dir) / CHECKSUM_FILE
 
 
-def write_checksum(weight_dir: Path, checksum: Checksum) -> None:
-    """`weight_dir/checksum.json` (the trainer, before the dir is marked STABLE)."""
-    atomic_write_json(checksum_file(weight_dir), checksum.record())
+def write_checksum(weight_dir: Path, checksum: Checksum, earlier: Iterable[str] = ()) -> None:
+    """`weight_dir/checksum.json` (the trainer, before the dir is marked STABLE). `earlier`: the checksums of
+    the step's earlier publishes (a resumed trainer redoes steps, and CUDA training is not bit-reproducible: a
+    server may still hold an earlier attempt's weights of the step, which the trainer did publish)."""
+    atomic_write_json(checksum_file(weight_dir), checksum.record() | {"earlier": list(dict.fromkeys(earlier))})
+
+
+def read_checksums(weight_dir: Path) -> list[str]:
+    """Every checksum the trainer published as this step, the newest first ([] when it wrote none: a dir from
+    elsewhere)."""
+    try:
+        data = json.loads(checksum_file(weight_dir).read_text())
+        values = [data["checksum"], *data.get("earlier", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [v for v in values if isinstance(v, str)] if isinstance(values[0], str) else []
 
 
 def read_checksum(weight_dir: Path) -> str | None:
-    """The checksum the trainer wrote with a weight dir; None when it wrote none (a dir from elsewhere)."""
-    try:
-        value = json.loads(checksum_file(weight_dir).read_text())["checksum"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, str) else None
+    """The checksum the trainer wrote with a weight dir (its newest publish); None when it wrote none."""
+    return next(iter(read_checksums(weight_dir)), None)
 
 
 # ---- parity canaries (OUTPUT_DIR/parity/) ---------------------------------------------------------------
@@ -148,6 +158,10 @@ def read_checksum(weight_dir: Path) -> str | None:
 #              replies are False. Written before the rank files of the step that chose them.
 # step_n.json  {"step", "logprobs": [[...] per canary]}: the trainer's logprob of every token given its
 #              prefix (0.0 at index 0) with the weights of step n, written at the start of its step n.
+# sampled_step_n_rank_r.json  {"step", "entries": [[server, tokens, Σ k3, max |Δ logprob|] per sample and
+#              server]}: the on-policy loss tokens of trainer rank r's step n (a gate step), each server an
+#              index in the orchestrator's client.base_url; written after the step's backward, read and
+#              deleted by the orchestrator.
 
 
 def parity_dir(output_dir: Path) -> Path:
@@ -197,6 +211,33 @@ def read_trainer_scores(output_dir: Path, step: int) -> list[list[float]] | None
     except (OSError, ValueError):
         return None
     return data.get("logprobs") if isinstance(data, dict) and data.get("step") == step else None
+
+
+def sampled_file(output_dir: Path, step: int, rank: int) -> Path:
+    return parity_dir(output_dir) / f"sampled_step_{step}_rank_{rank}.json"
+
+
+def write_sampled(output_dir: Path, step: int, rank: int, entries: list[list[float]]) -> None:
+    atomic_write_json(sampled_file(output_dir, step, rank), {"step": step, "entries": entries})
+
+
+def read_sampled(output_dir: Path, step: int, ranks: int) -> list[list[float]] | None:
+    """Every trainer rank's sampled-token entries of step `step`, None until all `ranks` wrote theirs."""
+    entries = []
+    for rank in range(ranks):
+        try:
+            data = json.loads(sampled_file(output_dir, step, rank).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("step") != step or not isinstance(data.get("entries"), list):
+            return None
+        entries += data["entries"]
+    return entries
+
+
+def clear_sampled(output_dir: Path, step: int, ranks: int) -> None:
+    for rank in range(ranks):
+        sampled_file(output_dir, step, rank).unlink(missing_ok=True)
 
 
 def clear_parity(output_dir: Path) -> None:

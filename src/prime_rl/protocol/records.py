@@ -18,6 +18,8 @@ Optional per-sample and per-token extras (empty when unused):
                                         # an empty range (here all but position 2) = the full vocabulary
     policy_steps [[-1 3 4 -1 3]]        # int32 [1, L]: the weight step that sampled each generated token
                                         # (protocol/spans.py), -1 where no policy did (prompt, env replies)
+    token_server [[-1 0 0 -1 1]]        # int32 [1, L]: the server that sampled each generated token, an index
+                                        # into the orchestrator's client.base_url list, -1 where none did
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from prime_rl.protocol.files import atomic_write, unreadable
 from prime_rl.protocol.paths import rank_file
 
-RANK_FILE_VERSION = 3
+RANK_FILE_VERSION = 4
 
 
 @dataclass
@@ -47,6 +49,7 @@ class MicroBatch:
     kept_offsets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [L+1] or [0]
     kept_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # int32 [M]
     policy_steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [1, L] or [0]
+    token_server: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [1, L] or [0]
 
     @property
     def num_tokens(self) -> int:
@@ -84,11 +87,10 @@ class MicroBatch:
             raise ValueError(f"micro batch sample_env: expected int32 [{samples}], got {env.dtype} {list(env.shape)}")
         if env.numel() and (int(env.min()) < -1 or int(env.max()) >= len(self.env_names)):
             raise ValueError(f"micro batch sample_env indexes {len(self.env_names)} env names: {env.tolist()}")
-        steps = self.policy_steps
-        if steps.numel() and (steps.dtype != torch.int32 or tuple(steps.shape) != (1, length)):
-            raise ValueError(
-                f"micro batch policy_steps: expected int32 [1, {length}], got {steps.dtype} {list(steps.shape)}"
-            )
+        for name in ("policy_steps", "token_server"):
+            t = getattr(self, name)
+            if t.numel() and (t.dtype != torch.int32 or tuple(t.shape) != (1, length)):
+                raise ValueError(f"micro batch {name}: expected int32 [1, {length}], got {t.dtype} {list(t.shape)}")
         off, ids = self.kept_offsets, self.kept_ids
         if off.numel():
             if off.dtype != torch.int64 or tuple(off.shape) != (length + 1,) or off[0] != 0 or off[-1] != ids.numel():
@@ -106,8 +108,9 @@ class MicroBatch:
         """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row.
 
         Optional keys: `env` (int, index into `env_names`, given to pack_rows), `kept` (per token a list of
-        token ids the sampler could draw, [] = the full vocabulary) and `policy_steps` (per token the weight step
-        that sampled it, -1 = none; samples without it get -1 throughout)."""
+        token ids the sampler could draw, [] = the full vocabulary), `policy_steps` (per token the weight step
+        that sampled it, -1 = none; samples without it get -1 throughout) and `servers` (per token the index of
+        the server that sampled it, -1 = none; likewise)."""
 
         def cat(key: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in samples]).unsqueeze(0)
@@ -127,7 +130,8 @@ class MicroBatch:
             sample_env=torch.tensor([s.get("env", -1) for s in samples], dtype=torch.int32)
             if env_names
             else torch.zeros(0, dtype=torch.int32),
-            policy_steps=_policy_steps(samples),
+            policy_steps=_per_token(samples, "policy_steps"),
+            token_server=_per_token(samples, "servers"),
             **_kept_csr(samples, int(cu[-1])),
         )
 
@@ -148,14 +152,15 @@ class MicroBatch:
         )
 
 
-def _policy_steps(samples: list[dict]) -> torch.Tensor:
-    """The samples' per-token policy steps in one row; empty when no sample has them."""
-    if not any(s.get("policy_steps") is not None for s in samples):
+def _per_token(samples: list[dict], key: str) -> torch.Tensor:
+    """The samples' per-token ints under `key` (policy steps, servers) in one row, -1 for a sample without them;
+    empty when no sample has them."""
+    if not any(s.get(key) is not None for s in samples):
         return torch.zeros(0, dtype=torch.int32)
-    rows = [s.get("policy_steps") or [-1] * len(s["input_ids"]) for s in samples]
+    rows = [s.get(key) or [-1] * len(s["input_ids"]) for s in samples]
     for row, s in zip(rows, samples, strict=True):
         if len(row) != len(s["input_ids"]):
-            raise ValueError(f"{len(row)} policy steps for {len(s['input_ids'])} tokens")
+            raise ValueError(f"{len(row)} {key.replace('_', ' ')} for {len(s['input_ids'])} tokens")
     return torch.cat([torch.as_tensor(r, dtype=torch.int32) for r in rows]).unsqueeze(0)
 
 

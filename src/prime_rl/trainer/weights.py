@@ -48,7 +48,7 @@ from prime_rl.protocol import (
     weights_root,
     writing,
 )
-from prime_rl.protocol.parity import Checksum, write_checksum
+from prime_rl.protocol.parity import Checksum, read_checksums, write_checksum
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, converted_at_load, header_specs
 from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
@@ -196,7 +196,7 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
                     logger.debug(f"weights/step_{step}: per rank [files, peak extra memory MiB]: {per_rank}")
                 for _, _, value, tensors in report[1:]:
                     checksum.merge(Checksum(value, tensors))
-                write_checksum(partial, checksum)
+                write_checksum(partial, checksum, earlier=read_checksums(path))  # a redone step keeps the old
                 for f in partial.iterdir():
                     _fsync(f)
                 mark_stable(partial)

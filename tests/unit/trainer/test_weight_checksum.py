@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import prime_rl.protocol.parity as parity
 from prime_rl.inference.engine.weights import checkpoint_specs, load_weight_dir
-from prime_rl.protocol.parity import Checksum, checksum_of, read_checksum, tensor_key, tensor_value
+from prime_rl.protocol.parity import Checksum, checksum_of, read_checksum, read_checksums, tensor_key, tensor_value
 from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
@@ -66,6 +66,10 @@ def test_the_trainers_export_and_every_servers_load_give_one_checksum(tiny_model
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.add_(1e-2)
     assert read_checksum(save_weights(model, files, tmp_path, step=2)) != exported  # another step
+    # A resumed trainer redoing step 1 (CUDA is not bit-reproducible: other weights): the step's file names both
+    # publishes, the newest first, so a server still holding the first attempt is not taken for a fault.
+    redone = read_checksum(save_weights(model, files, tmp_path, step=1))
+    assert redone != exported and read_checksums(path) == [redone, exported]
 
 
 @pytest.mark.parametrize("bad", ["not json", '{"checksum": 5}', "{}"])

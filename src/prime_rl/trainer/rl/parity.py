@@ -4,6 +4,12 @@ its weights are weight step n; it scores the orchestrator's canaries with them a
 
 Every rank runs the forwards (FSDP gathers are collective); rank 0 writes. The canaries are a few short
 sequences: one packed forward each, no gradient.
+
+The sampled tokens (`SampledMismatch`): canaries are scored through the servers' prefill path only, while
+tokens are sampled through their decode path. At a gate step n the orchestrator samples on-policy (weight
+step n, the trainer's weights now), so the k3 of every loss token whose policy step is n, taken from the loss
+the step computes anyway, is the sampler's mismatch alone. Each rank writes, per sample and server, (tokens,
+Σ k3, max |Δ logprob|) to `parity/sampled_step_n_rank_r.json`; no collective, no extra forward.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 import torch
 
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.protocol.parity import canary_file, is_gate_step, read_canaries, write_trainer_scores
+from prime_rl.protocol.parity import canary_file, is_gate_step, read_canaries, write_sampled, write_trainer_scores
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
@@ -50,3 +56,41 @@ def score_canaries(config: TrainerConfig, model: torch.nn.Module, device: torch.
         model.train(was_training)
     if main:
         write_trainer_scores(config.output_dir, step, logprobs)
+
+
+class SampledMismatch:
+    """Collects, during a gate step, each (sample, server)'s on-policy loss tokens: their count, Σ k3 and
+    max |Δ logprob| (`add`, from the loss callback); `write` puts this rank's entries in its parity file."""
+
+    def __init__(self, config: TrainerConfig, rank: int):
+        self.config, self.rank = config, rank
+        self.entries: list[list[float]] = []  # [server, tokens, Σ k3, max |Δ|]
+
+    def active(self, step: int | None) -> bool:
+        return step is not None and not self.config.bench and is_gate_step(step, self.config.parity.interval)
+
+    def add(self, mb: MicroBatch, log_ratio: torch.Tensor, mask: torch.Tensor, samples: torch.Tensor,
+            step: int) -> None:  # fmt: skip
+        """`log_ratio` [1, L]: log π − log μ of the loss; `samples` the packed sample of each position."""
+        if not mb.token_server.numel() or not mb.policy_steps.numel():
+            return  # an orchestrator that sends no servers: nothing to attribute
+        device = mask.device
+        server = mb.token_server.to(device)
+        on_policy = mask & (mb.policy_steps.to(device) == step) & (server >= 0)
+        if not bool(on_policy.any()):
+            return
+        servers = int(server.max()) + 1
+        keys = (samples[on_policy] * servers + server[on_policy]).long()
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        zeros = torch.zeros(len(unique), dtype=torch.float64, device=device)
+        tokens = zeros.index_add(0, inverse, torch.ones_like(inverse, dtype=torch.float64))
+        d = log_ratio[on_policy].double()
+        total = zeros.index_add(0, inverse, torch.expm1(d) - d)  # k3 in float64: fp32's rounds honest noise to 0
+        worst = zeros.scatter_reduce(0, inverse, d.abs(), "amax", include_self=False)
+        for key, n, kl, d in zip(unique.tolist(), tokens.tolist(), total.tolist(), worst.tolist(), strict=True):
+            self.entries.append([key % servers, int(n), kl, d])
+
+    def write(self, step: int) -> None:
+        if self.active(step):
+            write_sampled(self.config.output_dir, step, self.rank, self.entries)
+        self.entries = []

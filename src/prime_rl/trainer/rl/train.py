@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.ckpt import Progress
     from prime_rl.trainer.parallel import Dist
+    from prime_rl.trainer.rl.parity import SampledMismatch
     from prime_rl.trainer.step import LossFn, StepStats
 
 logger = logging.getLogger("prime_rl")
@@ -50,12 +51,13 @@ logger = logging.getLogger("prime_rl")
 def run(config: TrainerConfig) -> None:
     from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.rl.parity import score_canaries
+    from prime_rl.trainer.rl.parity import SampledMismatch, score_canaries
     from prime_rl.trainer.step import step_metrics
 
-    loss_fn = rl_loss(config.loss)  # a custom loss is imported here, once, from the config: before the model loads
     # Beating from the start: peers and the launcher tell a trainer loading a 70B model from a dead one.
     rank = int(os.environ.get("RANK", 0))
+    sampled = SampledMismatch(config, rank)  # the parity gate's sampled tokens, collected by the loss
+    loss_fn = rl_loss(config.loss, sampled)  # a custom loss is imported here, once, from the config: before the model
     with (
         Heartbeat(config.output_dir, f"trainer-rank{rank}", hang_timeout=config.hang_timeout) as hb,
         ExitStack() as stack,
@@ -85,6 +87,7 @@ def run(config: TrainerConfig) -> None:
                 stats = train_step(state.model, state.optimizer, micro_batches, config, dist, loss_fn, step)
                 lr = state.scheduler.get_last_lr()[0]
                 state.scheduler.step()
+            sampled.write(step)  # at a gate step: this rank's on-policy tokens, for the orchestrator's gate
             optimized_at = time.time()  # when the new policy exists (the weight plane's clock starts)
             progress = Progress(step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples)
             if not config.bench:
@@ -229,13 +232,13 @@ def train_step(
     return optimize(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, c.entropy_coef > 0)
 
 
-def rl_loss(c: LossConfig) -> LossFn:
+def rl_loss(c: LossConfig, sampled: SampledMismatch | None = None) -> LossFn:
     """The step's loss callback: `policy_loss` on the policy's logprobs, reporting per loss token the entropy,
     mismatch KL, fraction clipped and fraction masked (any rule, and each enabled rule: `is_masked/<rule>`),
     per environment of the micro batch (`mb.env_names`) the same means over that environment's loss tokens
     (`mismatch_kl/<env>`, `is_masked/<env>`, `entropy/<env>`), and, given the trained `step`, the lag of the loss
     tokens whose policy step is known (`token_lag_mean`, `token_lag_max`). A custom loss is imported here
-    (TrainerError when it does not import)."""
+    (TrainerError when it does not import). `sampled` gets each gate step's on-policy tokens (trainer/rl/parity.py)."""
     import torch
 
     from prime_rl.trainer.rl.loss import load_custom_loss, policy_loss, sample_index, token_lag
@@ -250,6 +253,9 @@ def rl_loss(c: LossConfig) -> LossFn:
         terms = policy_loss(
             out.logprobs, inference_logprobs, advantages, mask, samples, c, scale, out.entropy, custom, lag
         )
+        if sampled is not None and sampled.active(step):
+            log_ratio = torch.where(mask, out.logprobs.detach() - inference_logprobs, 0.0)
+            sampled.add(mb, log_ratio, mask, samples, step)
         entropy = torch.where(mask, out.entropy.detach(), 0.0)
         reported = {
             "loss": terms.loss_sum,
