@@ -21,6 +21,7 @@ def closed_port() -> int:
 def sft(tmp_path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PRIME_", "HF_"))}
     clean |= {"HF_HOME": str(tmp_path / "hf")} | env  # an empty cache
+    (tmp_path / "x.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')  # data.path is checked at parse
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.sft", "--model.name", "Qwen/Qwen3-0.6B",
                              "--data.path", "x.jsonl", "--output-dir", str(tmp_path / "out")], cwd=tmp_path,
