@@ -229,3 +229,13 @@ def log_step(step: int, m: dict) -> None:
         f"step {step} | loss {m['loss']:.4g}{held_out} | grad_norm {m['grad_norm']:.3g} | "
         f"epoch {m['epoch']} | {m['tokens_per_s']:,.0f} tok/s | {m['time/step']:.2f}s"
     )
+
+
+if __name__ == "__main__":
+    # The script path of docs/usage.md (`torchrun src/prime_rl/trainer/sft/train.py @ ...`) is the `sft` entrypoint:
+    # without this block the file only defined its functions and torchrun exited 0 having trained nothing. Its folder
+    # leaves sys.path first, so that its data.py can never stand in for another package's `data`.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    from prime_rl.entrypoints.sft import main
+
+    main()
