@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prime_rl.configs import OUTPUT_DIR_VAR
 from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.launch.console import StatusLine, follow_logs
 from prime_rl.launch.memory_check import memory_warning
@@ -93,9 +94,11 @@ def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, 
     trainer world size."""
     env, trainer_procs = assign_devices(config, count_gpus())
     for name in SERVICES:
-        env[name] = {**getattr(config, name).env_vars, **env[name]}
+        # $OUTPUT_DIR outranks the run/*.toml the services read: theirs is the dir this run resolved, whatever the
+        # user's shell exported (`rl --output-dir B` with OUTPUT_DIR=A exported runs in B).
+        env[name] = {**getattr(config, name).env_vars, **env[name], OUTPUT_DIR_VAR: str(config.orchestrator.output_dir)}
     if config.teacher is not None:  # the teacher server shares the policy server's devices (on CPU: its cores)
-        env["teacher"] = {**env["inference"], **config.teacher.env_vars}
+        env["teacher"] = {**env["inference"], **config.teacher.env_vars, OUTPUT_DIR_VAR: str(config.teacher.output_dir)}
     for name in ("orchestrator", "trainer"):
         env[name][LOCK_TOKEN_VAR] = lock_token
         env[name][RUN_VAR] = lock_token  # their heartbeats name this run (protocol.liveness)
