@@ -23,7 +23,7 @@ from prime_rl.configs.rl import RLConfig
 from prime_rl.entrypoints import run_service
 from prime_rl.launch.run import run
 from prime_rl.launch.supervise import ServiceFailed
-from prime_rl.protocol import DiskFull, RunLocked
+from prime_rl.protocol import DiskFull, ResumeAtEnd, RunLocked
 from prime_rl.slurm.launch import submit
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import catch_stop_signals, ignore_usr1
@@ -46,7 +46,8 @@ def main() -> None:
         ignore_usr1()
         signal.signal(signal.SIGTERM, _terminate)
     errors = (ServiceFailed, TimeoutError, ValueError, RunLocked, DiskFull)
-    run_service(lambda: run(config), errors, interrupted="interrupted; stopped all services")
+    # A resume at or past max_steps asks for nothing: exit 2 like a bad config, never 0 with a stale summary.
+    run_service(lambda: run(config), errors, interrupted="interrupted; stopped all services", fatal=(ResumeAtEnd,))
 
 
 if __name__ == "__main__":

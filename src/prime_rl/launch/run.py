@@ -16,11 +16,12 @@ from prime_rl.launch.memory_check import memory_warning
 from prime_rl.launch.services import assign_devices, count_gpus, resume_step, service_commands, service_configs
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
 from prime_rl.launch.watchdog import Watchdog
-from prime_rl.protocol import RUN_VAR, log_file, prepare_output_dir, run_dir, run_locks
+from prime_rl.protocol import RUN_VAR, check_resume_before_end, log_file, prepare_output_dir, run_dir, run_locks
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import logger
 from prime_rl.utils.run_record import write_run_config
+from prime_rl.utils.summary import ThisRun, rl_summary
 
 
 def run(config: RLConfig) -> None:
@@ -35,6 +36,8 @@ def _run(config: RLConfig, lock_token: str) -> None:
     output_dir = config.orchestrator.output_dir
     check_environments(config)
     check_model_source(config.inference.model.name, ValueError)  # no network: one line now, not after 56 s
+    resumed_from = resume_step(config)
+    check_resume_before_end(resumed_from, config.trainer.max_steps, output_dir)  # a finished run: nothing to do
     if said := memory_warning(config, count_gpus()):
         logger.warning(said)
     env, trainer_procs = service_env(config, lock_token)
@@ -44,9 +47,10 @@ def _run(config: RLConfig, lock_token: str) -> None:
         write_run_config(getattr(config, name), name, output_dir)
     if config.teacher is not None:
         write_run_config(config.teacher, "teacher", output_dir)
-    write_run_config(config, "rl", output_dir)
+    # Its time on the output dir's clock marks what this run writes (the summary reports only those checkpoints).
+    this_run = ThisRun(write_run_config(config, "rl", output_dir).stat().st_mtime, resumed_from)
     # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
-    if said := prepare_output_dir(output_dir, resume_step(config), launcher=True):
+    if said := prepare_output_dir(output_dir, resumed_from, launcher=True):
         logger.warning(said)
     commands = service_commands(run_dir(output_dir), trainer_procs, teacher=config.teacher is not None)
     services: list[Service] = []
@@ -70,13 +74,11 @@ def _run(config: RLConfig, lock_token: str) -> None:
         time.sleep(0.6)  # let the follower print the last lines
         stop_following.set()
         follower.join(timeout=2)
-    from prime_rl.utils.summary import rl_summary
-
     plots = plotting.result()
     plotter.shutdown()
 
     # Last, below the services' last lines; the user's own arguments make the resume command.
-    for line in rl_summary(output_dir, config.trainer.max_steps, time.time() - started, sys.argv[1:], plots):
+    for line in rl_summary(output_dir, config.trainer.max_steps, time.time() - started, sys.argv[1:], plots, this_run):
         logger.info(line)
 
 

@@ -7,6 +7,8 @@ imported explicitly where used.
 """
 
 from prime_rl.protocol.checkpoints import (
+    ResumeAtEnd,
+    check_resume_before_end,
     checkpoint_due,
     checkpoint_steps,
     prune_checkpoints,
@@ -80,6 +82,8 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "checkpoint_dir",
+    "ResumeAtEnd",
+    "check_resume_before_end",
     "checkpoint_due",
     "checkpoint_steps",
     "clear_previous_run",
