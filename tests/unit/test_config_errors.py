@@ -156,3 +156,24 @@ def test_help_shows_the_default_an_unset_shared_key_takes(tmp_path):
                for line in lines)  # fmt: skip
     assert "(default: None)" not in result.stdout
     assert "  --inference-gpu-ids VALUE  GPUs for inference; default [0]" in lines  # says it: no "(default: unset)"
+
+
+def test_gpu_ids_on_a_node_without_gpus_exit_2_at_once_and_touch_no_earlier_log(tmp_path):
+    """`rl --trainer-gpu-ids 0` on a CPU node used to exit 1 after 24-47 s, its line appended to the previous
+    run's logs/rl.log. Devices the node lacks are a bad config: exit 2 in a second, one line, no log touched."""
+    from prime_rl.launch.services import count_gpus
+
+    if count_gpus():
+        pytest.skip("this node has a GPU (the case is a node without one)")
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "rl.log").write_text("the earlier run's line\n")
+    started = time.monotonic()
+    result = run("rl", "--output-dir", str(out), "--trainer-gpu-ids", "0", "--inference-gpu-ids", "0,1", cwd=tmp_path)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        "rl: config error: --inference-gpu-ids 0,1 --trainer-gpu-ids 0: no CUDA device is visible on this node; "
+        "drop them to run on CPU"
+    ])  # fmt: skip
+    assert time.monotonic() - started < 15
+    assert sorted(p.name for p in out.rglob("*")) == ["logs", "rl.log"]
+    assert (out / "logs" / "rl.log").read_text() == "the earlier run's line\n"

@@ -17,11 +17,13 @@ with status 3 (PREEMPTED); `--ckpt.resume-step latest` goes on from there with n
 from __future__ import annotations
 
 import signal
+import sys
 
 from prime_rl.configs import parse_config
 from prime_rl.configs.rl import RLConfig
 from prime_rl.entrypoints import run_service
 from prime_rl.launch.run import run
+from prime_rl.launch.services import assign_devices, count_gpus
 from prime_rl.launch.supervise import ServiceFailed
 from prime_rl.protocol import DiskFull, ResumeAtEnd, RunLocked
 from prime_rl.slurm.launch import submit
@@ -37,6 +39,11 @@ def main() -> None:
     config = parse_config(RLConfig, prog="rl")
     if config.slurm is not None:
         raise SystemExit(submit(config, "rl"))
+    try:  # devices this node lacks are a bad config: said at once, before the log of the dir's last run is opened
+        assign_devices(config, count_gpus())
+    except ValueError as e:
+        print(f"rl: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
     # Explicitly: a shell that starts us in the background leaves SIGINT ignored, and Ctrl-C must still stop us.
     signal.signal(signal.SIGINT, _terminate)
