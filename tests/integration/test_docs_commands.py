@@ -77,7 +77,9 @@ RUN = {
     "uv run rl @ configs/debug/rl.toml": "outputs/debug/weights/step_5",
     "uv run rl --help": None,
     "uv run sft @ configs/sft/debug.toml": "outputs/sft-debug/weights/final",
-    "uv run eval @ configs/examples/eval.toml --weights-dir outputs/debug/weights --serve": "outputs/eval",
+    "uv run eval @ configs/examples/eval.toml --weights-dir outputs/debug/weights --serve": (
+        "outputs/eval/summary.jsonl"  # one level (it was outputs/eval/eval/summary.jsonl)
+    ),
     "uv run eval --model.name outputs/debug/weights/step_5 --serve --env-ids reverse-text": None,
     "uv run plot outputs/debug [outputs/other ...]": "outputs/debug/plots/run.png",
     "bash scripts/gpu_check.sh --dry-run": None,

@@ -34,6 +34,7 @@ from prime_rl.protocol.lock import RunLock, RunLocked
 from prime_rl.protocol.paths import (
     checkpoint_dir,
     checkpoints_root,
+    eval_dir,
     eval_samples_file,
     eval_summary_file,
     final_weights_dir,
@@ -88,6 +89,7 @@ __all__ = [
     "checkpoint_steps",
     "clear_previous_run",
     "checkpoints_root",
+    "eval_dir",
     "eval_samples_file",
     "eval_summary_file",
     "final_weights_dir",

@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
-from prime_rl.protocol.paths import eval_summary_file, metrics_file, run_dir
+from prime_rl.protocol.paths import eval_dir, eval_summary_file, metrics_file, run_dir
 from prime_rl.utils.metrics import read_metrics
 
 Series = list[tuple[int, float]]
@@ -45,7 +45,7 @@ def eval_points(output_dir: Path) -> list[EvalPoint]:
     `eval_rewards`, the status line and W&B show); the mean of E independent env means has
     SE = sqrt(sum SE_e^2) / E, and no SE when any env's row lacks one."""
     by_step: dict[int, list[tuple[float, float | None]]] = {}
-    paths = [p for p in (eval_summary_file(output_dir), metrics_file(output_dir, "eval")) if p.is_file()]
+    paths = [p for p in (eval_summary_file(eval_dir(output_dir)), metrics_file(output_dir, "eval")) if p.is_file()]
     for line in (line for path in paths for line in path.read_text().splitlines()):
         try:
             row = json.loads(line)

@@ -7,7 +7,7 @@ import math
 import pytest
 from matplotlib.container import ErrorbarContainer
 
-from prime_rl.protocol import eval_summary_file
+from prime_rl.protocol import eval_dir, eval_summary_file
 from prime_rl.protocol.paths import run_dir
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.plot import draw_runs, eval_rewards, plot_runs
@@ -46,8 +46,8 @@ def test_eval_points_carry_one_standard_error_and_the_axis_spans_it(tmp_path):
     rows = [{"step": s, "env": env, "samples": 101, "reward_std": std, "reward_mean": mean}
             for s, mean in ((0, 0.570), (10, 0.587)) for env, std in (("a", 0.3), ("b", 0.4))]  # fmt: skip
     write(tmp_path, "eval", rows)
-    eval_summary_file(tmp_path).parent.mkdir(parents=True)
-    eval_summary_file(tmp_path).write_text(json.dumps({"step": 20, "env": "a", "reward_mean": 0.6}) + "\n")
+    eval_summary_file(eval_dir(tmp_path)).parent.mkdir(parents=True)
+    eval_summary_file(eval_dir(tmp_path)).write_text(json.dumps({"step": 20, "env": "a", "reward_mean": 0.6}) + "\n")
     assert eval_rewards(tmp_path) == [(0, pytest.approx(0.570)), (10, pytest.approx(0.587)), (20, 0.6)]
 
     ax = panel(draw_runs([tmp_path]), "reward")

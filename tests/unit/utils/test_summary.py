@@ -4,7 +4,7 @@ SFT progress line; the live line off a terminal."""
 import json
 import time
 
-from prime_rl.protocol import eval_summary_file
+from prime_rl.protocol import eval_dir, eval_summary_file
 from prime_rl.protocol.paths import STABLE
 from prime_rl.utils.console import LiveLine
 from prime_rl.utils.metrics import MetricsWriter
@@ -32,8 +32,8 @@ def test_rl_summary_of_a_run_without_checkpoints(tmp_path):
     log(tmp_path, "orchestrator", [{"reward_mean": 0.1 * s} for s in range(20)])
     log(tmp_path, "trainer", [{"loss": 1.0} for _ in range(20)])
     log(tmp_path, "eval", [{"reward_mean": r} for r in (0.2, 0.5, 0.4)])  # steps 0, 1, 2
-    eval_summary_file(tmp_path).parent.mkdir()
-    eval_summary_file(tmp_path).write_text(json.dumps({"step": 1, "env": "b", "reward_mean": 0.7}) + "\n")
+    eval_summary_file(eval_dir(tmp_path)).parent.mkdir()
+    eval_summary_file(eval_dir(tmp_path)).write_text(json.dumps({"step": 1, "env": "b", "reward_mean": 0.7}) + "\n")
     for step in (19, 20):
         stable(tmp_path / "weights" / f"step_{step}")
     (tmp_path / "weights" / "step_21").mkdir()  # being written: not the newest weights
