@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from prime_rl.configs.fields import did_you_mean, env_json_kind, field_info, fla
 from prime_rl.configs.shared import CHECK_MODEL_PATHS, ShowsValue
 
 INT64_MAX = 2**63 - 1
+HELP_WIDTH = 120  # the house line length: a terminal's width, not a paragraph
 
 __all__ = ["ConfigError", "deep_merge", "format_validation_error", "help_text", "load_config", "parse_args",
            "parse_config"]  # fmt: skip
@@ -252,14 +254,30 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
             lines.append(f"  {kind}  {field.description or ''}{default}")
         for name, field in sections:
             flag = prefix + name.replace("_", "-")
-            extra = f" (off unless --{flag} is given)" if field.default is None else ""
+            extra = f" (off unless --{flag} is given)" if _off_by_default(cls, (*prefix.split(".")[:-1], name)) else ""
             lines.append(f"[{flag}] {field.description or ''}{extra}")
             if (short := shorthand(unwrap(field.annotation))) is not None:
                 lines.append(f"  --{flag} VALUE  same as --{flag}.{short.replace('_', '-')}")
             walk(unwrap(field.annotation), flag + ".")
 
     walk(cls, "")
-    return "\n".join(lines)
+    # One screen line each: a long description wraps under itself (a line ran to 481 characters).
+    width = HELP_WIDTH
+    wrapped = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        wrapped += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+    return "\n".join(wrapped)
+
+
+def _off_by_default(cls: type[BaseModel], path: tuple) -> bool:
+    """A section left unset is off, unless it is a shared key of `rl` whose services have it on by default
+    (`[parity]`: unset in `rl`, each service's own default is on)."""
+    info = field_info(cls, list(path))
+    if info is None or info.default is not None or info.default_factory is not None:
+        return False
+    copies = getattr(cls, "shared_copies", lambda loc: [])(path)
+    return all(_default(c) is None for copy in copies if (c := field_info(cls, list(copy))) is not None)
 
 
 def _default(field: FieldInfo) -> Any:
