@@ -103,3 +103,18 @@ def test_title_and_legend_name_the_runs(tmp_path, monkeypatch):
     assert panel(fig, "reward").get_legend_handles_labels()[1] == ["outputs/a train", "lr-3e-4 train"]
     assert plot_runs([tmp_path / "outputs/a"], tmp_path / "p", ("png",)) == [tmp_path / "p.png"]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_hand_off_is_step_minus_work_as_in_the_benchmark():
+    """The plot drew waits + transfer under "hand-off" while docs/benchmarks.md meant step - work: one
+    definition now (plot_data.handoffs), the docstring's worked example included."""
+    from prime_rl.utils.plot_data import handoffs
+
+    orchestrator = [
+        {"step": 0, "time": 10.0, "time/generate": 9.0},
+        {"step": 1, "time": 13.0, "time/generate": 1.0, "time/pack": 0.2, "time/write": 0.1, "time/update_weights": 0.2,
+         "time/wait_weights": 0.7},
+        {"step": 2, "time": 14.0, "time/generate": 1.0},
+    ]  # fmt: skip
+    trainer = [{"step": 0, "time/load_data": 0.1, "time/train": 0.8, "time/save_weights": 0.1, "time/wait": 2.0}]
+    assert [(s, round(v, 9)) for s, v in handoffs(orchestrator, trainer)] == [(1, 0.5)]  # step 2: no trainer step 1
