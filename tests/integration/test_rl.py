@@ -142,6 +142,9 @@ def test_a_plain_run_after_a_checkpointed_one_reports_and_advises_only_its_own(t
 
     plain = run_rl(args)
     assert plain.returncode == 0, plain.stderr + show_logs(out)
+    # The seconds before the summary (the server's shutdown, the plots) are said, not silent.
+    before_summary = plain.stderr[: plain.stderr.index(" rl INFO run summary")]
+    assert f"trainer and orchestrator done; stopping inference, drawing {out}/plots/run.png" in before_summary
     rows = summary_rows(plain.stderr)
     assert rows["checkpoints"] == f"none of this run (add --ckpt); {out}/checkpoints/step_2 is an earlier run's"
     assert rows["resume"].startswith("not possible without checkpoints"), rows

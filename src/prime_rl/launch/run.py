@@ -64,6 +64,9 @@ def _run(config: RLConfig, lock_token: str) -> None:
         start_services(config, services, commands, env, trainer_procs, restart)
         with Watchdog(output_dir, lock_token, config.hang_timeout, health, trainer_procs) as watchdog:
             watch(services, restart, watchdog, config)
+        # The seconds before the summary are the servers' shutdown and the plots: said, not silent.
+        servers = " and ".join(s.name for s in services if s.name in ("inference", "teacher"))
+        logger.info(f"trainer and orchestrator done; stopping {servers}, drawing {output_dir / 'plots' / 'run.png'}")
         from prime_rl.utils.plot import plot_runs
 
         # Drawn while the servers shut down; the summary says where.
