@@ -14,9 +14,10 @@ on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the servi
   everything in between included (wall clocks of one machine);
 - work: all of the above plus packing, writing and reading rank files;
 - step: wall time between the ends of two orchestrator steps;
-- hand-offs: step - work. With async_level 0 the services alternate, so every instant of a step is one
-  side's work or waiting for the other to notice something (bookkeeping outside the timers, such as
-  metrics lines and the orchestrator's progress record, counts here too). With async_level 1 they overlap,
+- hand-offs: step - work (`prime_rl.utils.plot_data.handoffs`, the plot's hand-off line too). With
+  async_level 0 the services alternate, so every instant of a step is one side's work or waiting for the
+  other to notice something (bookkeeping outside the timers, such as metrics lines and the orchestrator's
+  progress record, counts here too). With async_level 1 they overlap,
   and a negative figure is the overlap.
 Medians over the steps after `--warmup`.
 """
@@ -37,16 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from prime_rl.utils.metrics import read_metrics  # noqa: E402
+from prime_rl.utils.plot_data import ORCHESTRATOR_WORK, TRAINER_WORK, handoffs  # noqa: E402
 from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
 
 MODELS = {  # name: (hidden, layers); both with the char-level tokenizer reverse-text wants
     "tiny": (128, 4),  # 0.8 M parameters
     "10m": (384, 6),  # 10 M parameters
 }
-ORCH_WORK = ("generate", "pack", "write", "update_weights")
-# The trainer's broadcast_weights is left out: it runs while the orchestrator's update_weights waits for the
-# servers to receive (it is inside that time), and its wait for the servers to ask is a hand-off.
-TRAINER_WORK = ("load_data", "train", "save_weights")
 
 
 def config_text(
@@ -89,20 +87,22 @@ def run_case(model: Path, work: Path, steps: int, async_level: int, transfer: st
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         sys.exit(f"rl failed for {cfg}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    orch = {r["step"]: r for r in read_metrics(output_dir, "orchestrator")}
-    trainer = {r["step"]: r for r in read_metrics(output_dir, "trainer")}
+    orch_records, trainer_records = read_metrics(output_dir, "orchestrator"), read_metrics(output_dir, "trainer")
+    orch, trainer = {r["step"]: r for r in orch_records}, {r["step"]: r for r in trainer_records}
+    handoff = dict(handoffs(orch_records, trainer_records))  # the plot's hand-off line: the same numbers
     rows = []
     for step in range(1, steps):
         o, prev, t = orch[step], orch[step - 1], trainer[step - 1]  # step's weights come from trainer step - 1
         generate = o["time/generate"]
         transfer_s = t.get("time/save_weights", 0.0) + o.get("time/update_weights", 0.0)
-        busy = sum(o.get(f"time/{k}", 0.0) for k in ORCH_WORK) + sum(t.get(f"time/{k}", 0.0) for k in TRAINER_WORK)
+        busy = sum(o.get(f"time/{k}", 0.0) for k in ORCHESTRATOR_WORK)
+        busy += sum(t.get(f"time/{k}", 0.0) for k in TRAINER_WORK)
         wall = o["time"] - prev["time"]
         # The trainer's optimizer step done → the servers answered with those weights (sync mode: at once).
         w = o["weight_step"]  # the step the servers were given before this step's requests
         latency = o["weights_served_at"] - trainer[w - 1]["optimized_at"] if "weights_served_at" in o and w else None
         rows.append({"generate": generate, "train": t["time/train"], "transfer": transfer_s, "work": busy,
-                     "step": wall, "handoffs": wall - busy, "to_served": latency})  # fmt: skip
+                     "step": wall, "handoffs": handoff[step], "to_served": latency})  # fmt: skip
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 

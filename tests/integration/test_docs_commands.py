@@ -6,7 +6,7 @@ stale silently.
 - Every repo path it names (configs/, assets/, scripts/, benchmarks/, docs/, src/, .ci/) exists; every `@ file`
   exists unless it is a marked placeholder (`PLACEHOLDER_CONFIGS`); every `outputs/...` it reads was written by a
   line run here or by an earlier doc line named in `WRITTEN_BY`.
-- Every `uv run <entrypoint>` / `uv run torchrun ... src/prime_rl/entrypoints/x.py` line loads into its config
+- Every `uv run <entrypoint>` / `uv run torchrun ... src/prime_rl/<script>.py` line loads into its config
   in-process (`...` and placeholder files dropped, `$VARS` given example values), from a scratch directory where
   the `outputs/` it reads exist.
 - Scripts and the other CLIs answer `--help` with every flag the line uses.
@@ -50,6 +50,9 @@ ENTRYPOINTS = {
     "eval": EvalConfig,
     "src/prime_rl/entrypoints/trainer.py": TrainerConfig,
     "src/prime_rl/entrypoints/sft.py": SFTConfig,
+    # The deployment guide's script paths (torchrun runs the same entrypoints from them).
+    "src/prime_rl/trainer/rl/train.py": TrainerConfig,
+    "src/prime_rl/trainer/sft/train.py": SFTConfig,
 }
 CLIS = {"plot", "convert-checkpoint", "tiny-model"}
 # Example values for the variables the multi-node lines use (`export X=...` in the doc).
@@ -74,7 +77,9 @@ RUN = {
     "uv run rl @ configs/debug/rl.toml": "outputs/debug/weights/step_5",
     "uv run rl --help": None,
     "uv run sft @ configs/sft/debug.toml": "outputs/sft-debug/weights/final",
-    "uv run eval @ configs/examples/eval.toml --weights-dir outputs/debug/weights --serve": "outputs/eval",
+    "uv run eval @ configs/examples/eval.toml --weights-dir outputs/debug/weights --serve": (
+        "outputs/eval/summary.jsonl"  # one level (it was outputs/eval/eval/summary.jsonl)
+    ),
     "uv run eval --model.name outputs/debug/weights/step_5 --serve --env-ids reverse-text": None,
     "uv run plot outputs/debug [outputs/other ...]": "outputs/debug/plots/run.png",
     "bash scripts/gpu_check.sh --dry-run": None,
@@ -241,7 +246,7 @@ def entrypoint_args(command: str) -> tuple[type, list[str]]:
     """The config class and the CLI args of an entrypoint line, placeholders (`...`, `@ train.toml`) dropped."""
     w = [x.strip("[]") for x in words(command)[2:]]
     if w[0] == "torchrun":
-        script = next(x for x in w if x.startswith("src/prime_rl/entrypoints/"))
+        script = next(x for x in w if x in ENTRYPOINTS)
         cls, w = ENTRYPOINTS[script], w[w.index(script) + 1 :]
     else:
         cls, w = ENTRYPOINTS[w[0]], w[1:]

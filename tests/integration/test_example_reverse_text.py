@@ -53,7 +53,7 @@ def test_sft_then_rl_raises_the_held_out_reward(tmp_path, free_port):
         "--model.name", str(sft_weights), "--weights-dir", str(rl / "weights"), "--steps", f"0,{RL_STEPS}",
     )  # fmt: skip
 
-    summary = {r["step"]: r["reward_mean"] for r in map(json.loads, (ev / "eval" / "summary.jsonl").open())}
+    summary = {r["step"]: r["reward_mean"] for r in map(json.loads, (ev / "summary.jsonl").open())}
     print(f"eval reward: after SFT {summary[0]:.3f}, after RL {summary[RL_STEPS]:.3f}")
     assert summary[RL_STEPS] > summary[0] + EVAL_GAIN, summary
     rewards = [m["reward_mean"] for m in read_metrics(rl, "orchestrator")]

@@ -108,7 +108,7 @@ def test_eval_every_weight_step_writes_samples_and_a_summary(tiny_model, server_
         "--sampling.max-tokens", "4", "--weights-dir", str(weights), "--output-dir", str(out),
     )  # fmt: skip
     assert result.returncode == 0
-    summary = [json.loads(line) for line in (out / "eval" / "summary.jsonl").read_text().splitlines()]
+    summary = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     assert [(r["step"], r["env"]) for r in summary] == [
         (1, "arithmetic"),
         (1, "reverse-text"),
@@ -120,11 +120,11 @@ def test_eval_every_weight_step_writes_samples_and_a_summary(tiny_model, server_
     assert {"pass@1", "pass@2", "pass@4"} <= set(summary[0])  # arithmetic rewards are 0/1
     assert not any(k.startswith("pass@") for k in summary[1])  # reverse-text rewards are not
     for step in (1, 2):
-        lines = (out / "eval" / f"step_{step}" / "arithmetic.jsonl").read_text().splitlines()
+        lines = (out / f"step_{step}" / "arithmetic.jsonl").read_text().splitlines()
         records = [json.loads(x) for x in lines]
         assert len(records) == 12 and all(r["weight_step"] == step for r in records)
     # The same examples at every step.
-    prompts = lambda s: [json.loads(x)["prompt"] for x in (out / "eval" / f"step_{s}" / "arithmetic.jsonl").open()]  # noqa: E731
+    prompts = lambda s: [json.loads(x)["prompt"] for x in (out / f"step_{s}" / "arithmetic.jsonl").open()]  # noqa: E731
     assert prompts(1) == prompts(2)
     assert "pass@4" in result.stdout and "reverse-text" in result.stdout
 
@@ -147,7 +147,7 @@ def test_eval_serve_starts_its_own_server_and_stops_it(tiny_model, tmp_path):
         "--num-examples", "4", "--sampling.max-tokens", "4", "--output-dir", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    summary = [json.loads(line) for line in (out / "eval" / "summary.jsonl").read_text().splitlines()]
+    summary = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     assert [(r["step"], r["env"], r["samples"]) for r in summary] == [(0, "reverse-text", 4)]
     log = (out / "logs" / "inference.log").read_text()
     assert "serving" in log

@@ -1,10 +1,12 @@
 """The three panes of docs/usage.md: inference, orchestrator and trainer started by hand, as separate commands
-on the debug configs, twice in the same output dir."""
+on the debug configs, twice in the same output dir; and with only `export OUTPUT_DIR` (the multi-node recipe)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +15,13 @@ from prime_rl.utils.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def service(name: str, *args: str) -> subprocess.Popen:
+ROOT = Path(__file__).parents[2]
+
+
+def service(name: str, *args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", f"prime_rl.entrypoints.{name}", *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
     )  # fmt: skip
 
 
@@ -48,6 +53,37 @@ def test_three_panes_run_again_in_a_used_output_dir_whose_heartbeats_are_old(tmp
                 assert proc.returncode == 0, f"run {attempt}, {name}:\n{stderr}"
             assert [m["step"] for m in read_metrics(out, "trainer")] == list(range(5))
             age_heartbeats(out, 1000)
+    finally:
+        for proc in (server, orchestrator, trainer):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_three_panes_with_only_output_dir_exported_write_there(tmp_path, free_port):
+    """README's pane commands (`uv run inference @ configs/debug/infer.toml`, orchestrator, trainer) with
+    `export OUTPUT_DIR=...` as the only say on where: every configs/debug/*.toml sets output_dir = "outputs/debug",
+    which used to win without a word, so each node wrote its own outputs/debug. Run from a scratch dir that links
+    configs/ and assets/: all three write to $OUTPUT_DIR, none to ./outputs, and each says its file was overruled.
+    The port flags only keep clear of a server on :8000; --max-steps 2 keeps it short."""
+    for name in ("configs", "assets"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    shared = tmp_path / "shared"
+    env = {**os.environ, "OUTPUT_DIR": str(shared)}
+    url = f"http://127.0.0.1:{free_port}/v1"
+    server = service("inference", "@", "configs/debug/infer.toml", "--server.port", str(free_port), cwd=tmp_path,
+                     env=env)  # fmt: skip
+    orchestrator = service("orchestrator", "@", "configs/debug/orch.toml", "--client.base-url", url, "--max-steps", "2",
+                           cwd=tmp_path, env=env)  # fmt: skip
+    trainer = service("trainer", "@", "configs/debug/train.toml", "--max-steps", "2", cwd=tmp_path, env=env)
+    try:
+        for proc, name in ((orchestrator, "orchestrator"), (trainer, "trainer")):
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{name}:\n{stderr}"
+            assert f"{name}: output_dir: $OUTPUT_DIR ({shared}) over configs/debug/" in stderr, stderr
+        assert (shared / "weights" / "step_2" / "STABLE").is_file()
+        assert [m["step"] for m in read_metrics(shared, "trainer")] == [0, 1]
+        assert {p.name for p in (shared / "logs").glob("*.log")} >= {"inference.log", "orchestrator.log", "trainer.log"}
+        assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))
     finally:
         for proc in (server, orchestrator, trainer):
             if proc.poll() is None:

@@ -121,6 +121,47 @@ def test_rl_runs_three_steps_and_serves_each_new_policy(tiny_model, tmp_path, fr
     assert all((weights_dir(out, s) / "model.safetensors").stat().st_mtime_ns > t for s, t in first.items())
 
 
+def summary_rows(stderr: str) -> dict[str, str]:
+    """The run summary's rows, by name."""
+    lines = stderr[stderr.index(" rl INFO run summary") :].splitlines()[1:]
+    return dict(line.split(" rl INFO ", 1)[1].strip().split(maxsplit=1) for line in lines if " rl INFO " in line)
+
+
+def test_a_plain_run_after_a_checkpointed_one_reports_and_advises_only_its_own(tiny_model, tmp_path, free_port):
+    """A checkpointed run, then the plain command in the same dir: its summary used to end with the earlier run's
+    checkpoint and a `--ckpt.resume-step latest` which, followed, trained zero steps, exited 0 and reported
+    `steps 2/2` with the earlier rewards. Now it names the checkpoint as the earlier run's and advises no resume;
+    and resuming a checkpoint at max_steps is refused in one line, exit 2, before any service starts."""
+    out = tmp_path / "out"
+    args = small_run(tiny_model, out, free_port, max_steps=2)
+    first = run_rl([*args, "--ckpt"])
+    assert first.returncode == 0, first.stderr + show_logs(out)
+    rows = summary_rows(first.stderr)
+    assert rows["checkpoints"] == f"{out}/checkpoints/step_2 (newest of this run's 1)", rows
+    assert rows["resume"].endswith("--ckpt --ckpt.resume-step latest  (raise --max-steps to train further)"), rows
+
+    plain = run_rl(args)
+    assert plain.returncode == 0, plain.stderr + show_logs(out)
+    # The seconds before the summary (the server's shutdown, the plots) are said, not silent.
+    before_summary = plain.stderr[: plain.stderr.index(" rl INFO run summary")]
+    assert f"trainer and orchestrator done; stopping inference, drawing {out}/plots/run.png" in before_summary
+    rows = summary_rows(plain.stderr)
+    assert rows["checkpoints"] == f"none of this run (add --ckpt); {out}/checkpoints/step_2 is an earlier run's"
+    assert rows["resume"].startswith("not possible without checkpoints"), rows
+
+    trained = read_metrics(out, "trainer")
+    start = time.monotonic()
+    resumed = run_rl([*args, "--ckpt.resume-step", "latest"], timeout=60)
+    errors = [line for line in resumed.stderr.splitlines() if " ERROR " in line]
+    assert resumed.returncode == 2, resumed.stderr
+    assert len(errors) == 1 and errors[0].endswith(
+        f"--ckpt.resume-step: {out}/checkpoints/step_2 is at or past --max-steps 2, so there is nothing to train; "
+        "raise --max-steps (above 2) to go on"
+    ), resumed.stderr
+    assert time.monotonic() - start < 30 and "run summary" not in resumed.stderr
+    assert read_metrics(out, "trainer") == trained  # nothing ran
+
+
 def reward_trend(orchestrator: list[dict]) -> str:
     """The summary's reward line of a 4-step run, from the metrics the plot draws."""
     first, last = orchestrator[0]["reward_mean"], orchestrator[-1]["reward_mean"]

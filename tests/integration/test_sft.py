@@ -82,7 +82,7 @@ def test_sft_resume_matches_an_uninterrupted_run(runs):
     resumed = root / "resumed"
     # The summary ends with the command that goes on from the newest checkpoint: the user's own arguments.
     said = summary(output)
-    assert said["checkpoints"] == f"{resumed}/checkpoints/step_4 (newest of 2)"
+    assert said["checkpoints"] == f"{resumed}/checkpoints/step_4 (newest of this run's 2)"
     command, note = said["resume"].split("  ")
     assert shlex.split(command) == ["uv", "run", "sft", *procs["first_half"].args[1:], "--ckpt.resume-step", "latest"]
     assert note == "(raise --max-steps to train further)"

@@ -194,3 +194,47 @@ def test_help_shows_the_default_an_unset_shared_key_takes(tmp_path):
                for line in lines)  # fmt: skip
     assert "(default: None)" not in result.stdout
     assert "  --inference-gpu-ids VALUE  GPUs for inference; default [0]" in lines  # says it: no "(default: unset)"
+
+
+def test_help_fits_a_terminal_and_says_which_sections_are_off():
+    """`rl --help` had lines of up to 481 characters, and said `[parity]` was "off unless --parity is given" while
+    the services' gate is on by default; `[ckpt]`, off by default, still says so."""
+    from prime_rl.configs import help_text
+    from prime_rl.configs.eval import EvalConfig
+    from prime_rl.configs.inference import InferenceConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.configs.rl import RLConfig
+    from prime_rl.configs.sft import SFTConfig
+    from prime_rl.configs.trainer import TrainerConfig
+
+    for cls in (RLConfig, InferenceConfig, OrchestratorConfig, TrainerConfig, SFTConfig, EvalConfig):
+        text = help_text(cls, "x")
+        assert max(map(len, text.splitlines())) <= 120, cls.__name__
+    lines = help_text(RLConfig, "rl").splitlines()
+    parity = next(line for line in lines if line.startswith("[parity]"))
+    assert "off unless" not in parity, parity
+    assert any(line.startswith("[ckpt]") and line.endswith("(off unless --ckpt is given)") for line in lines)
+    assert "  --parity.interval VALUE  compare at weight step 0 and every this many weight steps; 0 = no canaries" in (
+        "\n".join(lines)
+    )
+
+
+def test_gpu_ids_on_a_node_without_gpus_exit_2_at_once_and_touch_no_earlier_log(tmp_path):
+    """`rl --trainer-gpu-ids 0` on a CPU node used to exit 1 after 24-47 s, its line appended to the previous
+    run's logs/rl.log. Devices the node lacks are a bad config: exit 2 in a second, one line, no log touched."""
+    from prime_rl.launch.services import count_gpus
+
+    if count_gpus():
+        pytest.skip("this node has a GPU (the case is a node without one)")
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "rl.log").write_text("the earlier run's line\n")
+    started = time.monotonic()
+    result = run("rl", "--output-dir", str(out), "--trainer-gpu-ids", "0", "--inference-gpu-ids", "0,1", cwd=tmp_path)
+    assert (result.returncode, result.stderr.splitlines()) == (2, [
+        "rl: config error: --inference-gpu-ids 0,1 --trainer-gpu-ids 0: no CUDA device is visible on this node; "
+        "drop them to run on CPU"
+    ])  # fmt: skip
+    assert time.monotonic() - started < 15
+    assert sorted(p.name for p in out.rglob("*")) == ["logs", "rl.log"]
+    assert (out / "logs" / "rl.log").read_text() == "the earlier run's line\n"

@@ -72,6 +72,15 @@ def test_rl_starts_each_service_with_its_own_under_what_rl_sets(tmp_path):
     assert env["trainer"]["RL_RUN_LOCK_TOKEN"] == "lock-token" and env["trainer"]["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_rl_gives_its_services_the_output_dir_it_resolved_over_an_exported_one(tmp_path, monkeypatch):
+    """$OUTPUT_DIR outranks the run/*.toml a service reads: `rl --output-dir B` under an exported OUTPUT_DIR=A
+    must still run every service in B."""
+    monkeypatch.setenv("OUTPUT_DIR", str(tmp_path / "exported"))
+    rl = load_config(RLConfig, ["--output-dir", str(tmp_path / "flag")])
+    env, _ = service_env(rl, "lock-token")
+    assert {env[s]["OUTPUT_DIR"] for s in ("inference", "orchestrator", "trainer")} == {str(tmp_path / "flag")}
+
+
 @pytest.mark.parametrize("command", ["inference", "orchestrator", "trainer"])
 def test_each_entrypoint_sets_them_for_itself_before_importing_anything_heavy(command, tmp_path):
     """A pane: the service's own entrypoint sets them right after parsing its config (torch, vLLM and NCCL read

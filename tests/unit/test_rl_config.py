@@ -148,6 +148,33 @@ def test_output_dir_env_is_every_services_default_and_flags_still_win(monkeypatc
     assert str(load_config(TrainerConfig, []).output_dir) == "outputs"
 
 
+def test_output_dir_env_outranks_the_shipped_configs_and_says_so(monkeypatch, tmp_path):
+    """Every configs/debug/*.toml sets output_dir = "outputs/debug", which used to win over an exported
+    $OUTPUT_DIR without a word: each node of a multi-node run wrote its own outputs/debug. Now --output-dir >
+    $OUTPUT_DIR > a file's > outputs, and each file value the variable replaces is one note."""
+    from prime_rl.configs.inference import InferenceConfig
+    from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.configs.trainer import TrainerConfig
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("OUTPUT_DIR", str(shared))
+    for cls, toml in ((InferenceConfig, "infer"), (OrchestratorConfig, "orch"), (TrainerConfig, "train")):
+        notes: list[str] = []
+        assert load_config(cls, ["@", f"configs/debug/{toml}.toml"], notes=notes).output_dir == shared
+        assert notes == [f"output_dir: $OUTPUT_DIR ({shared}) over configs/debug/{toml}.toml's outputs/debug"]
+        assert str(load_config(cls, ["@", f"configs/debug/{toml}.toml", "--output-dir", "mine"]).output_dir) == "mine"
+    notes = []
+    config = load_config(
+        RLConfig, ["@", "configs/debug/rl.toml", "--trainer", "@", "configs/debug/train.toml"], notes=notes
+    )
+    assert {getattr(config, s).output_dir for s in ("inference", "orchestrator", "trainer")} == {shared}
+    assert len(notes) == 2 and notes[1].startswith("trainer.output_dir: $OUTPUT_DIR")
+    config = load_config(RLConfig, ["@", "configs/debug/rl.toml", "--output-dir", "mine"])
+    assert {str(getattr(config, s).output_dir) for s in ("inference", "orchestrator", "trainer")} == {"mine"}
+    monkeypatch.delenv("OUTPUT_DIR")
+    assert str(load_config(TrainerConfig, ["@", "configs/debug/train.toml"]).output_dir) == "outputs/debug"
+
+
 def test_rl_with_top_p_or_top_k_needs_a_backend_that_returns_sampling_masks():
     """The trainer replays each token's kept set; vLLM returns it only when started with --return-sampling-mask
     (GPU), so vLLM without the flag is refused up front."""

@@ -8,6 +8,7 @@ this package exports the bases, the command line and the sections they share.
 
 from prime_rl.configs.base import (
     ENV_PREFIX,
+    OUTPUT_DIR_VAR,
     SECRET_FIELDS,
     BaseConfig,
     ConfigError,
@@ -37,6 +38,7 @@ from prime_rl.configs.shared import (
 __all__ = [
     "ENV_PREFIX",
     "LORA_TARGETS",
+    "OUTPUT_DIR_VAR",
     "SECRET_FIELDS",
     "BaseConfig",
     "CkptConfig",

@@ -1,7 +1,8 @@
 """The base classes every config is built from, and the shared output directory.
 
 Sources, highest precedence first: CLI flags > TOML files (`@ a.toml @ b.toml`, later wins) >
-`PRIME_A__B_C` env vars > field defaults (`configs/cli.py` reads the first two). This package imports no torch.
+`PRIME_A__B_C` env vars > field defaults (`configs/cli.py` reads the first two). One exception: `$OUTPUT_DIR`
+outranks a file's `output_dir` (but not `--output-dir`). This package imports no torch.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ class FieldError(ValueError):
         self.key, self.also = key, also
 
 
+OUTPUT_DIR_VAR = "OUTPUT_DIR"  # outranks a TOML file's output_dir, not a flag (configs/cli.py:_output_dir_from_env)
+
+
 def default_output_dir() -> Path:
     """`$OUTPUT_DIR` when set (multi-node runs and scripts/tmux.sh export it), else `outputs`."""
-    return Path(os.environ.get("OUTPUT_DIR") or "outputs")
+    return Path(os.environ.get(OUTPUT_DIR_VAR) or "outputs")
 
 
 def _names_a_dir(value: Any) -> Any:
@@ -87,7 +91,7 @@ OutputDir = Annotated[
     Field(
         default_factory=default_output_dir,
         validate_default=True,
-        description="shared output directory ($OUTPUT_DIR or outputs)",
+        description="shared output directory: --output-dir > $OUTPUT_DIR > a TOML file's > outputs",
     ),
 ]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Sequence
@@ -34,11 +35,12 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
 from prime_rl.configs.argv import MAX_DEPTH, _depth, deep_merge, parse_args
-from prime_rl.configs.base import ENV_PREFIX, C, ConfigError, FieldError
+from prime_rl.configs.base import ENV_PREFIX, OUTPUT_DIR_VAR, C, ConfigError, FieldError, default_output_dir
 from prime_rl.configs.fields import did_you_mean, env_json_kind, field_info, flag_table, is_model, shorthand, unwrap
 from prime_rl.configs.shared import CHECK_MODEL_PATHS, ShowsValue
 
 INT64_MAX = 2**63 - 1
+HELP_WIDTH = 120  # the house line length: a terminal's width, not a paragraph
 
 __all__ = ["ConfigError", "deep_merge", "format_validation_error", "help_text", "load_config", "parse_args",
            "parse_config"]  # fmt: skip
@@ -173,10 +175,52 @@ def format_validation_error(err: ValidationError, sources: dict, cls: type[BaseM
     return lines
 
 
-def load_config(cls: type[C], argv: Sequence[str], check_paths: bool = False) -> C:
+def _takes_output_dir_var(cls: type[BaseModel]) -> bool:
+    """The RL services (and `rl`, which shares theirs): their output_dir defaults to $OUTPUT_DIR."""
+    fields = cls.model_fields
+    subs = [unwrap(f.annotation) for f in fields.values() if is_model(unwrap(f.annotation))]
+    return "output_dir" in fields and any(
+        (info := getattr(model, "model_fields", {}).get("output_dir")) is not None
+        and info.default_factory is default_output_dir
+        for model in (cls, *subs)
+    )
+
+
+def _output_dir_from_env(cls: type[BaseModel], values: dict, sources: dict) -> list[str]:
+    """`$OUTPUT_DIR` over the output_dir a TOML file sets, below a flag's: `--output-dir` > $OUTPUT_DIR > TOML >
+    `outputs`. The variable says where this node's shared directory is (every node of a multi-node run exports
+    it), the file what the experiment is: the shipped debug configs set `outputs/debug`, which won without a word
+    and put each node's files on its own disk. Returns one note per file value replaced."""
+    env = os.environ.get(OUTPUT_DIR_VAR)
+    if not env or not _takes_output_dir_var(cls):
+        return []
+    notes, flagged = [], False
+    for loc, source in list(sources.items()):
+        if loc[-1] != "output_dir":
+            continue
+        if str(source).startswith("flag"):
+            flagged = True
+            continue
+        parent = values
+        for part in loc[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and "output_dir" in parent:
+            if str(parent["output_dir"]) != env:
+                notes.append(f"{'.'.join(loc)}: ${OUTPUT_DIR_VAR} ({env}) over {source}'s {parent['output_dir']}")
+            del parent["output_dir"], sources[loc]
+    if not flagged:
+        values["output_dir"], sources[("output_dir",)] = env, f"env {OUTPUT_DIR_VAR}"
+    return notes
+
+
+def load_config(cls: type[C], argv: Sequence[str], check_paths: bool = False, notes: list[str] | None = None) -> C:
     """Build `cls` from argv and the environment; raises ConfigError with readable lines. `check_paths`: a local
-    model path must exist now (the command runs here), unless the config submits to Slurm (its job checks)."""
+    model path must exist now (the command runs here), unless the config submits to Slurm (its job checks).
+    `notes`: gets a line per value the environment put over a file's (`_output_dir_from_env`)."""
     values, sources, errors = parse_args(cls, argv)
+    said = _output_dir_from_env(cls, values, sources)
+    if notes is not None:
+        notes += said
     if env_errors := _env_errors(cls):
         raise ConfigError(errors + env_errors)
     prepare = getattr(cls, "prepare_args", None)
@@ -230,6 +274,8 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
     if cls.__doc__:
         lines += [cls.__doc__.strip(), ""]
     lines.append(f"Precedence: flags > TOML (last file wins) > env {ENV_PREFIX}A__B_C > default.")
+    if _takes_output_dir_var(cls):
+        lines.append(f"output_dir: --output-dir > env {OUTPUT_DIR_VAR} > TOML > outputs.")
     lines.append("")
 
     def walk(model: type[BaseModel], prefix: str) -> None:
@@ -249,14 +295,30 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
             lines.append(f"  {kind}  {field.description or ''}{default}")
         for name, field in sections:
             flag = prefix + name.replace("_", "-")
-            extra = f" (off unless --{flag} is given)" if field.default is None else ""
+            extra = f" (off unless --{flag} is given)" if _off_by_default(cls, (*prefix.split(".")[:-1], name)) else ""
             lines.append(f"[{flag}] {field.description or ''}{extra}")
             if (short := shorthand(unwrap(field.annotation))) is not None:
                 lines.append(f"  --{flag} VALUE  same as --{flag}.{short.replace('_', '-')}")
             walk(unwrap(field.annotation), flag + ".")
 
     walk(cls, "")
-    return "\n".join(lines)
+    # One screen line each: a long description wraps under itself (a line ran to 481 characters).
+    width = HELP_WIDTH
+    wrapped = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        wrapped += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+    return "\n".join(wrapped)
+
+
+def _off_by_default(cls: type[BaseModel], path: tuple) -> bool:
+    """A section left unset is off, unless it is a shared key of `rl` whose services have it on by default
+    (`[parity]`: unset in `rl`, each service's own default is on)."""
+    info = field_info(cls, list(path))
+    if info is None or info.default is not None or info.default_factory is not None:
+        return False
+    copies = getattr(cls, "shared_copies", lambda loc: [])(path)
+    return all(_default(c) is None for copy in copies if (c := field_info(cls, list(copy))) is not None)
 
 
 def _default(field: FieldInfo) -> Any:
@@ -289,9 +351,13 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | No
         except BrokenPipeError:  # `--help | head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
+    notes: list[str] = []
     try:
-        return load_config(cls, argv, check_paths=True)
+        config = load_config(cls, argv, check_paths=True, notes=notes)
     except ConfigError as err:
         for line in err.lines:
             print(f"{prog}: config error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
+    for line in notes:
+        print(f"{prog}: {line}", file=sys.stderr)
+    return config

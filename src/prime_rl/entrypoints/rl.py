@@ -17,13 +17,15 @@ with status 3 (PREEMPTED); `--ckpt.resume-step latest` goes on from there with n
 from __future__ import annotations
 
 import signal
+import sys
 
 from prime_rl.configs import parse_config
 from prime_rl.configs.rl import RLConfig
 from prime_rl.entrypoints import run_service
 from prime_rl.launch.run import run
+from prime_rl.launch.services import assign_devices, count_gpus
 from prime_rl.launch.supervise import ServiceFailed
-from prime_rl.protocol import DiskFull, RunLocked
+from prime_rl.protocol import DiskFull, ResumeAtEnd, RunLocked
 from prime_rl.slurm.launch import submit
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import catch_stop_signals, ignore_usr1
@@ -37,6 +39,11 @@ def main() -> None:
     config = parse_config(RLConfig, prog="rl")
     if config.slurm is not None:
         raise SystemExit(submit(config, "rl"))
+    try:  # devices this node lacks are a bad config: said at once, before the log of the dir's last run is opened
+        assign_devices(config, count_gpus())
+    except ValueError as e:
+        print(f"rl: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     setup_logging("rl", config.orchestrator.output_dir, config.log.level, config.log.file)
     # Explicitly: a shell that starts us in the background leaves SIGINT ignored, and Ctrl-C must still stop us.
     signal.signal(signal.SIGINT, _terminate)
@@ -46,7 +53,8 @@ def main() -> None:
         ignore_usr1()
         signal.signal(signal.SIGTERM, _terminate)
     errors = (ServiceFailed, TimeoutError, ValueError, RunLocked, DiskFull)
-    run_service(lambda: run(config), errors, interrupted="interrupted; stopped all services")
+    # A resume at or past max_steps asks for nothing: exit 2 like a bad config, never 0 with a stale summary.
+    run_service(lambda: run(config), errors, interrupted="interrupted; stopped all services", fatal=(ResumeAtEnd,))
 
 
 if __name__ == "__main__":

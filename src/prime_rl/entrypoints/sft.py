@@ -7,6 +7,7 @@ from prime_rl.configs import parse_config
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.entrypoints import run_service
 from prime_rl.entrypoints.trainer import torchrun_worker
+from prime_rl.protocol import ResumeAtEnd
 
 
 def main() -> None:
@@ -19,7 +20,10 @@ def main() -> None:
     from prime_rl.trainer import service
     from prime_rl.trainer.sft.train import run
 
-    run_service(lambda: service.start(config, "sft", run), service.ERRORS, service.stopped_status())
+    # A resume at or past max_steps asks for nothing: exit 2 like a bad config, never 0 with a stale summary.
+    run_service(
+        lambda: service.start(config, "sft", run), service.ERRORS, service.stopped_status(), fatal=(ResumeAtEnd,)
+    )
 
 
 if __name__ == "__main__":

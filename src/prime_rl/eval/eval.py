@@ -3,7 +3,8 @@
 For each weight step (the server's current one, or each STABLE `step_n` of `--weights-dir`, loaded with
 POST /update_weights, step 0 = POST /reload_weights), every environment draws `num_examples` examples
 (the same ones at every step) and samples each `rollouts_per_example` times with the orchestrator's
-rollout code. Results: `eval/step_n/<env>.jsonl` (one line per sample), `eval/summary.jsonl` and a table.
+rollout code. Results, in `--output-dir` itself (one level: `outputs/eval/summary.jsonl`, not `outputs/eval/eval/`):
+`step_n/<env>.jsonl` (one line per sample), `summary.jsonl` and a table.
 
 Without `--weights-dir` the server's current weights are filed under the step it reports, else the step of the
 `weights/step_n` (or an SFT run's `weights/final`) that model.name names, else step 0; each summary row says
@@ -21,11 +22,13 @@ import json
 import logging
 import shutil
 import sys
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from prime_rl.configs.eval import EvalConfig
+from prime_rl.configs.orchestrator import SamplingConfig
 from prime_rl.envs import EnvError, load_environment
 from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.evaluation import EnvResult, sample_and_score
@@ -35,6 +38,7 @@ from prime_rl.protocol import (
     atomic_write_text,
     eval_samples_file,
     eval_summary_file,
+    run_dir,
     stable_steps,
     step_dir,
     step_of,
@@ -164,7 +168,39 @@ def local_server(config: EvalConfig) -> Iterator[None]:
 ERRORS = (EvalError, EnvError, InferenceError, DiskFull)
 
 
+def trained_by(config: EvalConfig) -> Path | None:
+    """The output dir of the run whose weights are evaluated (`--weights-dir RUN/weights`, `--model.name
+    RUN/weights/step_n` or `.../final`), if it holds that run's recorded orchestrator config."""
+    weights = config.weights_dir if config.weights_dir is not None else Path(config.model.name).parent
+    if weights.name != "weights":
+        return None
+    recorded = run_dir(weights.parent) / "orchestrator.toml"
+    return weights.parent if recorded.is_file() else None
+
+
+def with_run_sampling(config: EvalConfig) -> EvalConfig:
+    """A run's weights are evaluated as the run sampled: the sampling keys not set here take the values in its
+    run/orchestrator.toml (the debug run's 24 tokens, not eval's default 128, under which the README's eval of
+    the debug run reported 0.046 where training said 0.14). Flags and files still win."""
+    run = trained_by(config)
+    if run is None:
+        return config
+    path = run_dir(run) / "orchestrator.toml"
+    try:
+        recorded = tomllib.loads(path.read_text()).get("sampling", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise EvalError(f"cannot read the run's sampling settings {path}: {e}") from None
+    unset = set(SamplingConfig.model_fields) - config.sampling.model_fields_set
+    taken = {k: v for k, v in recorded.items() if k in unset and getattr(config.sampling, k) != v}
+    if taken:
+        config.sampling = SamplingConfig(**(config.sampling.model_dump(exclude_unset=True) | taken))
+        said = ", ".join(f"{k} {v}" for k, v in taken.items())
+        logger.info(f"sampling as the run that trained these weights ({path}): {said} (flags override)")
+    return config
+
+
 def run(config: EvalConfig) -> None:
+    config = with_run_sampling(config)
     with local_server(config) if config.serve else nullcontext():
         rows = asyncio.run(evaluate(config))
         print_table(rows)

@@ -9,18 +9,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prime_rl.configs import OUTPUT_DIR_VAR
 from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.launch.console import StatusLine, follow_logs
 from prime_rl.launch.memory_check import memory_warning
 from prime_rl.launch.services import assign_devices, count_gpus, resume_step, service_commands, service_configs
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
 from prime_rl.launch.watchdog import Watchdog
-from prime_rl.protocol import RUN_VAR, log_file, prepare_output_dir, run_dir, run_locks
+from prime_rl.protocol import RUN_VAR, check_resume_before_end, log_file, prepare_output_dir, run_dir, run_locks
 from prime_rl.protocol.lock import TOKEN_VAR as LOCK_TOKEN_VAR
 from prime_rl.protocol.prepare import check_ours
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import logger
 from prime_rl.utils.run_record import write_run_config
+from prime_rl.utils.summary import ThisRun, rl_summary
 
 
 def run(config: RLConfig) -> None:
@@ -36,6 +38,8 @@ def _run(config: RLConfig, lock_token: str) -> None:
     check_ours(output_dir)  # at once, not after the checks below (seconds)
     check_environments(config)
     check_model_source(config.inference.model.name, ValueError)  # no network: one line now, not after 56 s
+    resumed_from = resume_step(config)
+    check_resume_before_end(resumed_from, config.trainer.max_steps, output_dir)  # a finished run: nothing to do
     if said := memory_warning(config, count_gpus()):
         logger.warning(said)
     env, trainer_procs = service_env(config, lock_token)
@@ -45,9 +49,10 @@ def _run(config: RLConfig, lock_token: str) -> None:
         write_run_config(getattr(config, name), name, output_dir)
     if config.teacher is not None:
         write_run_config(config.teacher, "teacher", output_dir)
-    write_run_config(config, "rl", output_dir)
+    # Its time on the output dir's clock marks what this run writes (the summary reports only those checkpoints).
+    this_run = ThisRun(write_run_config(config, "rl", output_dir).stat().st_mtime, resumed_from)
     # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
-    if said := prepare_output_dir(output_dir, resume_step(config), launcher=True):
+    if said := prepare_output_dir(output_dir, resumed_from, launcher=True):
         logger.warning(said)
     commands = service_commands(run_dir(output_dir), trainer_procs, teacher=config.teacher is not None)
     services: list[Service] = []
@@ -61,6 +66,9 @@ def _run(config: RLConfig, lock_token: str) -> None:
         start_services(config, services, commands, env, trainer_procs, restart)
         with Watchdog(output_dir, lock_token, config.hang_timeout, health, trainer_procs) as watchdog:
             watch(services, restart, watchdog, config)
+        # The seconds before the summary are the servers' shutdown and the plots: said, not silent.
+        servers = " and ".join(s.name for s in services if s.name in ("inference", "teacher"))
+        logger.info(f"trainer and orchestrator done; stopping {servers}, drawing {output_dir / 'plots' / 'run.png'}")
         from prime_rl.utils.plot import plot_runs
 
         # Drawn while the servers shut down; the summary says where.
@@ -71,13 +79,11 @@ def _run(config: RLConfig, lock_token: str) -> None:
         time.sleep(0.6)  # let the follower print the last lines
         stop_following.set()
         follower.join(timeout=2)
-    from prime_rl.utils.summary import rl_summary
-
     plots = plotting.result()
     plotter.shutdown()
 
     # Last, below the services' last lines; the user's own arguments make the resume command.
-    for line in rl_summary(output_dir, config.trainer.max_steps, time.time() - started, sys.argv[1:], plots):
+    for line in rl_summary(output_dir, config.trainer.max_steps, time.time() - started, sys.argv[1:], plots, this_run):
         logger.info(line)
 
 
@@ -95,9 +101,11 @@ def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, 
     trainer world size."""
     env, trainer_procs = assign_devices(config, count_gpus())
     for name in SERVICES:
-        env[name] = {**getattr(config, name).env_vars, **env[name]}
+        # $OUTPUT_DIR outranks the run/*.toml the services read: theirs is the dir this run resolved, whatever the
+        # user's shell exported (`rl --output-dir B` with OUTPUT_DIR=A exported runs in B).
+        env[name] = {**getattr(config, name).env_vars, **env[name], OUTPUT_DIR_VAR: str(config.orchestrator.output_dir)}
     if config.teacher is not None:  # the teacher server shares the policy server's devices (on CPU: its cores)
-        env["teacher"] = {**env["inference"], **config.teacher.env_vars}
+        env["teacher"] = {**env["inference"], **config.teacher.env_vars, OUTPUT_DIR_VAR: str(config.teacher.output_dir)}
     for name in ("orchestrator", "trainer"):
         env[name][LOCK_TOKEN_VAR] = lock_token
         env[name][RUN_VAR] = lock_token  # their heartbeats name this run (protocol.liveness)

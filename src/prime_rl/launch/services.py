@@ -28,11 +28,15 @@ def count_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _gpu_ids(config: RLConfig) -> list[tuple[str, list[int] | None]]:
+    return [("inference_gpu_ids", config.inference_gpu_ids), ("trainer_gpu_ids", config.trainer_gpu_ids)]
+
+
 def assign_devices(config: RLConfig, num_gpus: int) -> tuple[dict[str, dict[str, str]], int]:
     """Per-service env additions and the trainer world size."""
     if num_gpus == 0:
-        if config.inference_gpu_ids or config.trainer_gpu_ids:
-            raise ValueError("GPU ids were given but no CUDA device is visible; drop --*-gpu-ids to run on CPU")
+        if given := [f"--{k.replace('_', '-')} {','.join(map(str, v))}" for k, v in _gpu_ids(config) if v]:
+            raise ValueError(f"{' '.join(given)}: no CUDA device is visible on this node; drop them to run on CPU")
         cpu = {"CUDA_VISIBLE_DEVICES": ""}
         return {s: dict(cpu) for s in SERVICES}, config.trainer_cpu_ranks
     inference_ids = config.inference_gpu_ids or [0]

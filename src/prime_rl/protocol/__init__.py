@@ -7,6 +7,8 @@ imported explicitly where used.
 """
 
 from prime_rl.protocol.checkpoints import (
+    ResumeAtEnd,
+    check_resume_before_end,
     checkpoint_due,
     checkpoint_steps,
     prune_checkpoints,
@@ -36,6 +38,7 @@ from prime_rl.protocol.lock import RunLock, RunLocked
 from prime_rl.protocol.paths import (
     checkpoint_dir,
     checkpoints_root,
+    eval_dir,
     eval_samples_file,
     eval_summary_file,
     final_weights_dir,
@@ -89,10 +92,13 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "checkpoint_dir",
+    "ResumeAtEnd",
+    "check_resume_before_end",
     "checkpoint_due",
     "checkpoint_steps",
     "clear_previous_run",
     "checkpoints_root",
+    "eval_dir",
     "eval_samples_file",
     "eval_summary_file",
     "final_weights_dir",

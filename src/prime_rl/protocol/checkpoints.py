@@ -38,17 +38,46 @@ def checkpoint_due(step: int, max_steps: int, interval: int | None) -> bool:
     return step > 0 and (step == max_steps or (interval is not None and step % interval == 0))
 
 
-def checkpoint_steps(output_dir: Path, parts: Iterable[str] = PARTS) -> list[int]:
-    """Steps under checkpoints/ whose requested parts are all complete (trainer: STABLE, orchestrator: file)."""
+class ResumeAtEnd(ValueError):
+    """`--ckpt.resume-step` names a checkpoint at or past `max_steps`: the run would train nothing."""
+
+
+def checkpoint_steps(output_dir: Path, parts: Iterable[str] = PARTS, since: float | None = None) -> list[int]:
+    """Steps under checkpoints/ whose requested parts are all complete (trainer: STABLE, orchestrator: file);
+    `since` (unix seconds): only those completed since then, i.e. written by the run that started then (a fresh run
+    leaves an earlier run's checkpoints where they are)."""
     parts = tuple(parts)
     complete = []
     for step in list_steps(checkpoints_root(output_dir)):
-        if "trainer" in parts and not is_stable(trainer_checkpoint_dir(output_dir, step)):
-            continue
-        if "orchestrator" in parts and not orchestrator_checkpoint_file(output_dir, step).is_file():
+        markers = []
+        if "trainer" in parts:
+            markers.append(trainer_checkpoint_dir(output_dir, step) / STABLE)
+            if not is_stable(trainer_checkpoint_dir(output_dir, step)):
+                continue
+        if "orchestrator" in parts:
+            markers.append(orchestrator_checkpoint_file(output_dir, step))
+            if not markers[-1].is_file():
+                continue
+        if since is not None and any(_mtime(m) < since for m in markers):
             continue
         complete.append(step)
     return complete
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # gone since it was listed
+        return 0.0
+
+
+def check_resume_before_end(resume_step: int | None, max_steps: int, output_dir: Path) -> None:
+    """ResumeAtEnd, in one line, when the resumed checkpoint is already at (or past) the run's last step."""
+    if resume_step is not None and resume_step >= max_steps:
+        raise ResumeAtEnd(
+            f"--ckpt.resume-step: {checkpoints_root(output_dir)}/step_{resume_step} is at or past --max-steps "
+            f"{max_steps}, so there is nothing to train; raise --max-steps (above {resume_step}) to go on"
+        )
 
 
 def resolve_resume_step(output_dir: Path, resume_step: int | str | None, part: str) -> int | None:

@@ -113,11 +113,17 @@ def step_dir(parent: Path, step: int) -> Path:
     return Path(parent) / f"step_{step}"
 
 
-def eval_samples_file(output_dir: Path, step: int, env_name: str) -> Path:
-    """Per-sample results of `eval` for one environment at one weight step."""
-    return Path(output_dir) / "eval" / f"step_{step}" / f"{env_name}.jsonl"
+def eval_dir(output_dir: Path) -> Path:
+    """A run's `eval` results, read by `plot`; `eval --output-dir D` writes its results in D itself (so
+    `--output-dir RUN/eval` puts them beside a run), not in D/eval/."""
+    return Path(output_dir) / "eval"
 
 
-def eval_summary_file(output_dir: Path) -> Path:
-    """One JSON line per (step, environment) evaluated."""
-    return Path(output_dir) / "eval" / "summary.jsonl"
+def eval_samples_file(results_dir: Path, step: int, env_name: str) -> Path:
+    """Per-sample results of `eval` for one environment at one weight step (`results_dir`: eval's output dir)."""
+    return Path(results_dir) / f"step_{step}" / f"{env_name}.jsonl"
+
+
+def eval_summary_file(results_dir: Path) -> Path:
+    """One JSON line per (step, environment) evaluated (`results_dir`: eval's output dir, or a run's `eval_dir`)."""
+    return Path(results_dir) / "summary.jsonl"

@@ -5,7 +5,7 @@
 
 Panels (each skipped when no run has its metric): reward (training, and eval as markers with error bars of one
 standard error), completion length, truncated fraction, mismatch KL, teacher KL (distillation), off-policy gap,
-step time split (generate, train, hand-off: the waits for weights and rollouts), tokens/s, and the SFT loss (log
+step time split (generate, train, hand-off: step - work, `plot_data.handoffs`), tokens/s, and the SFT loss (log
 scale, held-out as markers).
 A per-step series of 10 or more points is drawn thin under its centred moving average over ~5 % of its steps
 (the legend says how many); the reward axis spans at least 0.1; steps are whole numbers. The title names each
@@ -25,6 +25,7 @@ from prime_rl.utils.plot_data import (
     MIN_POINTS_TO_SMOOTH,
     Series,
     eval_rewards,
+    handoffs,
     load_run,
     run_name,
     series,
@@ -79,7 +80,7 @@ PANELS: dict[str, Panel] = {
         [
             Line("generate", lambda m: series(m["orchestrator"], "time/generate"), "-"),
             Line("train", lambda m: series(m["trainer"], "time/train"), "--"),
-            Line("hand-off", lambda m: _handoff(m), ":"),
+            Line("hand-off (step - work)", lambda m: handoffs(m["orchestrator"], m["trainer"]), ":"),
         ]
     ),  # fmt: skip
     "tokens/s": Panel(
@@ -97,16 +98,6 @@ PANELS: dict[str, Panel] = {
         log=True,
     ),  # fmt: skip
 }
-
-
-def _handoff(m: dict) -> Series:
-    """Per step: the waits of both sides plus the weight transfer (trainer save, servers load)."""
-    total: dict[int, float] = {}
-    for service, key in (("orchestrator", "time/wait_weights"), ("trainer", "time/wait"),
-                         ("trainer", "time/save_weights"), ("orchestrator", "time/update_weights")):  # fmt: skip
-        for step, value in series(m[service], key):
-            total[step] = total.get(step, 0.0) + value
-    return sorted(total.items())
 
 
 def _has_data(panel: Panel, runs: list[dict]) -> bool:

@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
-from prime_rl.protocol.paths import eval_summary_file, metrics_file, run_dir
+from prime_rl.protocol.paths import eval_dir, eval_summary_file, metrics_file, run_dir
 from prime_rl.utils.metrics import read_metrics
 
 Series = list[tuple[int, float]]
@@ -29,6 +29,34 @@ def series(records: list[dict], key: str) -> Series:
     return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), int | float)]
 
 
+# The timed work of an RL step: the orchestrator's and the trainer's (whose step n-1 made step n's weights).
+ORCHESTRATOR_WORK = ("generate", "pack", "write", "update_weights")
+# The trainer's broadcast_weights is left out: it runs while the orchestrator's update_weights waits for the
+# servers to receive (it is inside that time), and its wait for the servers to ask is a hand-off.
+TRAINER_WORK = ("load_data", "train", "save_weights")
+
+
+def handoffs(orchestrator: list[dict], trainer: list[dict]) -> Series:
+    """Hand-off per step n >= 1, the one definition (plot, benchmarks/rl.py, docs/benchmarks.md): the step's wall
+    time (between the ends of orchestrator steps n-1 and n) minus the work in it (ORCHESTRATOR_WORK of step n,
+    TRAINER_WORK of trainer step n-1): the time no service works because one waits to notice another. Negative
+    where the services overlap (async_level >= 1).
+
+        orchestrator ends at t=10 and t=13, generate+pack+write+update = 1.5; trainer load+train+save = 1.0
+        -> step 1: 3.0 - 2.5 = 0.5
+    """
+    orch = {r["step"]: r for r in orchestrator if isinstance(r.get("time"), int | float)}
+    done = {r["step"]: r for r in trainer}
+    out = []
+    for step in sorted(orch):
+        if step - 1 not in orch or step - 1 not in done:
+            continue
+        work = sum(float(orch[step].get(f"time/{k}", 0.0)) for k in ORCHESTRATOR_WORK)
+        work += sum(float(done[step - 1].get(f"time/{k}", 0.0)) for k in TRAINER_WORK)
+        out.append((step, orch[step]["time"] - orch[step - 1]["time"] - work))
+    return out
+
+
 def _se(row: dict) -> float | None:
     """Standard error of one env's mean reward. reward_std is the population std (pstdev) of `samples` rewards,
     so std/sqrt(n-1) is the sample std over sqrt(n). It treats samples as independent: with several rollouts
@@ -45,7 +73,7 @@ def eval_points(output_dir: Path) -> list[EvalPoint]:
     `eval_rewards`, the status line and W&B show); the mean of E independent env means has
     SE = sqrt(sum SE_e^2) / E, and no SE when any env's row lacks one."""
     by_step: dict[int, list[tuple[float, float | None]]] = {}
-    paths = [p for p in (eval_summary_file(output_dir), metrics_file(output_dir, "eval")) if p.is_file()]
+    paths = [p for p in (eval_summary_file(eval_dir(output_dir)), metrics_file(output_dir, "eval")) if p.is_file()]
     for line in (line for path in paths for line in path.read_text().splitlines()):
         try:
             row = json.loads(line)

@@ -116,7 +116,7 @@ def test_one_wandb_run_carries_orchestrator_trainer_and_eval_metrics_each_on_its
     import json
 
     from prime_rl.orchestrator.sinks import SERIES, WandbSink
-    from prime_rl.protocol import eval_summary_file
+    from prime_rl.protocol import eval_dir, eval_summary_file
     from prime_rl.utils.metrics import MetricsWriter
     from prime_rl.utils.wandb import WandbRun
 
@@ -128,8 +128,8 @@ def test_one_wandb_run_carries_orchestrator_trainer_and_eval_metrics_each_on_its
     trainer.log(0, {"loss": 0.5})
     sink.log(1, {"reward_mean": 0.2})
     trainer.log(1, {"loss": 0.4})
-    eval_summary_file(tmp_path).parent.mkdir(parents=True)
-    eval_summary_file(tmp_path).write_text(json.dumps({"step": 1, "env": "e", "reward_mean": 0.3}) + "\n")
+    eval_summary_file(eval_dir(tmp_path)).parent.mkdir(parents=True)
+    eval_summary_file(eval_dir(tmp_path)).write_text(json.dumps({"step": 1, "env": "e", "reward_mean": 0.3}) + "\n")
     sink.close()
     trainer.close()
     assert run.logged == [

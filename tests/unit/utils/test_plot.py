@@ -7,7 +7,7 @@ import math
 import pytest
 from matplotlib.container import ErrorbarContainer
 
-from prime_rl.protocol import eval_summary_file
+from prime_rl.protocol import eval_dir, eval_summary_file
 from prime_rl.protocol.paths import run_dir
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.plot import draw_runs, eval_rewards, plot_runs
@@ -46,8 +46,8 @@ def test_eval_points_carry_one_standard_error_and_the_axis_spans_it(tmp_path):
     rows = [{"step": s, "env": env, "samples": 101, "reward_std": std, "reward_mean": mean}
             for s, mean in ((0, 0.570), (10, 0.587)) for env, std in (("a", 0.3), ("b", 0.4))]  # fmt: skip
     write(tmp_path, "eval", rows)
-    eval_summary_file(tmp_path).parent.mkdir(parents=True)
-    eval_summary_file(tmp_path).write_text(json.dumps({"step": 20, "env": "a", "reward_mean": 0.6}) + "\n")
+    eval_summary_file(eval_dir(tmp_path)).parent.mkdir(parents=True)
+    eval_summary_file(eval_dir(tmp_path)).write_text(json.dumps({"step": 20, "env": "a", "reward_mean": 0.6}) + "\n")
     assert eval_rewards(tmp_path) == [(0, pytest.approx(0.570)), (10, pytest.approx(0.587)), (20, 0.6)]
 
     ax = panel(draw_runs([tmp_path]), "reward")
@@ -103,3 +103,18 @@ def test_title_and_legend_name_the_runs(tmp_path, monkeypatch):
     assert panel(fig, "reward").get_legend_handles_labels()[1] == ["outputs/a train", "lr-3e-4 train"]
     assert plot_runs([tmp_path / "outputs/a"], tmp_path / "p", ("png",)) == [tmp_path / "p.png"]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_hand_off_is_step_minus_work_as_in_the_benchmark():
+    """The plot drew waits + transfer under "hand-off" while docs/benchmarks.md meant step - work: one
+    definition now (plot_data.handoffs), the docstring's worked example included."""
+    from prime_rl.utils.plot_data import handoffs
+
+    orchestrator = [
+        {"step": 0, "time": 10.0, "time/generate": 9.0},
+        {"step": 1, "time": 13.0, "time/generate": 1.0, "time/pack": 0.2, "time/write": 0.1, "time/update_weights": 0.2,
+         "time/wait_weights": 0.7},
+        {"step": 2, "time": 14.0, "time/generate": 1.0},
+    ]  # fmt: skip
+    trainer = [{"step": 0, "time/load_data": 0.1, "time/train": 0.8, "time/save_weights": 0.1, "time/wait": 2.0}]
+    assert [(s, round(v, 9)) for s, v in handoffs(orchestrator, trainer)] == [(1, 0.5)]  # step 2: no trainer step 1

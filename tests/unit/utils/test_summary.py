@@ -4,11 +4,11 @@ SFT progress line; the live line off a terminal."""
 import json
 import time
 
-from prime_rl.protocol import eval_summary_file
+from prime_rl.protocol import eval_dir, eval_summary_file
 from prime_rl.protocol.paths import STABLE
 from prime_rl.utils.console import LiveLine
 from prime_rl.utils.metrics import MetricsWriter
-from prime_rl.utils.summary import first_last, resume_command, rl_summary, sft_summary
+from prime_rl.utils.summary import ThisRun, first_last, resume_command, rl_summary, sft_summary
 
 
 def log(out, service: str, rows: list[dict], first_step: int = 0) -> None:
@@ -32,8 +32,8 @@ def test_rl_summary_of_a_run_without_checkpoints(tmp_path):
     log(tmp_path, "orchestrator", [{"reward_mean": 0.1 * s} for s in range(20)])
     log(tmp_path, "trainer", [{"loss": 1.0} for _ in range(20)])
     log(tmp_path, "eval", [{"reward_mean": r} for r in (0.2, 0.5, 0.4)])  # steps 0, 1, 2
-    eval_summary_file(tmp_path).parent.mkdir()
-    eval_summary_file(tmp_path).write_text(json.dumps({"step": 1, "env": "b", "reward_mean": 0.7}) + "\n")
+    eval_summary_file(eval_dir(tmp_path)).parent.mkdir()
+    eval_summary_file(eval_dir(tmp_path)).write_text(json.dumps({"step": 1, "env": "b", "reward_mean": 0.7}) + "\n")
     for step in (19, 20):
         stable(tmp_path / "weights" / f"step_{step}")
     (tmp_path / "weights" / "step_21").mkdir()  # being written: not the newest weights
@@ -61,12 +61,45 @@ def test_rl_summary_names_the_newest_complete_checkpoint_and_the_resume_command(
     stable(tmp_path / "checkpoints" / "step_6" / "trainer")  # no orchestrator part: incomplete
     argv = ["@", "my rl.toml", "--ckpt.interval", "2", "--ckpt.resume-step", "2", "--max-steps", "4"]
     lines = rl_summary(tmp_path, 4, 3.0, argv, [])
-    assert f"  checkpoints  {tmp_path}/checkpoints/step_4 (newest of 2)" in lines
+    assert f"  checkpoints  {tmp_path}/checkpoints/step_4 (newest of this run's 2)" in lines
     assert (
         "  resume       uv run rl @ 'my rl.toml' --ckpt.interval 2 --max-steps 4 --ckpt.resume-step latest"
         "  (raise --max-steps to train further)"
     ) in lines
     assert "  weights      none written" in lines and not any("best eval" in line for line in lines)
+
+
+def test_rl_summary_reports_and_advises_only_this_runs_checkpoints(tmp_path):
+    """A plain run in a dir where an earlier run checkpointed step 40 used to end with that checkpoint and a
+    `--ckpt.resume-step latest` that resumed the earlier run. Checkpoints completed before this run started are
+    not its own: none of its own, no resume advice; its own step 4 with the earlier step 40 newer: the step by
+    number, since `latest` would take step 40; a resumed run's own lineage includes the checkpoint it resumed."""
+    import os
+
+    log(tmp_path, "orchestrator", [{"reward_mean": 0.5}] * 4)
+    log(tmp_path, "trainer", [{"loss": 1.0}] * 4)
+
+    def checkpoint(step: int, when: float) -> None:
+        stable(tmp_path / "checkpoints" / f"step_{step}" / "trainer")
+        (tmp_path / "checkpoints" / f"step_{step}" / "orchestrator.pt").touch()
+        for path in (tmp_path / "checkpoints" / f"step_{step}" / "trainer" / STABLE,
+                     tmp_path / "checkpoints" / f"step_{step}" / "orchestrator.pt"):  # fmt: skip
+            os.utime(path, (when, when))
+
+    checkpoint(40, 1000.0)  # the earlier run's
+    lines = rl_summary(tmp_path, 4, 3.0, ["@", "rl.toml"], [], ThisRun(started=2000.0))
+    said = dict(line.strip().split(maxsplit=1) for line in lines[1:] if not line.startswith("  wall"))
+    assert said["checkpoints"] == f"none of this run (add --ckpt); {tmp_path}/checkpoints/step_40 is an earlier run's"
+    assert said["resume"].startswith("not possible without checkpoints")
+    checkpoint(4, 2100.0)  # this run's
+    lines = rl_summary(tmp_path, 4, 3.0, ["@", "rl.toml", "--ckpt"], [], ThisRun(started=2000.0))
+    assert f"  checkpoints  {tmp_path}/checkpoints/step_4 (newest of this run's 1)" in lines
+    assert (
+        "  resume       uv run rl @ rl.toml --ckpt --ckpt.resume-step 4  (raise --max-steps to train further)" in lines
+    )
+    lines = rl_summary(tmp_path, 50, 3.0, ["--ckpt.resume-step", "40"], [], ThisRun(started=3000.0, resumed_from=40))
+    assert f"  checkpoints  {tmp_path}/checkpoints/step_40 (newest of this run's 1)" in lines
+    assert any(line.endswith("--ckpt.resume-step latest  (raise --max-steps to train further)") for line in lines)
 
 
 def test_resume_command_replaces_an_earlier_resume_step():
@@ -88,7 +121,7 @@ def test_sft_summary_of_a_run_stopped_early_on_its_held_out_loss(tmp_path):
         "  loss           3.000 -> 1.900 (mean loss of the first 1 and the last 1 of 12 steps)",
         "  held-out loss  best 0.9 after 10 steps, last 1.1",
         f"  weights        {tmp_path}/weights/final (-> step_12)",
-        f"  checkpoints    {tmp_path}/checkpoints/step_12 (newest of 1)",
+        f"  checkpoints    {tmp_path}/checkpoints/step_12 (newest of this run's 1)",
         "  plots          none",
         "  resume         uv run sft @ sft.toml --ckpt.resume-step latest  (raise --max-steps to train further)",
     ]

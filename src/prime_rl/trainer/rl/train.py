@@ -321,3 +321,16 @@ def log_step(step: int, m: dict) -> None:
         f"step {step} | loss {m['loss']:.4g} | entropy {m['entropy']:.3g} | mismatch_kl {m['mismatch_kl']:.2g} | "
         f"grad_norm {m['grad_norm']:.3g} | {m['tokens_per_s']:.0f} tok/s | {m['time/step']:.2f}s"
     )
+
+
+if __name__ == "__main__":
+    # The script path of docs/usage.md (`torchrun ... src/prime_rl/trainer/rl/train.py @ ...`) is the `trainer`
+    # entrypoint: without this block the file only defined its functions and torchrun exited 0 having trained nothing.
+    # Its folder leaves sys.path first, so that its loss.py can never stand in for another package's `loss`.
+    import sys
+    from pathlib import Path
+
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    from prime_rl.entrypoints.trainer import main
+
+    main()

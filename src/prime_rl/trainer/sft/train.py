@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_rl.configs.sft import SFTConfig
-from prime_rl.protocol import checkpoint_due, link_final_weights
+from prime_rl.protocol import check_resume_before_end, checkpoint_due, link_final_weights, run_dir
 from prime_rl.trainer import service
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.utils.console import LiveLine, eta, this_run
@@ -60,10 +60,12 @@ def run(config: SFTConfig) -> None:
         raise TrainerError(f"cannot load the tokenizer of {config.model.name!r}: {e}") from None
     samples, truncated = build_samples(config.data, tokenizer, config.seq_len)
     max_steps = config.max_steps or config.epochs * math.ceil(len(samples) / config.batch_size)
+    resumed_from = service.resume_step(config)
+    check_resume_before_end(resumed_from, max_steps, config.output_dir)  # before the model loads
     with service.training(config, max_steps) as state:
         dist = state.dist
         val_rows = build_val_rows(config, tokenizer, dist) if config.val else None
-        progress = resume(config, state)
+        progress = resume(config, state, resumed_from)
         metrics = MetricsWriter(config.output_dir, "sft", progress.step) if dist.is_main else None
         if dist.is_main and config.wandb is not None:  # each record to W&B too (a resumed run: the same W&B run)
             metrics = wandb_metrics(config, metrics, resumed=progress.step > 0)
@@ -81,7 +83,7 @@ def run(config: SFTConfig) -> None:
         if dist.is_main:
             link_final_weights(config.output_dir, progress.step)
         if dist.is_main:
-            report(config.output_dir, max_steps, started, stopped)
+            report(config.output_dir, max_steps, started, stopped, resumed_from)
 
 
 def train(
@@ -141,13 +143,15 @@ def train(
     return progress, None
 
 
-def report(output_dir: Path, max_steps: int, started: float, stopped: str | None) -> None:
-    """The run's plots (OUTPUT_DIR/plots/run.png, .svg) and its summary, from its metrics files."""
+def report(output_dir: Path, max_steps: int, started: float, stopped: str | None, resumed_from: int | None) -> None:
+    """The run's plots (OUTPUT_DIR/plots/run.png, .svg) and its summary, from its metrics files; of checkpoints/,
+    those written since run/sft.toml (this run's record, written at its start; its time on the dir's clock)."""
     from prime_rl.utils.plot import plot_runs
-    from prime_rl.utils.summary import sft_summary
+    from prime_rl.utils.summary import ThisRun, sft_summary
 
     plots = plot_runs([output_dir], output_dir / "plots" / "run")
-    for line in sft_summary(output_dir, max_steps, time.time() - started, sys.argv[1:], plots, stopped):
+    this_run = ThisRun((run_dir(output_dir) / "sft.toml").stat().st_mtime, resumed_from)
+    for line in sft_summary(output_dir, max_steps, time.time() - started, sys.argv[1:], plots, stopped, this_run):
         logger.info(line)
 
 
@@ -178,11 +182,10 @@ def wandb_metrics(config: SFTConfig, metrics: MetricsWriter, resumed: bool):
     return MirroredMetrics(metrics, run, "sft")
 
 
-def resume(config: SFTConfig, state: service.Training) -> Progress:
-    """The progress of `--ckpt.resume-step`, restored into `state`; a fresh start's when none is asked for."""
+def resume(config: SFTConfig, state: service.Training, step: int | None) -> Progress:
+    """The progress of checkpoint `step` (`--ckpt.resume-step`), restored into `state`; a fresh start's for None."""
     from prime_rl.trainer.ckpt import Progress
 
-    step = service.resume_step(config)
     if step is None:
         return Progress()
     progress = service.load(config, state, step)
@@ -229,3 +232,13 @@ def log_step(step: int, m: dict) -> None:
         f"step {step} | loss {m['loss']:.4g}{held_out} | grad_norm {m['grad_norm']:.3g} | "
         f"epoch {m['epoch']} | {m['tokens_per_s']:,.0f} tok/s | {m['time/step']:.2f}s"
     )
+
+
+if __name__ == "__main__":
+    # The script path of docs/usage.md (`torchrun src/prime_rl/trainer/sft/train.py @ ...`) is the `sft` entrypoint:
+    # without this block the file only defined its functions and torchrun exited 0 having trained nothing. Its folder
+    # leaves sys.path first, so that its data.py can never stand in for another package's `data`.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    from prime_rl.entrypoints.sft import main
+
+    main()
