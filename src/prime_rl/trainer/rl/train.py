@@ -331,6 +331,8 @@ if __name__ == "__main__":
     from pathlib import Path
 
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-    from prime_rl.entrypoints.trainer import main
+    # Run as a program (what `python -m prime_rl.entrypoints.trainer` does), not imported: this module stays
+    # below the entrypoints (pyproject's layers).
+    import runpy
 
-    main()
+    runpy.run_module("prime_rl.entrypoints.trainer", run_name="__main__", alter_sys=True)

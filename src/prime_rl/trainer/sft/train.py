@@ -239,6 +239,8 @@ if __name__ == "__main__":
     # without this block the file only defined its functions and torchrun exited 0 having trained nothing. Its folder
     # leaves sys.path first, so that its data.py can never stand in for another package's `data`.
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-    from prime_rl.entrypoints.sft import main
+    # Run as a program (what `python -m prime_rl.entrypoints.sft` does), not imported: this module stays
+    # below the entrypoints (pyproject's layers).
+    import runpy
 
-    main()
+    runpy.run_module("prime_rl.entrypoints.sft", run_name="__main__", alter_sys=True)
