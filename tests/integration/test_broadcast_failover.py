@@ -86,10 +86,10 @@ def test_a_server_killed_mid_broadcast_is_dropped_and_the_trainer_and_the_other_
         assert [m["step"] for m in read_metrics(out, "trainer")] == [0, 1, 2]
         assert [m["weight_step"] for m in read_metrics(out, "orchestrator")] == [0, 1, 2]  # a served each step
         assert httpx.get(f"{a.url}/health", timeout=5).json()["step"] == 2
-        # A peer lost after the mesh formed is noticed at once (3 s here). One lost while the mesh forms costs
-        # more than the 20 s group timeout: gloo's connect to it retries past it (104 s measured, 2 cores, CI
-        # running beside it); the group forms in its own C++ call, which nothing of ours can cut short.
-        assert took < 150
+        # A peer lost after the mesh formed is noticed at once (3 s here); one lost while it forms costs the 20 s
+        # timeout + 5 s (gloo's own connect retries ran to 104 s and past 180 s: protocol/broadcast.py bounds the
+        # join on the host), then step 1 again and two more steps.
+        assert took < 90
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -214,9 +214,8 @@ def test_help_fits_a_terminal_and_says_which_sections_are_off():
     parity = next(line for line in lines if line.startswith("[parity]"))
     assert "off unless" not in parity, parity
     assert any(line.startswith("[ckpt]") and line.endswith("(off unless --ckpt is given)") for line in lines)
-    assert "  --parity.interval VALUE  compare at weight step 0 and every this many weight steps; 0 = no canaries" in (
-        "\n".join(lines)
-    )
+    interval = lines.index(next(line for line in lines if line.startswith("  --parity.interval VALUE  compare")))
+    assert lines[interval + 1].startswith("      0 = no canaries"), lines[interval : interval + 2]  # wrapped, indented
 
 
 def test_gpu_ids_on_a_node_without_gpus_exit_2_at_once_and_touch_no_earlier_log(tmp_path):

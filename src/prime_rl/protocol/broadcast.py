@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -133,9 +134,30 @@ def join_group(store, rdv: Rendezvous, rank: int):
     try:
         if rdv.backend == "nccl":
             return nccl_group(prefixed, rank, rdv.world_size, timeout)
-        return dist.ProcessGroupGloo(prefixed, rank, rdv.world_size, timeout)
-    except (RuntimeError, dist.DistError) as e:
+        return _bounded(lambda: dist.ProcessGroupGloo(prefixed, rank, rdv.world_size, timeout), rdv.timeout + 5)
+    except (RuntimeError, dist.DistError, TimeoutError) as e:
         raise BroadcastError(f"could not form the weight broadcast group at {rdv.where} as rank {rank}: {e}") from None
+
+
+def _bounded(make, seconds: float):
+    """`make()`, given up after `seconds`. gloo's connect to a seat that died while the mesh formed retries past
+    the group's timeout (104 s at 20 s, tests/integration/test_broadcast_failover.py); the constructor releases
+    the GIL, so it runs in a daemon thread, left to fail on its own when abandoned (its group is never used)."""
+    done, box = threading.Event(), {}
+
+    def run():
+        try:
+            box["value"] = make()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=run, name="weight-group-join", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError(f"the group did not form within {seconds:.0f} s (a seat died while it formed?)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 # The watchdog's mode for the weight group (torch's ErrorHandlingMode): 2 = CleanUpOnly, abort the communicator
