@@ -47,7 +47,7 @@ class Bursts:
 
     def __init__(self, url: str, model: str, mode: str, args):
         from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-        from prime_rl.orchestrator.client import InferenceClient
+        from prime_rl.orchestrator.servers.client import InferenceClient
 
         config = ClientConfig(
             base_url=[f"{url}/v1"], concurrency=mode, min_concurrency=args.floor, max_concurrency=args.ceiling
@@ -71,7 +71,7 @@ class Bursts:
 
     async def run(self, trace: list | None = None) -> dict:
         """One burst of `args.requests` requests; its numbers, and every `args.every` s a trace row if asked."""
-        from prime_rl.orchestrator.prometheus import parse_metrics
+        from prime_rl.orchestrator.servers.metrics import parse_metrics
 
         self.at_server.clear()
         start, slots = time.monotonic(), self.slots

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig  # noqa: E402
 from prime_rl.envs import Example  # noqa: E402
 from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot, token_lags  # noqa: E402
-from prime_rl.orchestrator.client import InferenceClient  # noqa: E402
 from prime_rl.orchestrator.policy import oldest_policy  # noqa: E402
 from prime_rl.orchestrator.rollout import RolloutSource  # noqa: E402
+from prime_rl.orchestrator.servers.client import InferenceClient  # noqa: E402
 from prime_rl.orchestrator.sinks import ProgressLine  # noqa: E402
 from prime_rl.orchestrator.stream import RolloutStream  # noqa: E402
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.servers.client import InferenceClient
 
 pytestmark = pytest.mark.slow
 CAPACITY = 4  # the engine's max_batch_size

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig, TeacherConfig
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.distill import Teacher
 from prime_rl.orchestrator.rollout import Group, from_completion
+from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.protocol import rank_file
 from prime_rl.protocol.records import read_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs

@@ -895,7 +895,7 @@ def test_scored_tokens_equal_the_trainers_logprobs(server, tiny_model, monkeypat
     logprob given its prefix, equal within 1e-5 to the trainer's on the same model at temperature 1, on both
     backends; the raw logits are scored whatever the request's sampling (temperature 0.3 changes nothing)."""
     from prime_rl.configs.orchestrator import ClientConfig
-    from prime_rl.orchestrator.client import InferenceClient
+    from prime_rl.orchestrator.servers.client import InferenceClient
 
     monkeypatch.setenv("PRIME_TEST_KEY", server.api_key or "")
     tokens = PROMPT + [301, 12, 977, 45, 45, 45, 7, 1023, 5]

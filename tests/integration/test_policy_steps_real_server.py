@@ -17,9 +17,9 @@ import torch
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.packing import make_sample
-from prime_rl.orchestrator.weight_control import inflight_ask
+from prime_rl.orchestrator.servers.client import InferenceClient
+from prime_rl.orchestrator.servers.weights import inflight_ask
 from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model

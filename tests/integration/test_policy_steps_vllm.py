@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.client import InferenceClient, parse_completion_response
 from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.servers.client import InferenceClient, parse_completion_response
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model

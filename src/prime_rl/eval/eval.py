@@ -30,9 +30,9 @@ from pathlib import Path
 from prime_rl.configs.eval import EvalConfig
 from prime_rl.configs.orchestrator import SamplingConfig
 from prime_rl.envs import EnvError, load_environment
-from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.evaluation import EnvResult, sample_and_score
 from prime_rl.orchestrator.rollout import RolloutSource, load_tokenizer
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.protocol import (
     DiskFull,
     atomic_write_text,

@@ -22,13 +22,13 @@ from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
 from prime_rl.envs import EnvError, Environment, Example
 from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
 from prime_rl.orchestrator.ckpt import Progress
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.distill import Teacher, teacher_kl
 from prime_rl.orchestrator.packing import make_sample
-from prime_rl.orchestrator.pool import SmoothRoundRobin
 from prime_rl.orchestrator.rollout import Group, Rollout, RolloutSource, build_source, derive_seed
+from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
 from prime_rl.utils.memory import peak_rss_gib
+from prime_rl.utils.round_robin import SmoothRoundRobin
 from prime_rl.utils.timer import timer
 
 logger = logging.getLogger("prime_rl")

@@ -34,9 +34,9 @@ import logging
 import statistics
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig, TeacherConfig
-from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.pool import InferenceError
 from prime_rl.orchestrator.rollout import Group, Rollout
+from prime_rl.orchestrator.servers.client import InferenceClient
+from prime_rl.orchestrator.servers.pool import InferenceError
 
 logger = logging.getLogger("prime_rl")
 

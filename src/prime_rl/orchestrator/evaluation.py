@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from prime_rl.configs.orchestrator import EvalEnvConfig, OrchestratorConfig
 from prime_rl.envs import Example
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.policy import load_weights
 from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source
+from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.protocol import heartbeat_age, wait_for_weights
 from prime_rl.utils.metrics import MetricsWriter
 

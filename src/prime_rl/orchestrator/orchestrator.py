@@ -33,16 +33,16 @@ from prime_rl.orchestrator.batch import (
     step_metrics,
 )
 from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint
-from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.distill import Teacher, TeacherMismatch, check_vocabulary
 from prime_rl.orchestrator.evaluation import Evals
 from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
 from prime_rl.orchestrator.parity import ParityGate
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
-from prime_rl.orchestrator.server_metrics import ServerMetrics
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.servers.metrics import ServerMetrics
+from prime_rl.orchestrator.servers.weights import inflight_ask
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
 from prime_rl.orchestrator.stream import RolloutStream, group_metrics
-from prime_rl.orchestrator.weight_control import inflight_ask
 from prime_rl.protocol import (
     DiskFull,
     Heartbeat,

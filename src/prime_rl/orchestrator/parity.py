@@ -43,8 +43,8 @@ import math
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.batch import Batch
-from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.pool import InferenceError, Server, server_name
+from prime_rl.orchestrator.servers.client import InferenceClient
+from prime_rl.orchestrator.servers.pool import InferenceError, Server, server_name
 from prime_rl.protocol import read_beat, wait_until_async, weights_dir
 from prime_rl.protocol.broadcast import read_marker
 from prime_rl.protocol.parity import (

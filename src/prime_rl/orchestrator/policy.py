@@ -17,8 +17,8 @@ import logging
 import time
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.pool import InferenceError
+from prime_rl.orchestrator.servers.client import InferenceClient
+from prime_rl.orchestrator.servers.pool import InferenceError
 from prime_rl.protocol import is_stable, stable_steps, wait_for_weights, wait_until_async, weights_dir, weights_root
 from prime_rl.protocol.broadcast import marker_file, read_marker
 from prime_rl.utils.timer import timer

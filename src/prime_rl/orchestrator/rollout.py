@@ -38,7 +38,7 @@ from typing import Any
 
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, load_environment, max_turns, split_score
-from prime_rl.orchestrator.client import Completion, InferenceClient
+from prime_rl.orchestrator.servers.client import Completion, InferenceClient
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.tool_calls import parse_tool_calls
 

@@ -2,7 +2,7 @@
 
 W&B (utils.wandb owns the run: the extra's import check, the id kept for resumes, offline mode): the run is the
 whole RL run's. With its own metrics the orchestrator logs the inference servers' (their /metrics, read in the
-background by server_metrics.ServerMetrics) and forwards the trainer's (metrics/trainer.jsonl) and the evals'
+background by servers.metrics.ServerMetrics) and forwards the trainer's (metrics/trainer.jsonl) and the evals'
 (eval/summary.jsonl, metrics/eval.jsonl) as they appear, each series on its own step axis (`trainer/step`, ...),
 so one process owns the W&B run and neither the trainer ranks nor the servers talk to W&B. After its last step
 the orchestrator waits for the trainer's last records (the trainer is up to async_level + 1 steps behind).
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.orchestrator.server_metrics import ServerMetrics
+from prime_rl.orchestrator.servers.metrics import ServerMetrics
 from prime_rl.utils.wandb import WandbError, WandbRun, open_run
 
 logger = logging.getLogger("prime_rl")

@@ -41,9 +41,9 @@ from typing import Any
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.advantage import is_zero
 from prime_rl.orchestrator.batch import Batch, EnvMix, group_seed, sample_group
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.distill import Teacher
 from prime_rl.orchestrator.rollout import Group
+from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
 from prime_rl.utils.timer import timer
 

@@ -22,8 +22,8 @@ from prime_rl.orchestrator.batch import (
     generate_batch,
     step_metrics,
 )
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.rollout import RolloutSource
+from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
 
 

@@ -14,8 +14,8 @@ import pytest
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.batch import Batch
 from prime_rl.orchestrator.parity import ParityError, ParityGate, mismatch, robust_kl
-from prime_rl.orchestrator.pool import Server
 from prime_rl.orchestrator.rollout import Group, Rollout
+from prime_rl.orchestrator.servers.pool import Server
 from prime_rl.protocol import heartbeat_file, mark_stable, weights_dir
 from prime_rl.protocol.parity import (
     Checksum,

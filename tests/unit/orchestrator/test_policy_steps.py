@@ -17,10 +17,10 @@ import pytest
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.envs import Example
 from prime_rl.orchestrator.batch import Batch, build_samples, step_metrics
-from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.packing import pack_micro_batches
 from prime_rl.orchestrator.rollout import RolloutSource
-from prime_rl.orchestrator.weight_control import inflight_ask
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.servers.weights import inflight_ask
 from prime_rl.protocol.paths import rank_file
 from prime_rl.protocol.records import read_rank_file, write_rank_file
 

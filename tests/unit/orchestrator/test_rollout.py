@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from prime_rl.configs.orchestrator import OrchestratorConfig, SamplingConfig
 from prime_rl.envs import Example
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.rollout import RolloutSource, derive_seed
+from prime_rl.orchestrator.servers.client import InferenceClient
 
 CALC = Path(__file__).resolve().parents[3] / "assets" / "calc-qwen3"
 (ADD,) = json.loads((CALC / "tools.json").read_text())  # the tool the model was trained with

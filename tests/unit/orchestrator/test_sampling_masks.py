@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
-from prime_rl.orchestrator.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.packing import make_sample
 from prime_rl.orchestrator.rollout import RolloutSource
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.protocol.records import MicroBatch
 
 BASE = "http://127.0.0.1:9/v1"

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig
-from prime_rl.orchestrator.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 
 A, B = "http://127.0.0.1:9/v1", "http://127.0.0.2:9/v1"
 TOKENS = [5, 7, 9]

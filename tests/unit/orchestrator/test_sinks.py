@@ -111,8 +111,8 @@ def test_the_servers_numbers_reach_the_wandb_run_and_a_silent_server_is_left_out
     import socket
 
     from prime_rl.configs.orchestrator import OrchestratorConfig
-    from prime_rl.orchestrator.client import InferenceClient
-    from prime_rl.orchestrator.server_metrics import ServerMetrics
+    from prime_rl.orchestrator.servers.client import InferenceClient
+    from prime_rl.orchestrator.servers.metrics import ServerMetrics
     from prime_rl.orchestrator.sinks import build_wandb
 
     monkeypatch.setenv("WANDB_SILENT", "true")

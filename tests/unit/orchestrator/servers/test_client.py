@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.client import InferenceClient, InferenceError, parse_token_id
-from prime_rl.orchestrator.pool import server_root
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError, parse_token_id
+from prime_rl.orchestrator.servers.pool import server_root
 
 BASE = "http://127.0.0.1:9/v1"
 STEP_4 = {"x-weight-step": "4"}
@@ -105,7 +105,7 @@ def test_no_auth_header_when_key_var_is_unset(monkeypatch):
 
 
 def test_transient_errors_are_retried(monkeypatch):
-    monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
     answers = iter(
         [
             httpx.ConnectError("refused"),
@@ -126,7 +126,7 @@ def test_transient_errors_are_retried(monkeypatch):
 
 
 def test_persistent_5xx_gives_up_naming_the_url(monkeypatch):
-    monkeypatch.setattr("prime_rl.orchestrator.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
     calls = []
 
     def handler(request):

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.orchestrator.pool import (
+from prime_rl.orchestrator.servers.pool import (
     PROBE_TIMEOUT,
     InferenceError,
     Request,

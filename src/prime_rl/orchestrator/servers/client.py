@@ -2,14 +2,14 @@
 
 `InferenceClient` is the orchestrator's one handle on the servers. Which server gets a request, and what
 happens when one goes down, is `pool.ServerPool`'s business; which weights they serve is
-`weight_control.WeightControl`'s; this module speaks HTTP. Connection errors, 5xx and 429 are retried on
+`weights.WeightControl`'s; this module speaks HTTP. Connection errors, 5xx and 429 are retried on
 the same server with exponential backoff; when its retries run out the pool takes the server out and the
 request goes to another live one. Anything else (4xx, malformed JSON) raises `InferenceError` naming the
 URL and the server's answer.
 
 Every completion is stamped with the weight step the server reports for it (`x-weight-step`), never with the
 client's guess of what the server holds. One below the floor (`set_floor`: the oldest policy the current step
-may use, policy.oldest_policy) is thrown away: that server is restored (weight_control.WeightControl.restore:
+may use, policy.oldest_policy) is thrown away: that server is restored (weights.WeightControl.restore:
 weights of a step >= the floor loaded onto it, or benched) and the request is retried, on another server if it
 was benched; a request that gets STALE_ANSWERS such answers fails, naming the servers and their steps. Each
 generated token also gets the policy step that sampled it (`Completion.token_steps`): from the
@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.pool import InferenceError, Server, ServerDown, ServerPool
-from prime_rl.orchestrator.weight_control import WeightControl
+from prime_rl.orchestrator.servers.pool import InferenceError, Server, ServerDown, ServerPool
+from prime_rl.orchestrator.servers.weights import WeightControl
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 from prime_rl.protocol.http import weight_step as weight_step_of
 from prime_rl.protocol.spans import steps_of
@@ -223,7 +223,7 @@ class InferenceClient:
             limits=httpx.Limits(max_connections=(config.max_concurrency + 1) * len(config.base_url)),
         )
         self.pool = ServerPool(config, self._http, self._request)
-        # `inflight`: what weight updates ask of requests in flight (weight_control.inflight_ask); `output_dir`:
+        # `inflight`: what weight updates ask of requests in flight (weights.inflight_ask); `output_dir`:
         # the run's, whose weights/step_k restore a server that answered from below the floor
         self.weights = WeightControl(self.pool, self._request, self._http, inflight, output_dir)
 

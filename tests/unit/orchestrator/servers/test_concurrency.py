@@ -1,4 +1,4 @@
-"""The in-flight limiter and the adaptive rule (orchestrator/concurrency.py), on their own: no server.
+"""The in-flight limiter and the adaptive rule (orchestrator/servers/concurrency.py), on their own: no server.
 
 A real built-in server under adaptive concurrency is tests/integration/test_concurrency.py.
 """
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig
-from prime_rl.orchestrator.concurrency import AIMD, Limiter, Load
-from prime_rl.orchestrator.pool import ServerPool
+from prime_rl.orchestrator.servers.concurrency import AIMD, Limiter, Load
+from prime_rl.orchestrator.servers.pool import ServerPool
 
 
 async def hold(limiter: Limiter, release: asyncio.Event, admitted: list[int], i: int) -> None:

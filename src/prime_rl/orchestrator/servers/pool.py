@@ -1,14 +1,14 @@
 """The inference server pool: who gets the next request, who is down, who may rejoin (docs/design.md §4).
 
 `client.base_url` lists one or more servers, optionally with `client.traffic_share`: shares 2,1,1 send
-50/25/25% of the requests. Servers are picked by smooth weighted round-robin (nginx's), which hits the
-shares exactly rather than on average: with shares a=2, b=1, c=1 every four requests go a, b, a, c. The
-same rotation mixes environments by their `ratio` (batch.EnvMix).
+50/25/25% of the requests. Servers are picked by smooth weighted round-robin (nginx's, utils/round_robin.py),
+which hits the shares exactly rather than on average: with shares a=2, b=1, c=1 every four requests go a, b, a,
+c. The same rotation mixes environments by their `ratio` (batch.EnvMix).
 
 A server whose retries ran out is taken out (logged) and requests go to the live ones. The pool's health
 checks (`wait_for_servers` at the start, `server_step` at every step's start, `revive` when no server is
 left) probe removed servers and `rejoin` one that answers, after `load` gave it the weights the pool
-serves (weight_control.WeightControl.load, passed in by the caller).
+serves (weights.WeightControl.load, passed in by the caller).
 
 The HTTP goes through the client (`client.InferenceClient`): `request` is its JSON request with
 retries, which raises `ServerDown` when a server's retries run out; `http` sends single quick tries.
@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig
-from prime_rl.orchestrator.concurrency import AIMD, Limiter
-from prime_rl.orchestrator.prometheus import parse_metrics
+from prime_rl.orchestrator.servers.concurrency import AIMD, Limiter
+from prime_rl.orchestrator.servers.metrics import parse_metrics
+from prime_rl.utils.round_robin import SmoothRoundRobin
 
 logger = logging.getLogger("prime_rl")
 
@@ -57,29 +58,6 @@ def server_root(base_url: str) -> str:
 def server_name(server: Server) -> str:
     """`host:port` of a server (its metric key)."""
     return server_root(server.base).split("://", 1)[-1]
-
-
-class SmoothRoundRobin:
-    """Picks among items with weights w_i so that every prefix of the picks is as close to the shares as
-    integers allow: each pick adds w_i to every item's credit and takes the total off the chosen item's."""
-
-    def __init__(self, weights: list[float]):
-        if not weights or any(w <= 0 for w in weights):
-            raise ValueError(f"weights must be positive, got {weights}")
-        self.weights = [float(w) for w in weights]
-        self.credit = [0.0] * len(weights)
-
-    def pick(self, among: list[int] | None = None) -> int:
-        """The next index (of those in `among`, default all)."""
-        among = list(range(len(self.weights))) if among is None else among
-        for i in among:
-            self.credit[i] += self.weights[i]
-        chosen = max(among, key=lambda i: self.credit[i])
-        self.credit[chosen] -= sum(self.weights[i] for i in among)
-        return chosen
-
-    def reset(self, i: int) -> None:
-        self.credit[i] = 0.0
 
 
 @dataclass
@@ -126,7 +104,7 @@ class ServerPool:
 
     async def read_metrics(self, server: Server, timeout: float) -> dict[str, float]:
         """One quick GET of a server's Prometheus /metrics (no retries, no slot: it must never hold up generation),
-        parsed into server_metrics' series; raises httpx.HTTPError when it does not answer 200."""
+        parsed into metrics.SERIES; raises httpx.HTTPError when it does not answer 200."""
         response = await self._http.get(f"{server_root(server.base)}/metrics", timeout=timeout)
         response.raise_for_status()
         return parse_metrics(response.text)
