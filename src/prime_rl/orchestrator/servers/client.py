@@ -1,17 +1,14 @@
 """The orchestrator's side of the inference HTTP API (docs/design.md §4): requests, retries, sampling and parsing.
 
-`InferenceClient` is the orchestrator's one handle on the servers. Which server gets a request, and what
-happens when one goes down, is `pool.ServerPool`'s business; which weights they serve is
-`weights.WeightControl`'s; this module speaks HTTP. Connection errors, 5xx and 429 are retried on
-the same server with exponential backoff; when its retries run out the pool takes the server out and the
-request goes to another live one. Anything else (4xx, malformed JSON) raises `InferenceError` naming the
-URL and the server's answer.
+`InferenceClient` is the orchestrator's one handle on the servers: what is asked of them and how their answers
+are read. Which server answers, what is done when one goes down or answers from weights below the floor
+(`set_floor`: the oldest policy the current step may use, policy.oldest_policy), and which weights they serve
+is the facade's (`servers.Servers`: the pool, the weight control and the HTTP with its retries, http.py), which
+the client sends through. An answer that is not a usable completion (4xx, malformed JSON, the wrong number of
+choices) raises `InferenceError` naming the URL and the server's answer.
 
 Every completion is stamped with the weight step the server reports for it (`x-weight-step`), never with the
-client's guess of what the server holds. One below the floor (`set_floor`: the oldest policy the current step
-may use, policy.oldest_policy) is thrown away: that server is restored (weights.WeightControl.restore:
-weights of a step >= the floor loaded onto it, or benched) and the request is retried, on another server if it
-was benched; a request that gets STALE_ANSWERS such answers fails, naming the servers and their steps. Each
+client's guess of what the server holds. Each
 generated token also gets the policy step that sampled it (`Completion.token_steps`): from the
 choice's `weight_steps` spans (protocol/spans.py; a server that swapped weights inside the request sends
 several), or, where a server sends none (an older server, vLLM), the response's `x-weight-step` for every token.
@@ -31,9 +28,6 @@ server that answers without them is an InferenceError (the trainer could not sco
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -41,19 +35,11 @@ from typing import Any, NamedTuple
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.servers.pool import InferenceError, Server, ServerDown, ServerPool
-from prime_rl.orchestrator.servers.weights import WeightControl
+from prime_rl.orchestrator.servers import Servers
+from prime_rl.orchestrator.servers.http import InferenceError
+from prime_rl.orchestrator.servers.pool import Server
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
-from prime_rl.protocol.http import weight_step as weight_step_of
 from prime_rl.protocol.spans import steps_of
-
-logger = logging.getLogger("prime_rl")
-
-RETRY_STATUS = {429, 500, 502, 503, 504}
-BACKOFF = 0.5  # seconds before the first retry; doubles each time
-# A request fails at its STALE_ANSWERS-th answer from below the floor; each earlier one is followed by a restore of
-# its server (a /health and at most two weight loads, each within client.timeout): a bound in attempts and seconds.
-STALE_ANSWERS = 3
 
 
 @dataclass
@@ -196,8 +182,8 @@ def parse_prompt_logprobs(data: dict, token_ids: list[int]) -> list[float]:
 class InferenceClient:
     """Async client for a pool of inference servers. Use as `async with InferenceClient(...) as client:`.
 
-    Requests and sampling are here; pool health (`pool`) and weight control (`weights`) sit behind the
-    methods at the end, which are what the orchestrator and `eval` call."""
+    Requests and sampling are here; they go through `servers` (the facade), whose pool (`pool`) and weight
+    control (`weights`) also sit behind the methods at the end, which are what the orchestrator and `eval` call."""
 
     def __init__(
         self,
@@ -211,21 +197,10 @@ class InferenceClient:
         self.config = config
         self.model = model
         self.adapter = adapter  # the LoRA adapter's served name (model.lora.name); None: full weights
-        headers = {}
-        api_key = os.environ.get(config.api_key_var, "") if config.api_key_var else ""
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.AsyncClient(
-            timeout=config.timeout,
-            headers=headers,
-            transport=transport,
-            # one connection per server beyond its requests: /metrics and /health reads never wait for a slot
-            limits=httpx.Limits(max_connections=(config.max_concurrency + 1) * len(config.base_url)),
-        )
-        self.pool = ServerPool(config, self._http, self._request)
         # `inflight`: what weight updates ask of requests in flight (weights.inflight_ask); `output_dir`:
         # the run's, whose weights/step_k restore a server that answered from below the floor
-        self.weights = WeightControl(self.pool, self._request, self._http, inflight, output_dir)
+        self.servers = Servers(config, model, adapter, transport, inflight, output_dir)
+        self.pool, self.weights = self.servers.pool, self.servers.weights
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -234,106 +209,35 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self.servers.close()
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    async def _request(self, method: str, url: str, body: dict | None = None, server: Server | None = None) -> dict:
-        """One JSON request with retries on transient failures.
-
-        Raises ServerDown when the retries ran out on transient failures, InferenceError otherwise.
-        """
-        return (await self._exchange(method, url, body, server))[0]
-
-    async def _exchange(
-        self, method: str, url: str, body: dict | None = None, server: Server | None = None
-    ) -> tuple[dict, httpx.Headers]:
-        """`_request`, also returning the response headers."""
-        attempts = self.config.max_retries + 1
-        problem = ""
-        for attempt in range(attempts):
-            if attempt:
-                await asyncio.sleep(BACKOFF * 2 ** (attempt - 1))
-            try:
-                if server is None:
-                    response = await self._http.request(method, url, json=body)
-                else:
-                    async with server.slots:
-                        response = await self._http.request(method, url, json=body)
-            except httpx.TimeoutException as e:
-                # A server that took longer than `client.timeout` is not transiently down; retrying would
-                # only multiply the wait.
-                if not isinstance(e, httpx.ConnectTimeout):
-                    raise InferenceError(f"{method} {url}: no answer within {self.config.timeout:.0f}s") from None
-                problem = f"connect timeout ({e})"
-                continue
-            except httpx.TransportError as e:
-                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                continue
-            if response.status_code in RETRY_STATUS:
-                problem = f"HTTP {response.status_code}: {response.text[:300]}"
-                continue
-            if response.status_code >= 400:
-                raise InferenceError(f"{method} {url} failed with HTTP {response.status_code}: {response.text[:500]}")
-            try:
-                return response.json(), response.headers
-            except ValueError:
-                raise InferenceError(f"{method} {url} answered non-JSON: {response.text[:300]!r}") from None
-        raise ServerDown(f"{method} {url} failed after {attempts} attempt(s): {problem}")
-
-    async def _generate(self, path: str, body: dict, parse) -> list[Completion]:
-        """POST `body` to the next live server; on ServerDown take that server out and go to another; an answer
-        from below the floor is thrown away, its server restored, and the request asked again (STALE_ANSWERS)."""
-        stale: list[str] = []  # the answers from below the floor: "<server> step <k>"
-        while True:
-            server = self.pool.pick()
-            if server is None:
-                raise InferenceError(self.pool.none_usable())
-            url = f"{server.base}{path}"
-            body = body | {"model": self.request_model}
-            server.requests += 1
-            updates = self.weights.updates
-            try:
-                data, headers = await self._exchange("POST", url, body, server)
-                weight_step = weight_step_of(headers)
-                if weight_step is not None and weight_step < self.weights.floor:
-                    if self.weights.updates != updates:  # it ran across an update (e.g. an eval): asked again
-                        continue
-                    stale.append(f"{server.base} step {weight_step}")  # e.g. a server restarted since its update
-                    if len(stale) >= STALE_ANSWERS:
-                        raise InferenceError(
-                            f"POST {path}: {len(stale)} answers sampled from weights older than step "
-                            f"{self.weights.floor} (the oldest this step may use), each after its server was given "
-                            f"weights >= {self.weights.floor}: {', '.join(stale)}"
-                        )
-                    await self.weights.restore(server, weight_step)
-                    continue
-            except ServerDown as e:  # the request, or the reload, found the server down
-                self.pool.take_out(server, str(e))
-                await self.pool.revive(str(e), self.weights.load)
-                continue
-            try:
-                choices = parse(data)
-            except (KeyError, TypeError, ValueError) as e:
-                raise InferenceError(f"POST {url} returned a malformed completion: {e}") from None
-            if len(choices) != body["n"]:
-                raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={body['n']}")
-            if weight_step is None:
-                raise InferenceError(
-                    f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)"
-                )
-            if body.get("return_sampling_mask") and any(c.kept is None for c in choices):
-                raise InferenceError(
-                    f"POST {url} returned no sampling masks: training with top_p < 1 or top_k > 0 needs each "
-                    "token's kept set (return_sampling_mask), which this server does not return (the built-in "
-                    "engine does); use top_p = 1 and top_k = 0 here"
-                )
-            return [choice.completion(weight_step, self.pool.servers.index(server)) for choice in choices]
+    async def _sample(self, path: str, body: dict, parse) -> list[Completion]:
+        """POST `body` through the facade (to a live server answering from weights at or above the floor) and
+        read its answer with `parse` into one Completion per choice."""
+        server, data, weight_step = await self.servers.generate(path, body)
+        url = f"{server.base}{path}"
+        try:
+            choices = parse(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InferenceError(f"POST {url} returned a malformed completion: {e}") from None
+        if len(choices) != body["n"]:
+            raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={body['n']}")
+        if weight_step is None:
+            raise InferenceError(f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)")
+        if body.get("return_sampling_mask") and any(c.kept is None for c in choices):
+            raise InferenceError(
+                f"POST {url} returned no sampling masks: training with top_p < 1 or top_k > 0 needs each "
+                "token's kept set (return_sampling_mask), which this server does not return (the built-in "
+                "engine does); use top_p = 1 and top_k = 0 here"
+            )
+        return [choice.completion(weight_step, self.pool.servers.index(server)) for choice in choices]
 
     @property
     def request_model(self) -> str:
         """The model requests name: the LoRA adapter once the pool serves one, else the base model."""
-        return self.adapter if self.adapter is not None and self.weights.weight_dir is not None else self.model
+        return self.servers.request_model
 
     def _sampling_body(self, n: int, sampling: SamplingConfig, seed: int | None, masks: bool = False) -> dict[str, Any]:
         # Every sampling parameter is sent, neutral ones too, so no server default (vLLM's, or a checkpoint's
@@ -373,7 +277,7 @@ class InferenceClient:
         body = self._sampling_body(n, sampling, seed, masks) | {"messages": messages, "logprobs": True}
         if tools:
             body["tools"] = tools
-        return await self._generate("/chat/completions", body, parse_chat_response)
+        return await self._sample("/chat/completions", body, parse_chat_response)
 
     async def complete(
         self,
@@ -388,7 +292,7 @@ class InferenceClient:
         body = self._sampling_body(n, sampling, seed, masks) | {"prompt": prompt, "logprobs": 0}
         if max_tokens:
             body["max_tokens"] = max_tokens
-        return await self._generate("/completions", body, parse_completion_response)
+        return await self._sample("/completions", body, parse_completion_response)
 
     async def score(
         self,
@@ -414,34 +318,23 @@ class InferenceClient:
             body["prompt_logprobs_temperature"] = temperature
             if kept:
                 body["prompt_logprobs_kept"] = {str(p): ids for p, ids in kept.items()}
-        while True:
-            target = server or self.pool.pick()
-            if target is None:
-                raise InferenceError(self.pool.none_usable())
-            url = f"{target.base}/completions"
-            try:
-                data = await self._request("POST", url, body | {"model": self.request_model}, target)
-            except ServerDown as e:
-                if server is not None:  # the caller asked this server: its being down is the answer
-                    raise
-                self.pool.take_out(target, str(e))
-                await self.pool.revive(str(e), self.weights.load)
-                continue
-            try:
-                scored = parse_prompt_logprobs(data, token_ids)
-                echo = data["choices"][0].get("prompt_logprobs_temperature")
-            except (KeyError, TypeError, ValueError) as e:
-                raise InferenceError(f"POST {url} returned malformed prompt_logprobs: {e}") from None
-            if processed and echo != temperature:
-                raise InferenceError(
-                    f"POST {url} scored the prompt without prompt_logprobs_temperature {temperature} (its answer "
-                    "does not echo it): only the built-in engine scores at a temperature and over kept sets"
-                )
-            return scored
+        target, data = await self.servers.post("/completions", body, server)
+        url = f"{target.base}/completions"
+        try:
+            scored = parse_prompt_logprobs(data, token_ids)
+            echo = data["choices"][0].get("prompt_logprobs_temperature")
+        except (KeyError, TypeError, ValueError) as e:
+            raise InferenceError(f"POST {url} returned malformed prompt_logprobs: {e}") from None
+        if processed and echo != temperature:
+            raise InferenceError(
+                f"POST {url} scored the prompt without prompt_logprobs_temperature {temperature} (its answer "
+                "does not echo it): only the built-in engine scores at a temperature and over kept sets"
+            )
+        return scored
 
     def set_floor(self, step: int) -> None:
         """From now on, completions sampled by a policy older than `step` are thrown away and asked again
-        (their server restored first: WeightControl.restore). Set at each step's start by policy.wait_for_policy."""
+        (their server restored first: Servers.generate). Set at each step's start by policy.wait_for_policy."""
         self.weights.floor = step
 
     # ---- pool health and weight control -----------------------------------------------------------
@@ -452,7 +345,7 @@ class InferenceClient:
 
     async def server_step(self) -> int:
         """The oldest weight step any live server holds (removed servers are probed and may rejoin)."""
-        return await self.pool.server_step(self.weights.load)
+        return await self.servers.server_step()
 
     @property
     def weight_dir(self) -> str | None:
@@ -461,7 +354,7 @@ class InferenceClient:
 
     async def update_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` on every live server; the step they now serve."""
-        return await self.weights.update(weight_dir)
+        return await self.servers.update_weights(weight_dir)
 
     async def reload_weights(self) -> int:
         """Every live server back on the weights it started with; their step (0)."""
@@ -469,4 +362,4 @@ class InferenceClient:
 
     async def broadcast_weights(self, step: int, rendezvous: dict) -> int:
         """Every server receives weight step `step` over the trainer's broadcast group; the step."""
-        return await self.weights.broadcast(step, rendezvous)
+        return await self.servers.broadcast_weights(step, rendezvous)

@@ -5,13 +5,13 @@
 which hits the shares exactly rather than on average: with shares a=2, b=1, c=1 every four requests go a, b, a,
 c. The same rotation mixes environments by their `ratio` (batch.EnvMix).
 
-A server whose retries ran out is taken out (logged) and requests go to the live ones. The pool's health
-checks (`wait_for_servers` at the start, `server_step` at every step's start, `revive` when no server is
-left) probe removed servers and `rejoin` one that answers, after `load` gave it the weights the pool
-serves (weights.WeightControl.load, passed in by the caller).
+A server whose retries ran out is taken out (logged) and requests go to the live ones. The pool waits for
+every server at the start (`wait_for_servers`) and reads their /health; probing removed servers, and letting
+one that answers `rejoin` once it holds the pool's weights, is the facade's (servers.Servers: `server_step`,
+`revive`), which owns both the pool and the weight control.
 
-The HTTP goes through the client (`client.InferenceClient`): `request` is its JSON request with
-retries, which raises `ServerDown` when a server's retries run out; `http` sends single quick tries.
+The HTTP goes through `http.Http`: `request` with retries (ServerDown when a server's run out), `client` for
+single quick tries.
 
 Each server's requests in flight are bounded by its `slots` (concurrency.Limiter): `client.max_concurrency`
 with `client.concurrency = "fixed"`; with `"adaptive"` a limit between `client.min_concurrency` and
@@ -23,30 +23,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig
 from prime_rl.orchestrator.servers.concurrency import AIMD, Limiter
+from prime_rl.orchestrator.servers.http import Http, InferenceError
 from prime_rl.orchestrator.servers.metrics import parse_metrics
 from prime_rl.utils.round_robin import SmoothRoundRobin
 
 logger = logging.getLogger("prime_rl")
 
 PROBE_TIMEOUT = 2.0  # seconds a removed server gets to answer /health at a step start
-
-Request = Callable[..., Awaitable[dict]]  # (method, url, body=None, server=None) -> the JSON answer
-Load = Callable[["Server"], Awaitable[None]]  # gives one server the weights the pool serves
-
-
-class InferenceError(RuntimeError):
-    """An inference server was unreachable or answered something unusable; the message names the URL."""
-
-
-class ServerDown(InferenceError):
-    """One server failed transiently on every retry; the pool takes it out and tries another."""
 
 
 def server_root(base_url: str) -> str:
@@ -75,15 +64,14 @@ class Server:
 
 
 class ServerPool:
-    def __init__(self, config: ClientConfig, http: httpx.AsyncClient, request: Request):
+    def __init__(self, config: ClientConfig, http: Http):
         self.config = config
         self.servers = [Server(url.rstrip("/"), Limiter(config.max_concurrency)) for url in config.base_url]
         if config.concurrency == "adaptive":
             for server in self.servers:
                 server.slots = self._adaptive(server)
         self._rotation = SmoothRoundRobin(config.traffic_share or [1.0] * len(config.base_url))
-        self._http, self._request = http, request
-        self._revival = asyncio.Lock()
+        self.http = http
 
     @property
     def base_urls(self) -> list[str]:
@@ -105,7 +93,7 @@ class ServerPool:
     async def read_metrics(self, server: Server, timeout: float) -> dict[str, float]:
         """One quick GET of a server's Prometheus /metrics (no retries, no slot: it must never hold up generation),
         parsed into metrics.SERIES; raises httpx.HTTPError when it does not answer 200."""
-        response = await self._http.get(f"{server_root(server.base)}/metrics", timeout=timeout)
+        response = await self.http.client.get(f"{server_root(server.base)}/metrics", timeout=timeout)
         response.raise_for_status()
         return parse_metrics(response.text)
 
@@ -155,7 +143,7 @@ class ServerPool:
 
     async def health(self, server: Server) -> int:
         """A live server's /health (with retries): its weight step, broadcast seats and group."""
-        data = await self._request("GET", f"{server_root(server.base)}/health")
+        data = await self.http.request("GET", f"{server_root(server.base)}/health")
         server.step = int(data.get("step", 0))
         server.receivers = int(data.get("weight_receivers", 0))
         server.group = data.get("weight_group")
@@ -188,21 +176,11 @@ class ServerPool:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)  # a local /health costs nothing: the run starts as soon as it answers
 
-    async def _probe(self, server: Server, load: Load) -> None:
-        """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
-        if await self.probe_health(server, PROBE_TIMEOUT) is not None:
-            return
-        try:
-            await load(server)
-        except (httpx.TransportError, ValueError, ServerDown):
-            return
-        self.rejoin(server)
-
     async def probe_health(self, server: Server, timeout: float) -> str | None:
         """One GET /health: None when the server answers 200 (the weight step it holds is recorded), else what
         went wrong, for the log line or the error that names it."""
         try:
-            response = await self._http.get(f"{server_root(server.base)}/health", timeout=timeout)
+            response = await self.http.client.get(f"{server_root(server.base)}/health", timeout=timeout)
             if response.status_code != 200:
                 return f"HTTP {response.status_code}"
             server.step = int(response.json().get("step", 0))
@@ -210,38 +188,3 @@ class ServerPool:
         except (httpx.TransportError, ValueError) as e:
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return None
-
-    async def revive(self, problem: str, load: Load) -> None:
-        """With no live server left, wait up to client.health_timeout for one to answer again (a server that
-        restarts, e.g. under `rl --restart`); InferenceError naming the servers if none does."""
-        async with self._revival:  # every request that lost its server lands here; one of them probes
-            timeout = self.config.health_timeout
-            deadline, next_note = time.monotonic() + timeout, 0.0
-            while not self.live():
-                if time.monotonic() > deadline:
-                    raise InferenceError(
-                        f"no live inference server left ({problem}); none of {self.base_urls} answered /health "
-                        f"within {timeout:.0f}s"
-                    )
-                if time.monotonic() >= next_note:
-                    logger.warning(f"no inference server is up ({problem}); waiting up to {timeout:.0f}s for one")
-                    next_note = time.monotonic() + 30
-                await asyncio.gather(*(self._probe(s, load) for s in self.servers))
-                if not self.live():
-                    await asyncio.sleep(1.0)
-
-    async def server_step(self, load: Load) -> int:
-        """The oldest weight step any live server holds (every server is asked; dead ones are probed)."""
-
-        async def check(server: Server) -> None:
-            if not server.alive:
-                return await self._probe(server, load)
-            try:
-                await self.health(server)
-            except ServerDown as e:
-                self.take_out(server, str(e))
-
-        await asyncio.gather(*(check(s) for s in self.servers))
-        if not self.live():
-            await self.revive(f"all of {self.base_urls} failed /health", load)
-        return min(s.step for s in self.live())

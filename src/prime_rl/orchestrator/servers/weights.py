@@ -28,15 +28,8 @@ from pathlib import Path
 import httpx
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.orchestrator.servers.pool import (
-    PROBE_TIMEOUT,
-    InferenceError,
-    Request,
-    Server,
-    ServerDown,
-    ServerPool,
-    server_root,
-)
+from prime_rl.orchestrator.servers.http import Http, InferenceError, ServerDown
+from prime_rl.orchestrator.servers.pool import PROBE_TIMEOUT, Server, ServerPool, server_root
 from prime_rl.protocol import stable_steps, weights_dir, weights_root
 
 logger = logging.getLogger("prime_rl")
@@ -49,9 +42,8 @@ def inflight_ask(config: OrchestratorConfig) -> str | None:
 
 
 class WeightControl:
-    def __init__(self, pool: ServerPool, request: Request, http: httpx.AsyncClient, inflight: str | None = None,
-                 output_dir: Path | None = None):  # fmt: skip
-        self.pool, self._request, self._http = pool, request, http
+    def __init__(self, pool: ServerPool, http: Http, inflight: str | None = None, output_dir: Path | None = None):
+        self.pool, self.http = pool, http
         self.weight_dir: str | None = None  # what the pool serves (the last update); None: each server's base
         self.output_dir = output_dir  # the run's OUTPUT_DIR (its weights/step_k); None: no run (eval, a teacher)
         self.floor = 0  # the oldest weight step a completion may come from (the client's set_floor)
@@ -80,7 +72,7 @@ class WeightControl:
         """Give one server the weights the pool serves (nothing to do before the first update)."""
         if self.weight_dir is not None:
             body = self._ask({"weight_dir": self.weight_dir})
-            self._answered(server, await self._request("POST", f"{server_root(server.base)}/update_weights", body))
+            self._answered(server, await self.http.request("POST", f"{server_root(server.base)}/update_weights", body))
 
     async def restore(self, server: Server, answered: int) -> None:
         """`server` answered from weight step `answered`, older than the floor: give it weights of a step >= floor
@@ -95,7 +87,7 @@ class WeightControl:
                 return  # restored by another request, or an update reached it since it answered
             for source in self._sources(server):
                 try:
-                    data = await self._request("POST", f"{server_root(server.base)}/update_weights",
+                    data = await self.http.request("POST", f"{server_root(server.base)}/update_weights",
                                                self._ask({"weight_dir": source}))  # fmt: skip
                 except ServerDown:
                     raise
@@ -129,12 +121,9 @@ class WeightControl:
                 out.append(str(weights_dir(self.output_dir, k)))
         return list(dict.fromkeys(out))
 
-    async def update(self, weight_dir: str) -> int:
-        """Load `weight_dir` on every live server; return the step they now serve.
-
-        A server that is down is taken out (the others carry on; it gets these weights when it rejoins);
-        any other failure is an error.
-        """
+    async def update(self, weight_dir: str) -> None:
+        """Load `weight_dir` on every live server. A server that is down is taken out (the others carry on; it
+        gets these weights when it rejoins); any other failure is an error."""
         self.weight_dir = weight_dir
         self.updates += 1
 
@@ -145,11 +134,12 @@ class WeightControl:
                 self.pool.take_out(server, str(e))
 
         await asyncio.gather(*(one(s) for s in self.pool.live()))
-        if not self.pool.live():
-            await self.pool.revive(f"all of {self.pool.base_urls} failed to load {weight_dir}", self.load)
+
+    def served_step(self) -> int:
+        """The step every live server holds after `update`; InferenceError when they differ."""
         steps = [s.step for s in self.pool.live()]
         if len(set(steps)) != 1:
-            raise InferenceError(f"servers report different steps after loading {weight_dir}: {steps}")
+            raise InferenceError(f"servers report different steps after loading {self.weight_dir}: {steps}")
         return steps[0]
 
     async def reload(self) -> int:
@@ -158,7 +148,7 @@ class WeightControl:
         self.weight_dir = None
 
         async def one(server: Server) -> None:
-            data = await self._request("POST", f"{server_root(server.base)}/reload_weights", {})
+            data = await self.http.request("POST", f"{server_root(server.base)}/reload_weights", {})
             server.step, server.checksum = int(data["step"]), data.get("checksum")
 
         await asyncio.gather(*(one(s) for s in self.pool.live()))
@@ -167,9 +157,15 @@ class WeightControl:
             raise InferenceError(f"servers report different steps after reloading their weights: {sorted(steps)}")
         return steps.pop()
 
-    async def broadcast(self, step: int, rendezvous: dict) -> int:
-        """Have every live server receive weight step `step` over the trainer's broadcast group; return the
-        oldest step a live server holds (`step` when all took it).
+    def serve_broadcasts(self) -> None:
+        """The pool serves broadcast steps from now on: a dir loaded before is no longer its policy (a server that
+        rejoins gets none), and requests in flight run across an update."""
+        self.weight_dir = None
+        self.updates += 1
+
+    async def broadcast(self, step: int, rendezvous: dict) -> None:
+        """Have every live server (at least one: `serve_broadcasts`, then the facade's revive, come first)
+        receive weight step `step` over the trainer's broadcast group.
 
         The trainer sends to all seats at once, so every live server takes part (never twice: a second join
         would take a seat twice). A server that fails to take it does not end the run: one that no longer
@@ -179,12 +175,7 @@ class WeightControl:
         `rendezvous`: host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 +
         the live servers' seats (their /health `weight_receivers`)."""
         # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
-        self.weight_dir = None  # the pool serves broadcast steps now: a dir loaded before is no longer its policy
-        self.updates += 1
         servers = self.pool.live()
-        if not servers:
-            await self.pool.revive(f"no inference server is up to take weight step {step}", self.load)
-            servers = self.pool.live()
         unable = [s.base for s in servers if s.receivers == 0]
         if unable:
             message = "take no weights over a process group; start them with --weight-transfer broadcast"
@@ -203,16 +194,13 @@ class WeightControl:
                 logger.warning(f"{error}; it keeps serving weight step {server.step}")
         if failed:
             self.failed.add((step, rendezvous["group"]))
-        if not self.pool.live():
-            await self.pool.revive(f"every server failed to take weight step {step}", self.load)
-        return min(s.step for s in self.pool.live())
 
     async def _join(self, server: Server, step: int, rendezvous: dict, world_size: int, rank: int) -> None:
         """One server's POST /update_weights for a broadcast: it answers once it holds the step."""
         body = self._ask({"broadcast": rendezvous | {"world_size": world_size, "rank": rank, "step": step}})
         url = f"{server_root(server.base)}/update_weights"
         try:
-            response = await self._http.post(url, json=body, timeout=rendezvous["timeout"] + 30)
+            response = await self.http.client.post(url, json=body, timeout=rendezvous["timeout"] + 30)
         except httpx.TransportError as e:
             problem = f"{type(e).__name__}: {e}"
             raise InferenceError(f"{server.base}: weight broadcast of step {step}: {problem}") from None

@@ -105,7 +105,7 @@ def test_no_auth_header_when_key_var_is_unset(monkeypatch):
 
 
 def test_transient_errors_are_retried(monkeypatch):
-    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.http.BACKOFF", 0.01)
     answers = iter(
         [
             httpx.ConnectError("refused"),
@@ -126,7 +126,7 @@ def test_transient_errors_are_retried(monkeypatch):
 
 
 def test_persistent_5xx_gives_up_naming_the_url(monkeypatch):
-    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.http.BACKOFF", 0.01)
     calls = []
 
     def handler(request):

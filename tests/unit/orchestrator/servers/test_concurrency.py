@@ -103,10 +103,10 @@ def test_slow_start_stops_at_the_free_rows_of_a_built_in_engine():
 
 
 def test_fixed_mode_is_a_plain_semaphore_and_adaptive_starts_at_the_floor():
-    fixed = ServerPool(ClientConfig(base_url=["http://a:1/v1"], max_concurrency=7), None, None)
+    fixed = ServerPool(ClientConfig(base_url=["http://a:1/v1"], max_concurrency=7), None)
     assert fixed.servers[0].slots.limit == 7 and fixed.servers[0].slots.controller is None
     config = ClientConfig(base_url=["http://a:1/v1"], concurrency="adaptive", min_concurrency=3, max_concurrency=9)
-    slots = ServerPool(config, None, None).servers[0].slots
+    slots = ServerPool(config, None).servers[0].slots
     assert slots.limit == 3 and (slots.controller.floor, slots.controller.ceiling) == (3, 9)
     slots.observe({"requests_waiting": 0.0, "requests_running": 0.0})  # nothing held back: it holds
     assert slots.limit == 3
@@ -119,7 +119,7 @@ def test_fixed_mode_is_a_plain_semaphore_and_adaptive_starts_at_the_floor():
 
 def test_the_pool_gives_each_servers_step_means_under_its_host_and_port():
     async def main() -> dict[str, float]:
-        pool = ServerPool(ClientConfig(base_url=["http://a:1/v1", "http://b:2/v1"], max_concurrency=3), None, None)
+        pool = ServerPool(ClientConfig(base_url=["http://a:1/v1", "http://b:2/v1"], max_concurrency=3), None)
         pool.take_inflight()
         async with pool.servers[0].slots:
             await asyncio.sleep(0.2)

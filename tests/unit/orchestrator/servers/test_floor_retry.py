@@ -23,7 +23,8 @@ import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.orchestrator.policy import wait_for_policy
-from prime_rl.orchestrator.servers.client import STALE_ANSWERS, InferenceClient, InferenceError
+from prime_rl.orchestrator.servers import STALE_ANSWERS, Servers, StaleAnswer
+from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.protocol import weights_dir
 from prime_rl.protocol.files import mark_stable
 
@@ -281,3 +282,24 @@ def test_answers_older_than_updates_they_ran_across_are_asked_again_without_a_re
         (answer,) = asyncio.run(go())
     assert answer.weight_step == 3 + STALE_ANSWERS and servers[0].requests == 1 + STALE_ANSWERS
     assert len(servers[0].updates) == STALE_ANSWERS and "restarted?" not in caplog.text
+
+
+def test_one_attempt_from_below_the_floor_is_a_stale_answer_and_restores_nothing(started):
+    """`Servers._generate` is one attempt: an answer from below the floor raises StaleAnswer naming the server and
+    the step it answered from, and loads nothing; restoring the server and asking again is `Servers.generate`'s."""
+    server = Server(step=0)
+    started.append(server)
+
+    async def attempt() -> StaleAnswer:
+        servers = Servers(ClientConfig(base_url=[server.url], max_retries=0), "m")
+        try:
+            servers.weights.floor = 3
+            with pytest.raises(StaleAnswer) as caught:
+                await servers._generate(servers.pool.servers[0], "/chat/completions", {"n": 1, "messages": []})
+            return caught.value
+        finally:
+            await servers.close()
+
+    stale = asyncio.run(attempt())
+    assert (stale.server.base, stale.step, str(stale)) == (server.url, 0, f"{server.url} step 0")
+    assert server.requests == 1 and server.updates == []

@@ -104,7 +104,7 @@ def test_weights_2_1_1_split_1000_requests_50_25_25_within_5_percent(servers):
 
 
 def test_a_server_killed_mid_step_is_taken_out_and_its_requests_go_elsewhere(servers, monkeypatch, caplog):
-    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.http.BACKOFF", 0.01)
     for s in servers:
         s.delay = 0.01
     config = ClientConfig(base_url=[s.url for s in servers], max_concurrency=4, max_retries=1)
@@ -135,7 +135,7 @@ def test_a_server_killed_mid_step_is_taken_out_and_its_requests_go_elsewhere(ser
 
 
 def test_a_removed_server_rejoins_at_the_next_health_check_once_it_answers_again(servers, monkeypatch, caplog):
-    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.http.BACKOFF", 0.01)
     config = ClientConfig(base_url=[s.url for s in servers], max_retries=0)
     victim = servers[1]
     port = int(victim.url.rsplit(":", 1)[1].removesuffix("/v1"))
@@ -163,7 +163,7 @@ def test_a_removed_server_rejoins_at_the_next_health_check_once_it_answers_again
 
 
 def test_every_server_dead_fails_with_a_clear_error_after_health_timeout(servers, monkeypatch):
-    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.http.BACKOFF", 0.01)
     config = ClientConfig(base_url=[s.url for s in servers], max_retries=0, health_timeout=1.5)
     for s in servers:
         s.kill()
@@ -182,7 +182,7 @@ def test_requests_ride_through_a_restart_of_the_only_server_which_gets_the_weigh
     """As under `rl --restart`: the one server dies mid-step and comes back on its port with the base model.
     The step's requests wait for it, it is given the pool's weights before it samples again, and no answer
     comes from a policy older than the step's floor."""
-    monkeypatch.setattr("prime_rl.orchestrator.servers.client.BACKOFF", 0.01)
+    monkeypatch.setattr("prime_rl.orchestrator.servers.http.BACKOFF", 0.01)
     first = FakeServer(delay=0.05)
     port = int(first.url.rsplit(":", 1)[1].removesuffix("/v1"))
     config = ClientConfig(base_url=[first.url], max_retries=1, health_timeout=30)
