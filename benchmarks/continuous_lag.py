@@ -32,10 +32,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig  # noqa: E402
 from prime_rl.envs import Example  # noqa: E402
 from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot, token_lags  # noqa: E402
-from prime_rl.orchestrator.policy import oldest_policy  # noqa: E402
 from prime_rl.orchestrator.rollout import RolloutSource  # noqa: E402
 from prime_rl.orchestrator.servers.client import InferenceClient  # noqa: E402
-from prime_rl.orchestrator.sinks import ProgressLine  # noqa: E402
+from prime_rl.orchestrator.staleness import Staleness  # noqa: E402
 from prime_rl.orchestrator.stream import RolloutStream  # noqa: E402
 
 SHORT, LONG, TRAIN = 0.01, 0.1, 0.03  # seconds: a request, a long-tail request, a trainer step
@@ -102,8 +101,8 @@ async def run_case(inflight: int, bound: int | None, steps: int, warmup: int, ba
                 servers.step = min(trained, n)
                 for server in client.pool.servers:
                     server.step = servers.step
-            client.set_floor(oldest_policy(n, config))
-            taken = await stream.take(n, ProgressLine(False, 1))
+            client.set_floor(Staleness.of(config).oldest(n))
+            taken = await stream.take(n)
             written.set()
             if n >= warmup:
                 m = token_lags(taken.rollouts, n)
@@ -115,7 +114,7 @@ async def run_case(inflight: int, bound: int | None, steps: int, warmup: int, ba
         train.cancel()
         await stream.close()
         await client.close()
-    return {"inflight": inflight, "bound": config.off_policy_bound, "lag_mean": statistics.fmean(lags),
+    return {"inflight": inflight, "bound": Staleness.of(config).lag, "lag_mean": statistics.fmean(lags),
             "lag_max": max(maxes), "stale": stale, "step_s": statistics.fmean(times)}  # fmt: skip
 
 

@@ -332,16 +332,9 @@ class OrchestratorConfig(BaseConfig):
                     f"max_inflight ({self.max_inflight}) must hold at least one group "
                     f"(rollouts_per_example = {self.rollouts_per_example})"
                 )
-            if self.off_policy_bound < self.async_level:
+            if self.max_off_policy_steps is not None and self.max_off_policy_steps < self.async_level:
                 raise ValueError(
                     f"max_off_policy_steps ({self.max_off_policy_steps}) < async_level ({self.async_level}) would "
                     "drop rollouts of the very policy the step is allowed to use"
                 )
         return self
-
-    @property
-    def off_policy_bound(self) -> int:
-        """Continuous mode's lag bound: max_off_policy_steps, or async_level + 1 when unset (one step of overlap
-        past the barrier's lag: with max_inflight 128 and batch 16, the old default of 8 trained on tokens 6.8 steps
-        old on average; docs/orchestrator.md)."""
-        return self.async_level + 1 if self.max_off_policy_steps is None else self.max_off_policy_steps

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prime_rl.configs.orchestrator import EvalEnvConfig, OrchestratorConfig
 from prime_rl.envs import Example
+from prime_rl.orchestrator.observer import StepObserver
 from prime_rl.orchestrator.policy import load_weights
 from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source
 from prime_rl.orchestrator.servers.client import InferenceClient
@@ -82,10 +83,11 @@ async def sample_and_score(client: InferenceClient, source: RolloutSource, examp
     return list(groups)
 
 
-class Evals:
+class Evals(StepObserver):
     """`[[eval]]` environments evaluated during training, beside it, on the same servers.
 
-    At step s with s % interval == 0 an env's evaluation starts as a background task (its requests share
+    At step s with s % interval == 0 an env's evaluation starts as a background task once the step's weights
+    are in place (`before_generate`, observer.py; its requests share
     the servers with training's, so training slows by about their share of the requests); at the end
     each env is evaluated once more on the trainer's final weights. Every evaluation draws the same
     `num_examples` examples (the env's `seed`) and writes one line to metrics/eval.jsonl: step, env,
@@ -102,6 +104,9 @@ class Evals:
             self.envs.append((cfg, source, list(itertools.islice(env.examples(cfg.seed), cfg.num_examples))))
         self.writer = MetricsWriter(config.output_dir, "eval", first_step) if self.envs else None
         self.tasks: set[asyncio.Task] = set()
+
+    async def before_generate(self, client: InferenceClient, step: int) -> None:
+        self.start(client, step)
 
     def start(self, client: InferenceClient, step: int, final: bool = False) -> None:
         for cfg, source, examples in self.envs:

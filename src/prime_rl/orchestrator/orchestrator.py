@@ -1,16 +1,19 @@
 """The `orchestrator` entrypoint: environments → rollouts → advantages → packed rank files (docs/design.md §3, §6).
 
 For each step n (`run_step`):
-1. `checkpoint`: the progress when about to produce step n (every step; see protocol.checkpoints).
+1. The servers' /health: the weight step each holds.
 2. `wait_for_policy` (policy.py): every live server samples from weights no older than n - async_level;
-   each rollout records the weight step that sampled it, and `oldest_policy` says which ones step n may use.
-3. The step's groups with their advantages (batch.py): `generate_batch` (barrier mode) or
-   `RolloutStream.take` (stream.py: continuous mode, `max_inflight` set).
+   each rollout records the weight step that sampled it, and the staleness rule (staleness.py) says which
+   ones step n may use.
+3. The step's groups with their advantages: `loop.batches.take(n)` (stream.py: `Barrier`, or `RolloutStream`
+   in continuous mode, `max_inflight` set).
 4. `build_samples` + `pack_micro_batches` + `write_rank_files`: one atomic `rollouts/step_n/rank_r.pt`
    per trainer rank.
-5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B, with the servers' numbers), one INFO line.
-Evals (`[[eval]]`, evaluation.Evals) run at steps 0, interval, ... beside training on the same servers, and
-on the trainer's final weights at the end; results in metrics/eval.jsonl.
+5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B, with the servers' numbers), one INFO line;
+   then the checkpoint for step n + 1.
+Beside the step, as observers (observer.py), hooked in between: the parity gate (parity.py), the evals
+(`[[eval]]`, evaluation.Evals: at steps 0, interval, ... on the same servers, and on the trainer's final weights
+at the end; metrics/eval.jsonl) and the batches' window metrics.
 """
 
 from __future__ import annotations
@@ -19,22 +22,17 @@ import asyncio
 import logging
 import random
 import time
-from contextlib import AsyncExitStack, closing
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager, closing
 from dataclasses import dataclass
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.envs import EnvError
-from prime_rl.orchestrator.batch import (
-    Batch,
-    EnvMix,
-    build_mix,
-    build_samples,
-    generate_batch,
-    step_metrics,
-)
+from prime_rl.orchestrator.batch import Batch, EnvMix, build_mix, build_samples, step_metrics
 from prime_rl.orchestrator.ckpt import CheckpointError, Progress, load_checkpoint, new_rng, save_checkpoint
 from prime_rl.orchestrator.distill import Teacher, TeacherMismatch, check_vocabulary
 from prime_rl.orchestrator.evaluation import Evals
+from prime_rl.orchestrator.observer import Observers
 from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
 from prime_rl.orchestrator.parity import ParityGate
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
@@ -42,7 +40,8 @@ from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.servers.metrics import ServerMetrics
 from prime_rl.orchestrator.servers.weights import inflight_ask
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
-from prime_rl.orchestrator.stream import RolloutStream, group_metrics
+from prime_rl.orchestrator.staleness import Staleness
+from prime_rl.orchestrator.stream import Barrier, RolloutStream
 from prime_rl.protocol import (
     DiskFull,
     Heartbeat,
@@ -61,23 +60,23 @@ from prime_rl.utils.timer import timer
 logger = logging.getLogger("prime_rl")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Loop:
-    """What every step of a run uses: opened once by `_orchestrate`, closed when the run ends."""
+    """What every step of a run uses: opened once by `open_loop`, closed when the run ends."""
 
     config: OrchestratorConfig
     state: Progress
     client: InferenceClient
     mix: EnvMix
     rng: random.Random  # checkpointed: per-request seeds
-    stream: RolloutStream | None  # continuous mode only
-    evals: Evals
+    batches: Barrier | RolloutStream  # the step's groups: `take(step)` (stream.py)
+    observers: Observers  # beside the step: the parity gate, the evals, the batches' window metrics
+    evals: Evals  # also run once more on the trainer's final weights (`finish`)
+    staleness: Staleness
     progress: ProgressLine
     heartbeat: Heartbeat
     metrics: MetricsWriter
     wandb: NoSink | WandbSink
-    teacher: Teacher | None = None  # on-policy distillation ([orchestrator.teacher])
-    parity: ParityGate | None = None  # weight checksums and canaries (parity.py)
 
 
 def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list) -> None:
@@ -131,47 +130,52 @@ async def orchestrate(config: OrchestratorConfig) -> None:
 async def _orchestrate(config: OrchestratorConfig, state: Progress, resumed: Progress | None) -> None:
     if said := prepare_output_dir(config.output_dir, resumed.step if resumed is not None else None):
         logger.warning(said)
-    # Beating from the start (an environment may take minutes to load); the event loop is the thread that
-    # does the work, so a tick of it stamps progress: a blocked loop goes silent.
-    with Heartbeat(config.output_dir, "orchestrator", hang_timeout=config.hang_timeout) as heartbeat, ticking():
+    async with open_loop(config, state, resumed) as loop:
+        for step in range(state.step, config.max_steps):
+            await run_step(loop, step)
+        await finish(loop)
+    logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
+
+
+@asynccontextmanager
+async def open_loop(config: OrchestratorConfig, state: Progress, resumed: Progress | None) -> AsyncIterator[Loop]:
+    """The run's `Loop`, opened in order (environments, servers, teacher, sinks) and closed in reverse."""
+    async with AsyncExitStack() as stack:
+        # Beating from the start (an environment may take minutes to load); the event loop is the thread that
+        # does the work, so a tick of it stamps progress: a blocked loop goes silent.
+        heartbeat = stack.enter_context(Heartbeat(config.output_dir, "orchestrator", hang_timeout=config.hang_timeout))
+        stack.enter_context(ticking())
         with doing("loading environments", long=True):
             mix = build_mix(config, state)
             evals = Evals(config, state.step)
             rng = new_rng(config.seed, resumed)
             wandb = build_wandb(config, resumed is not None)
         progress = ProgressLine(config.progress, config.max_steps)
-        async with AsyncExitStack() as stack:
-            client = await stack.enter_async_context(
-                InferenceClient(
-                    config.client,
-                    config.model.name,
-                    adapter=config.model.adapter,
-                    inflight=inflight_ask(config),
-                    output_dir=config.output_dir,
-                )
+        client = await stack.enter_async_context(
+            InferenceClient(
+                config.client,
+                config.model.name,
+                adapter=config.model.adapter,
+                inflight=inflight_ask(config),
+                output_dir=config.output_dir,
             )
-            teacher = await open_teacher(config, stack)
-            stream = RolloutStream(client, mix, config, rng, teacher) if config.max_inflight is not None else None
-            # Closed in reverse: the sinks first, the metrics file and then the client last.
-            metrics = stack.enter_context(closing(MetricsWriter(config.output_dir, "orchestrator", state.step)))
-            for sink in (wandb, progress, evals):
-                stack.enter_context(closing(sink))
-            await client.wait_for_servers(config.client.health_timeout)
-            if isinstance(wandb, WandbSink):  # the servers' own numbers (inference/*), read in the background
-                wandb.servers = await stack.enter_async_context(ServerMetrics(client))
-            if resumed is None:
-                checkpoint(config, state, 0, mix, rng)
-            loop = Loop(config, state, client, mix, rng, stream, evals, progress, heartbeat, metrics, wandb)
-            loop.teacher = teacher
-            loop.parity = ParityGate(config, resumed is not None)
-            try:
-                for step in range(state.step, config.max_steps):
-                    await run_step(loop, step)
-            finally:
-                if stream is not None:
-                    await stream.close()
-            await finish(client, config, evals, wandb)
-    logger.info(f"done: wrote rollouts for {config.max_steps} steps to {config.output_dir}")
+        )
+        teacher = await open_teacher(config, stack)
+        # Closed in reverse: the batches' requests in flight first, the sinks, the metrics file, the client last.
+        metrics = stack.enter_context(closing(MetricsWriter(config.output_dir, "orchestrator", state.step)))
+        for sink in (wandb, progress, evals):
+            stack.enter_context(closing(sink))
+        await client.wait_for_servers(config.client.health_timeout)
+        if isinstance(wandb, WandbSink):  # the servers' own numbers (inference/*), read in the background
+            wandb.servers = await stack.enter_async_context(ServerMetrics(client))
+        if resumed is None:
+            checkpoint(config, state, 0, mix, rng)
+        source = Barrier if config.max_inflight is None else RolloutStream
+        batches = source(client, mix, config, rng, teacher, progress)
+        stack.push_async_callback(batches.close)
+        observers = Observers(ParityGate(config, resumed is not None), evals, batches)
+        yield Loop(config, state, client, mix, rng, batches, observers, evals, Staleness.of(config), progress,
+                   heartbeat, metrics, wandb)  # fmt: skip
 
 
 async def open_teacher(config: OrchestratorConfig, stack: AsyncExitStack) -> Teacher | None:
@@ -187,30 +191,23 @@ async def open_teacher(config: OrchestratorConfig, stack: AsyncExitStack) -> Tea
 
 
 async def run_step(loop: Loop, step: int) -> None:
-    """Step n: the policy, the batch, its rank files, the checkpoint for step n + 1, the metrics."""
-    config, state = loop.config, loop.state
+    """Step n: the policy, the batch, its rank files, the metrics, the checkpoint for step n + 1."""
+    config, state, client = loop.config, loop.state, loop.client
     loop.progress.step = step
     times: dict[str, float] = {}
     start = time.perf_counter()
-    held = await loop.parity.check_servers(loop.client)  # what each server holds against the trainer's checksums
-    on_policy = loop.parity.on_policy(step)  # a gate step samples from weight step `step` (parity.py)
-    await wait_for_policy(loop.client, config, step, times, held, on_policy)
-    await loop.parity.start_step(loop.client)  # checksums; at a gate step the servers score the canaries
-    loop.evals.start(loop.client, step)
-    if loop.stream is None:
-        batch = await generate_batch(loop.client, loop.mix, config, loop.rng, loop.progress, loop.teacher)
-    else:
-        batch = await loop.stream.take(step, loop.progress)
+    held = await client.server_step()  # the step's one /health round: the oldest weight step a server holds
+    on_policy = await loop.observers.before_policy(client, step)  # a parity gate step samples from weights n
+    await wait_for_policy(client, config, step, times, held, on_policy)
+    await loop.observers.before_generate(client, step)
+    batch = await loop.batches.take(step)
     times |= batch.times
-    await loop.parity.choose_canaries(loop.client, batch)  # the run's first batch: before its rank files
+    await loop.observers.after_batch(client, batch)
     write_batch(config, step, batch, times)
     times["step"] = time.perf_counter() - start
-    m = step_metrics(batch, times, step) | await loop.parity.finish_step(loop.client, step, on_policy)
-    m |= loop.client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
-    # what token_lag_max may reach: async_level (barrier mode), max_off_policy_steps (continuous mode)
-    m["token_lag_bound"] = config.async_level if loop.stream is None else config.off_policy_bound
-    # trained/* beside generated/* (continuous mode): lengths, turns and rewards, so a length bias shows
-    m |= loop.stream.window_metrics(batch) if loop.stream is not None else group_metrics("trained", batch.groups)
+    m = step_metrics(batch, times, step) | await loop.observers.metrics(client, step, batch)
+    m |= client.pool.take_inflight()  # per server: its in-flight limit and requests in flight, step means
+    m["token_lag_bound"] = loop.staleness.lag  # what token_lag_max may reach
     state.total_samples += m["samples"]
     state.total_tokens += m["tokens"]
     m |= {"total_samples": state.total_samples, "total_tokens": state.total_tokens}
@@ -251,15 +248,17 @@ def log_step(loop: Loop, step: int, m: dict, times: dict[str, float]) -> None:
     logger.debug(f"step {step} metrics: {m}")
 
 
-async def finish(client: InferenceClient, config: OrchestratorConfig, evals: Evals, wandb: NoSink | WandbSink) -> None:
-    """After the last step: the trainer's remaining weight broadcasts, then the evaluation of its final weights,
-    and the trainer's last records into the W&B run."""
+async def finish(loop: Loop) -> None:
+    """After the last step: the batches' requests in flight cancelled, the trainer's remaining weight broadcasts,
+    then the evaluation of its final weights, and the trainer's last records into the W&B run."""
+    client, config = loop.client, loop.config
+    await loop.batches.close()  # no step takes them: the servers are the final evaluation's
     if config.weight_transfer.type == "broadcast":  # the trainer sends up to max_steps - 1: take them all
         await relay_broadcasts(client, config, await client.server_step(), config.max_steps - 1, {})
     if config.eval:
-        await evals.final(client, config)
-    if isinstance(wandb, WandbSink):
-        await wandb.last_trainer_steps(config)
+        await loop.evals.final(client, config)
+    if isinstance(loop.wandb, WandbSink):
+        await loop.wandb.last_trainer_steps(config)
 
 
 def run(config: OrchestratorConfig) -> None:

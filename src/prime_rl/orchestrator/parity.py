@@ -43,6 +43,7 @@ import math
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.batch import Batch
+from prime_rl.orchestrator.observer import StepObserver
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.servers.pool import InferenceError, Server, server_name
 from prime_rl.protocol import read_beat, wait_until_async, weights_dir
@@ -101,7 +102,10 @@ def worst_of(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return a | {k: a[k] + v if "tokens" in k and k in a else max(v, a.get(k, v)) for k, v in b.items()}
 
 
-class ParityGate:
+class ParityGate(StepObserver):
+    """The gate beside the step (observer.py): checksums before and after the step's update, canaries scored by
+    the servers at gate steps, comparisons once the trainer's files are there."""
+
     def __init__(self, config: OrchestratorConfig, resumed: bool):
         self.config, self.c = config, config.parity
         if not resumed:
@@ -113,18 +117,29 @@ class ParityGate:
         self.expected: dict[int, tuple[list[str], str]] = {}
         self.earlier: set[tuple[str, int]] = set()  # (server, weight step): it holds an earlier publish of the step
         self.sampled: set[int] = set()  # on-policy gate steps whose sampled tokens the trainer will report
+        self.step_on_policy = False  # the step in progress samples from its own weight step
+
+    # The step's hooks (observer.py).
+    async def before_policy(self, client: InferenceClient, step: int) -> bool:
+        """Before any update: what every server holds now (the step's /health round) against the trainer's; whether
+        the step samples on-policy."""
+        await self.check_checksums(client)
+        self.step_on_policy = self.on_policy(step)
+        return self.step_on_policy
+
+    async def before_generate(self, client: InferenceClient, step: int) -> None:
+        await self.start_step(client)
+
+    async def after_batch(self, client: InferenceClient, batch: Batch) -> None:
+        await self.choose_canaries(client, batch)
+
+    async def metrics(self, client: InferenceClient, step: int, batch: Batch) -> dict[str, float]:
+        return await self.finish_step(client, step, self.step_on_policy)
 
     def on_policy(self, step: int) -> bool:
         """Whether step `step` must sample from weight step `step` (a gate step of a run with a trainer): its
         sampled tokens then measure the servers' decode path against the trainer (see the module doc)."""
         return is_gate_step(step, self.c.interval) and read_beat(self.config.output_dir, "trainer-rank0") is not None
-
-    async def check_servers(self, client: InferenceClient) -> int:
-        """At a step's start, before any update: what every server holds now (/health) against the trainer's;
-        the oldest weight step held (the step's one /health round, reused by wait_for_policy)."""
-        held = await client.server_step()
-        await self.check_checksums(client)
-        return held
 
     async def start_step(self, client: InferenceClient) -> None:
         """After the step's weights are in place: checksums, and the servers' canary scores at a gate step."""

@@ -4,11 +4,8 @@ the trainer's weights and having the servers load them, or relaying its weight b
 Every live server must sample from weights no older than n - async_level before step n's requests start
 (`wait_for_policy`: it waits for the trainer's `weights/step_k/STABLE` and relays it with POST
 /update_weights, or relays the trainer's broadcasts). So the orchestrator runs up to async_level steps
-ahead of the trainer; async_level 0 is on-policy.
-
-`oldest_policy` is the one rule for which rollouts step n may use: with async_level = 1 and
-max_off_policy_steps = 3, step 5 takes rollouts of weight step >= 4 in barrier mode and >= 2 in
-continuous mode (a request running when an update landed is still usable there).
+ahead of the trainer; async_level 0 is on-policy. Which rollouts step n may use is the staleness rule
+(staleness.py), the client's floor set from it here.
 """
 
 from __future__ import annotations
@@ -19,22 +16,12 @@ import time
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.servers.pool import InferenceError
+from prime_rl.orchestrator.staleness import Staleness
 from prime_rl.protocol import is_stable, stable_steps, wait_for_weights, wait_until_async, weights_dir, weights_root
 from prime_rl.protocol.broadcast import marker_file, read_marker
 from prime_rl.utils.timer import timer
 
 logger = logging.getLogger("prime_rl")
-
-
-def oldest_policy(step: int, config: OrchestratorConfig) -> int:
-    """The oldest weight step a rollout used for step `step` may come from.
-
-    Barrier mode: step - async_level, the weights the servers must hold before the step's requests start.
-    Continuous mode (`max_inflight` set): step - max_off_policy_steps, since groups keep generating across
-    updates. Older completions are redone by the client (`set_floor`); the stream starts only groups it can
-    train before they pass this bound (stream.py), and drops one that does anyway as stale."""
-    lag = config.async_level if config.max_inflight is None else config.off_policy_bound
-    return max(0, step - lag)
 
 
 async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict,
@@ -44,16 +31,18 @@ async def wait_for_policy(client: InferenceClient, config: OrchestratorConfig, s
 
     `held`: the oldest step the servers reported at this step's start (their /health, asked again when None).
     `times` gets `wait_weights` (waiting for the trainer) and `update_weights` (the servers loading them).
-    The client's floor rises to oldest_policy(step) once the servers hold the step's policy: before, while the
-    trainer's weights are awaited, requests still running (continuous mode, evals) sample the previous one."""
-    current = await _wait_for_policy(client, config, step, times, held, on_policy)
-    client.set_floor(oldest_policy(step, config))
+    The client's floor rises to the step's oldest usable policy (staleness.py) once the servers hold the step's
+    policy: before, while the trainer's weights are awaited, requests still running (continuous mode, evals)
+    sample the previous one."""
+    staleness = Staleness.of(config)
+    need = step if on_policy else staleness.required(step)
+    current = await _wait_for_policy(client, config, step, times, held, need)
+    client.set_floor(staleness.oldest(step))
     return current
 
 
 async def _wait_for_policy(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict,
-                           held: int | None, on_policy: bool) -> int:  # fmt: skip
-    need = step if on_policy else max(0, step - config.async_level)
+                           held: int | None, need: int) -> int:  # fmt: skip
     current = held if held is not None else await client.server_step()
     if config.weight_transfer.type == "broadcast":
         current = await relay_broadcasts(client, config, current, need, times)

@@ -1,8 +1,10 @@
-"""Continuous mode (`max_inflight` set): groups keep generating across steps and weight updates, and a step takes
-groups as they complete, so one long rollout does not hold the whole step, and no group is dropped for being slow.
+"""The step's batches, one `take(step)` for both modes: `Barrier` (default: each step samples its own batch,
+batch.generate_batch) and `RolloutStream`, continuous mode (`max_inflight` set): groups keep generating across
+steps and weight updates, and a step takes groups as they complete, so one long rollout does not hold the whole
+step, and no group is dropped for being slow.
 
 Deadlines. A group sampled from weight step w may be trained at steps up to its deadline w + max_off_policy_steps
-(policy.oldest_policy). With B = batch_size / rollouts_per_example groups a step and step n the one being taken,
+(staleness.py). With B = batch_size / rollouts_per_example groups a step and step n the one being taken,
 of which `taken` groups are in already, the started-not-taken groups can all be trained in time iff
 
     owed = max over deadlines d of (groups with deadline <= d) - B * (d - n)  <=  B - taken           (*)
@@ -40,11 +42,13 @@ from typing import Any
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.advantage import is_zero
-from prime_rl.orchestrator.batch import Batch, EnvMix, group_seed, sample_group
+from prime_rl.orchestrator.batch import Batch, EnvMix, generate_batch, group_seed, sample_group
 from prime_rl.orchestrator.distill import Teacher
+from prime_rl.orchestrator.observer import StepObserver
 from prime_rl.orchestrator.rollout import Group
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.orchestrator.staleness import Staleness
 from prime_rl.utils.timer import timer
 
 
@@ -66,15 +70,36 @@ class Started:
     order: int = 0  # completion order
 
 
-class RolloutStream:
+class Barrier(StepObserver):
+    """Barrier mode: each step samples its own batch once the step's weights are in place."""
+
+    def __init__(self, client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng,
+                 teacher: Teacher | None = None, progress: ProgressLine | None = None):  # fmt: skip
+        self.client, self.mix, self.config, self.rng, self.teacher = client, mix, config, rng, teacher
+        self.progress = progress or ProgressLine(False, config.max_steps)
+
+    async def take(self, step: int) -> Batch:
+        return await generate_batch(self.client, self.mix, self.config, self.rng, self.progress, self.teacher)
+
+    async def metrics(self, client: InferenceClient, step: int, batch: Batch) -> dict[str, Any]:
+        """trained/* as continuous mode reports them, so runs of both modes compare."""
+        return group_metrics("trained", batch.groups)
+
+    async def close(self) -> None:
+        return None
+
+
+class RolloutStream(StepObserver):
     """Continuous mode: groups keep generating across steps and weight updates, paced by their deadlines.
 
     At most `max_inflight` rollouts are started and not yet taken into a batch (generating, or finished
     and waiting), and only as many groups as can be trained before their policy is too old (module docstring)."""
 
     def __init__(self, client: InferenceClient, mix: EnvMix, config: OrchestratorConfig, rng,
-                 teacher: Teacher | None = None):  # fmt: skip
+                 teacher: Teacher | None = None, progress: ProgressLine | None = None):  # fmt: skip
         self.client, self.mix, self.config, self.rng, self.teacher = client, mix, config, rng, teacher
+        self.progress = progress or ProgressLine(False, config.max_steps)
+        self.staleness = Staleness.of(config)
         self.size = config.rollouts_per_example
         self.per_step = config.batch_size // config.rollouts_per_example
         self.started: list[Started] = []  # started and not taken, in start order
@@ -102,7 +127,7 @@ class RolloutStream:
     def fill(self) -> None:
         """Start groups while max_inflight and the deadlines allow (none whose deadline is already past: with
         max_off_policy_steps = async_level, between two steps, until the servers load the next weights)."""
-        deadline = self.served() + self.config.off_policy_bound
+        deadline = self.staleness.deadline(self.served())
         deadlines = [s.deadline for s in self.started]
         while (
             self.held + self.size <= self.config.max_inflight
@@ -123,7 +148,7 @@ class RolloutStream:
         group = started.result[0]
         self.completions += 1
         started.order = self.completions
-        started.deadline = group.weight_step + self.config.off_policy_bound
+        started.deadline = self.staleness.deadline(group.weight_step)
         self.generated.append(group)
         if started.deadline < self.step:
             self.started.remove(started)
@@ -141,10 +166,10 @@ class RolloutStream:
         running = len(ready) < len(self.started)
         return ready[0] if ready and not running else None
 
-    async def take(self, step: int, progress: ProgressLine) -> Batch:
+    async def take(self, step: int) -> Batch:
         need, adv = self.per_step, self.config.advantage
         self.step, self.taken = step, 0
-        self.floor = max(self.floor, step - self.config.async_level)
+        self.floor = max(self.floor, self.staleness.required(step))
         batch = Batch([], [])
         with timer(batch.times, "generate"):
             for started in [s for s in self.started if s.result is not None and s.deadline < step]:
@@ -166,7 +191,7 @@ class RolloutStream:
                 batch.groups.append(group)
                 batch.advantages.append(advantages)
                 self.taken += 1
-                progress.note(len(batch.groups), need)
+                self.progress.note(len(batch.groups), need)
         self.step, self.taken = step + 1, 0
         self.fill()  # the next step's groups start generating now
         return batch
@@ -176,6 +201,9 @@ class RolloutStream:
         window): rollout length (prompt + completion tokens), turns and reward, so a length bias shows."""
         generated, self.generated = self.generated, []
         return group_metrics("trained", batch.groups) | group_metrics("generated", generated)
+
+    async def metrics(self, client: InferenceClient, step: int, batch: Batch) -> dict[str, Any]:
+        return self.window_metrics(batch)
 
     async def close(self) -> None:
         tasks = [s.task for s in self.started]

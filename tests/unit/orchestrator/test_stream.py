@@ -21,7 +21,7 @@ from prime_rl.envs import Example
 from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.servers.client import InferenceClient
-from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.orchestrator.staleness import Staleness
 from prime_rl.orchestrator.stream import RolloutStream, owed
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -100,12 +100,12 @@ def test_the_docstrings_worked_example_waits_for_the_long_group_instead_of_dropp
     async def run():
         try:
             servers.hold(client, 4)
-            steps = [await stream.take(5, ProgressLine(False, 1))]
+            steps = [await stream.take(5)]
             started_for_6 = len(stream.started)
             servers.hold(client, 5)
-            steps.append(await stream.take(6, ProgressLine(False, 1)))
+            steps.append(await stream.take(6))
             servers.hold(client, 6)
-            steps.append(await stream.take(7, ProgressLine(False, 1)))
+            steps.append(await stream.take(7))
             return steps, started_for_6
         finally:
             await stream.close()
@@ -131,11 +131,11 @@ def test_a_group_sampled_by_weights_older_than_announced_is_counted_as_stale():
     async def run():
         try:
             servers.hold(client, 0)
-            first = await stream.take(0, ProgressLine(False, 1))
+            first = await stream.take(0)
             while servers.requests < 4:  # the next 2 groups start on weights 0
                 await asyncio.sleep(0.001)
             servers.hold(client, 3)
-            second = await stream.take(3, ProgressLine(False, 1))
+            second = await stream.take(3)
             return first, second
         finally:
             await stream.close()
@@ -156,7 +156,7 @@ def trained_lags(config: OrchestratorConfig, steps: int) -> list[int]:
         try:
             for step in range(steps):
                 servers.hold(client, max(0, step - 1))
-                batch = await stream.take(step, ProgressLine(False, 1))
+                batch = await stream.take(step)
                 lags += [step - s for r in batch.rollouts for s in r.token_steps]
             return lags
         finally:
@@ -169,7 +169,7 @@ def test_the_lag_of_trained_tokens_is_bounded_by_max_off_policy_steps_async_leve
     """max_inflight 64 at batch 8 keeps 8 batches in flight: with max_off_policy_steps 8 tokens 8 steps old are
     trained; unset, the bound is async_level + 1 = 2 and admissions hold the pipeline to it."""
     bounded = dict(batch_size=8, rollouts_per_example=2, max_inflight=64, async_level=1)
-    assert OrchestratorConfig(**bounded).off_policy_bound == 2
+    assert Staleness.of(OrchestratorConfig(**bounded)).lag == 2
     default = trained_lags(OrchestratorConfig(**bounded), 12)
     loose = trained_lags(OrchestratorConfig(**bounded, max_off_policy_steps=8), 12)
     print(f"token lag mean/max: unset {statistics.fmean(default):.2f}/{max(default)}, "
@@ -206,7 +206,7 @@ def run_long_tail(tokenizer, steps: int):
         try:
             for step in range(steps):
                 servers.hold(client, max(0, step - 1))
-                batch = await stream.take(step, ProgressLine(False, 1))
+                batch = await stream.take(step)
                 out.append((batch, stream.window_metrics(batch)))
             return out
         finally:
