@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from transformers import AutoConfig
 
-from prime_rl.configs.trainer import LossConfig, TrainerConfig
+from prime_rl.configs.trainer import DataConfig, LossConfig, TrainerConfig
 from prime_rl.protocol import (
     Heartbeat,
     checkpoint_due,
@@ -167,7 +167,7 @@ def load_micro_batches(config: TrainerConfig, step: int, dist: Dist, times: dict
     if service.stop_agreed(dist):
         return None
     if config.data.fake:
-        return generated_micro_batches(config, step, dist)
+        return generated_micro_batches(config.data, config.model.name, config.seed, step, dist)
     with timer(times, "load_data"):
         return _read_micro_batches(config, step, dist, path)
 
@@ -193,11 +193,11 @@ def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path) -> l
     return micro_batches
 
 
-def generated_micro_batches(config: TrainerConfig, step: int, dist: Dist) -> list[MicroBatch]:
-    f = config.data
-    vocab = AutoConfig.from_pretrained(config.model.name).vocab_size
+def generated_micro_batches(f: DataConfig, model: str, seed: int, step: int, dist: Dist) -> list[MicroBatch]:
+    """`data.fake`: this rank's generated micro batches of `step`, over `model`'s vocabulary."""
+    vocab = AutoConfig.from_pretrained(model).vocab_size
     return fake_micro_batches(
-        step, dist.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, config.seed
+        step, dist.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, seed
     )
 
 

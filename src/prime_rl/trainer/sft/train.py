@@ -64,7 +64,7 @@ def run(config: SFTConfig) -> None:
     check_resume_before_end(resumed_from, max_steps, config.output_dir)  # before the model loads
     with service.training(config, max_steps) as state:
         dist = state.dist
-        val_rows = build_val_rows(config, tokenizer, dist) if config.val else None
+        val_rows = build_val_rows(config.val.data, config.seq_len, tokenizer, dist) if config.val else None
         progress = resume(config, state, resumed_from)
         metrics = MetricsWriter(config.output_dir, "sft", progress.step) if dist.is_main else None
         if dist.is_main and config.wandb is not None:  # each record to W&B too (a resumed run: the same W&B run)
@@ -113,8 +113,8 @@ def train(
         progress = Progress(
             step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
         )
-        val = evaluate_if_due(config, state.model, val_rows, dist, progress.step, max_steps, times)
-        stop_early = target_reached(config, val)
+        val = evaluate_if_due(config.val, state.model, val_rows, dist, progress.step, max_steps, times)
+        stop_early = target_reached(config.val, val)
         last_step = progress.step if stop_early else max_steps
         publish(config, last_step, state, progress, times)
         times["step"] = time.perf_counter() - start
