@@ -17,13 +17,19 @@ def main() -> None:
         from prime_rl.slurm.launch import submit
 
         raise SystemExit(submit(config, "sft"))
-    from prime_rl.trainer import service
-    from prime_rl.trainer.sft.train import run
+    from prime_rl.trainer import startup  # no torch yet: a refused start (lock held, no such model) is instant
 
     # A resume at or past max_steps asks for nothing: exit 2 like a bad config, never 0 with a stale summary.
     run_service(
-        lambda: service.start(config, "sft", run), service.ERRORS, service.stopped_status(), fatal=(ResumeAtEnd,)
+        lambda: startup.start(config, "sft", train), startup.ERRORS, startup.stopped_status(), fatal=(ResumeAtEnd,)
     )
+
+
+def train(config: SFTConfig) -> None:
+    """The SFT steps, imported once the start's checks passed: they load torch (seconds of CPU)."""
+    from prime_rl.trainer.sft.train import run
+
+    run(config)
 
 
 if __name__ == "__main__":

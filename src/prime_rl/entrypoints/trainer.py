@@ -24,10 +24,16 @@ def main() -> None:
     torchrun_worker()
     config = parse_config(TrainerConfig, prog="trainer")
     apply_env_vars(config.env_vars)
-    from prime_rl.trainer import service
+    from prime_rl.trainer import startup  # no torch yet: a refused start (lock held, no such model) is instant
+
+    run_service(lambda: startup.start(config, "trainer", train), startup.ERRORS, startup.stopped_status())
+
+
+def train(config: TrainerConfig) -> None:
+    """The RL trainer's steps, imported once the start's checks passed: they load torch (seconds of CPU)."""
     from prime_rl.trainer.rl.train import run
 
-    run_service(lambda: service.start(config, "trainer", run), service.ERRORS, service.stopped_status())
+    run(config)
 
 
 if __name__ == "__main__":

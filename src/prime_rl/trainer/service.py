@@ -1,32 +1,24 @@
-"""What the two trainer entrypoints (`trainer` for RL, `sft`) share around their steps: process start-up
-(logging per rank, the output dir's lock, the recorded config, clean errors), the training state of a config
-(distributed group, model, optimizer, schedule, weight files), resuming, checkpoints when due, and stopping
-on a stop signal (Slurm's USR1 / SIGTERM) with a checkpoint, every rank after the same step. Checkpoints are
-written in the background (`ckpt.async_save`): each entry waits for the last one (`finish_checkpoint`) before
-it ends, as a stop does.
-
-Importing it loads no torch (`--help` and config errors stay instant): the training modules, which do, are
-imported inside the functions that build or use the training state.
+"""What the two trainers' steps (`trainer` for RL, `sft`) share: the training state of a config (distributed
+group, model, optimizer, schedule, weight files), resuming, checkpoints when due, and stopping on a stop signal
+(Slurm's USR1 / SIGTERM) with a checkpoint, every rank after the same step. Checkpoints are written in the
+background (`ckpt.async_save`): each entry waits for the last one (`finish_checkpoint`) before it ends, as a
+stop does. The process around the steps (logging, the lock, clean errors) is startup.py's, which loads no torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from prime_rl.configs.training import TrainingConfig
 from prime_rl.protocol import (
-    DiskFull,
-    RunLock,
-    RunLocked,
-    WaitTimeout,
-    WriterDead,
     atomic_write_json,
     checkpoint_due,
     doing,
@@ -36,80 +28,38 @@ from prime_rl.protocol import (
     stopped_file,
     trainer_checkpoint_dir,
 )
+from prime_rl.trainer.ckpt import AsyncCheckpointer, Progress, load_checkpoint, save_checkpoint
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.utils.hub import check_model_source
-from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.process import (
-    PREEMPTED,
-    StopRequested,
-    catch_stop_signals,
-    ignore_usr1,
-    stop_requested,
+from prime_rl.trainer.model import build_training
+from prime_rl.trainer.parallel import (
+    Dist,
+    all_reduce,
+    close_distributed,
+    compute_dtype,
+    init_distributed,
+    resolve_device,
 )
-from prime_rl.utils.run_record import write_run_config
+from prime_rl.trainer.weights import ModelFiles, build_model_files
+from prime_rl.utils.process import StopRequested, stop_requested
 from prime_rl.utils.timer import timer
 
-if TYPE_CHECKING:
-    from prime_rl.trainer.ckpt import AsyncCheckpointer, Progress
-    from prime_rl.trainer.parallel import Dist
-    from prime_rl.trainer.weights import ModelFiles
-
 logger = logging.getLogger("prime_rl")
-
-
-# The failures that end a trainer with one log line and exit status 1 (the entry catches them).
-ERRORS = (WaitTimeout, WriterDead, TrainerError, RunLocked, DiskFull)
-
-
-def start(config: TrainingConfig, service: str, run: Callable[[Any], None]) -> None:
-    """Stop signals, logging (per rank), the run lock (rank 0) and the recorded config around `run(config)`."""
-    # With checkpoints a stop signal ends the run after the current step, resumable; without, USR1 is ignored.
-    catch_stop_signals() if config.ckpt is not None else ignore_usr1()
-    rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
-        setup_logging(service, config.output_dir, config.log.level, config.log.file)
-    else:  # one log per service: other ranks only surface problems, on their stderr
-        setup_logging(f"{service}-rank{rank}", None, "WARNING", to_file=False)
-    with run_lock(config.output_dir, service, rank):
-        if rank == 0:
-            write_run_config(config, service, config.output_dir)
-            stopped_file(config.output_dir, service).unlink(missing_ok=True)
-        check_model_source(config.model.name, TrainerError)  # no network: one line now, not transformers' retries
-        run(config)
-
-
-def stopped_status() -> int:
-    """Exit status of a trainer stopped on a stop signal: torchrun reports a worker's non-zero status as a
-    crash, so its workers exit 0 (the job script reads stopped_file); a lone process exits PREEMPTED."""
-    return 0 if "TORCHELASTIC_RUN_ID" in os.environ else PREEMPTED
 
 
 @dataclass
 class Training:
     dist: Dist
-    model: Any
-    optimizer: Any
-    scheduler: Any
+    model: nn.Module
+    optimizer: Optimizer
+    scheduler: LRScheduler
     files: ModelFiles  # what every weight export copies from the base model
     checkpointer: AsyncCheckpointer | None = None  # with ckpt.async_save: writes checkpoints in the background
-
-
-def run_lock(output_dir: Path, role: str, rank: int) -> contextlib.AbstractContextManager:
-    """The output dir's lock for this trainer world, held by global rank 0 (see protocol/lock.py)."""
-    return RunLock(output_dir, role) if rank == 0 else contextlib.nullcontext()
 
 
 @contextmanager
 def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
     """Seeded, joined to the process group, with the config's model parallelized and its optimizer built;
     the group is closed on the way out."""
-    import torch
-
-    from prime_rl.trainer.ckpt import AsyncCheckpointer
-    from prime_rl.trainer.model import build_training
-    from prime_rl.trainer.parallel import close_distributed, compute_dtype, init_distributed, resolve_device
-    from prime_rl.trainer.weights import build_model_files
-
     torch.manual_seed(config.seed)
     dist = init_distributed(resolve_device(config.device))
     checkpointer = None
@@ -136,8 +86,6 @@ def resume_step(config: TrainingConfig) -> int | None:
 
 def load(config: TrainingConfig, state: Training, step: int) -> Progress:
     """Restore checkpoint `step` into `state`; returns its Progress."""
-    from prime_rl.trainer.ckpt import load_checkpoint
-
     with doing(f"loading checkpoint step {step}", long=True):
         progress = load_checkpoint(
             config.output_dir, step, state.model, state.optimizer, state.scheduler, state.dist.rank
@@ -161,8 +109,6 @@ def save(config: TrainingConfig, state: Training, progress: Progress, max_steps:
 
     With a checkpointer the step waits (`time/save_ckpt`) only for the previous checkpoint's write to end,
     if it has not, and for the copy of the state in host memory; the write goes on in the background."""
-    from prime_rl.trainer.ckpt import save_checkpoint
-
     args = (config.output_dir, progress.step, state.model, state.optimizer, state.scheduler, progress, state.files)
     with timer(times, "save_ckpt"), doing(f"writing checkpoint step {progress.step}", long=True):
         if state.checkpointer is not None:
@@ -189,8 +135,6 @@ def finish_checkpoint(config: TrainingConfig, state: Training, max_steps: int) -
 def stop_agreed(dist: Dist) -> bool:
     """Collective, between steps: did any rank receive a stop signal? Then every rank stops here (a rank
     that went on alone would wait forever in the next step's collectives)."""
-    from prime_rl.trainer.parallel import all_reduce
-
     (stop,) = all_reduce([float(stop_requested() is not None)], dist.device, op="max")
     return stop > 0
 

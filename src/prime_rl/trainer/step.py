@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch import nn
+from torch.optim import Optimizer
 
 from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.records import MicroBatch
@@ -68,8 +70,8 @@ class StepStats:
 
 
 def train_step(
-    model,
-    optimizer,
+    model: nn.Module,
+    optimizer: Optimizer,
     micro_batches: list[MicroBatch],
     dist: Dist,
     loss_fn: LossFn,

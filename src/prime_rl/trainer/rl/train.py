@@ -15,9 +15,13 @@ import logging
 import os
 import time
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
 
-from prime_rl.configs.trainer import LossConfig, TrainerConfig
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from transformers import AutoConfig
+
+from prime_rl.configs.trainer import DataConfig, LossConfig, TrainerConfig
 from prime_rl.protocol import (
     Heartbeat,
     checkpoint_due,
@@ -28,32 +32,28 @@ from prime_rl.protocol import (
     wait_for_rank_file,
     weights_dir,
 )
+from prime_rl.protocol.records import MicroBatch, read_rank_file
 from prime_rl.trainer import service
+from prime_rl.trainer.broadcast import WeightSender
+from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.fake_data import fake_micro_batches
+from prime_rl.trainer.logprobs import PolicyOutput
+from prime_rl.trainer.parallel import Dist, all_reduce
 from prime_rl.trainer.rl.bench import print_bench_table
+from prime_rl.trainer.rl.loss import MASK_RULES, load_custom_loss, policy_loss, sample_index, token_lag
+from prime_rl.trainer.rl.parity import SampledMismatch, score_canaries
+from prime_rl.trainer.step import LossFn, Peak, Reported, StepStats, step_metrics
+from prime_rl.trainer.step import train_step as optimize
+from prime_rl.trainer.weights import prune_weights, save_weights
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.process import StopRequested
 from prime_rl.utils.timer import timer
-
-# The training modules import torch: under TYPE_CHECKING here, inside the functions at run time, so that
-# `trainer --help` and config errors never load it.
-if TYPE_CHECKING:
-    from prime_rl.protocol.records import MicroBatch
-    from prime_rl.trainer.broadcast import WeightSender
-    from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.parallel import Dist
-    from prime_rl.trainer.rl.parity import SampledMismatch
-    from prime_rl.trainer.step import LossFn, StepStats
 
 logger = logging.getLogger("prime_rl")
 
 
 def run(config: TrainerConfig) -> None:
-    from prime_rl.trainer.broadcast import WeightSender
-    from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.rl.parity import SampledMismatch, score_canaries
-    from prime_rl.trainer.step import step_metrics
-
     # Beating from the start: peers and the launcher tell a trainer loading a 70B model from a dead one.
     rank = int(os.environ.get("RANK", 0))
     sampled = SampledMismatch(config, rank)  # the parity gate's sampled tokens, collected by the loss
@@ -112,8 +112,6 @@ def run(config: TrainerConfig) -> None:
 
 def resume(config: TrainerConfig, state: service.Training) -> Progress | None:
     """Restore `--ckpt.resume-step` (None = fresh start); make sure `weights/step_N` exists for the orchestrator."""
-    from prime_rl.trainer.weights import save_weights
-
     step = service.resume_step(config)
     if step is None:
         return None
@@ -132,8 +130,6 @@ def publish(
 
     With a broadcast `sender` the weights go over the process group, and `weights/step_n` is written only
     with a checkpoint (a resumed orchestrator loads it) and at the last step (for eval; never broadcast)."""
-    from prime_rl.trainer.weights import save_weights
-
     ckpt = config.ckpt
     due = ckpt is not None and checkpoint_due(progress.step, config.max_steps, ckpt.interval)
     last = progress.step == config.max_steps  # no rollouts are sampled from the last weights: disk only
@@ -171,15 +167,12 @@ def load_micro_batches(config: TrainerConfig, step: int, dist: Dist, times: dict
     if service.stop_agreed(dist):
         return None
     if config.data.fake:
-        return generated_micro_batches(config, step, dist)
+        return generated_micro_batches(config.data, config.model.name, config.seed, step, dist)
     with timer(times, "load_data"):
         return _read_micro_batches(config, step, dist, path)
 
 
 def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path) -> list[MicroBatch]:
-    from prime_rl.protocol.records import read_rank_file
-    from prime_rl.trainer.parallel import all_reduce
-
     try:
         micro_batches = read_rank_file(path, step, dist.rank)
     except ValueError as e:  # its message names the file
@@ -200,21 +193,17 @@ def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path) -> l
     return micro_batches
 
 
-def generated_micro_batches(config: TrainerConfig, step: int, dist: Dist) -> list[MicroBatch]:
-    from transformers import AutoConfig
-
-    from prime_rl.trainer.fake_data import fake_micro_batches
-
-    f = config.data
-    vocab = AutoConfig.from_pretrained(config.model.name).vocab_size
+def generated_micro_batches(f: DataConfig, model: str, seed: int, step: int, dist: Dist) -> list[MicroBatch]:
+    """`data.fake`: this rank's generated micro batches of `step`, over `model`'s vocabulary."""
+    vocab = AutoConfig.from_pretrained(model).vocab_size
     return fake_micro_batches(
-        step, dist.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, config.seed
+        step, dist.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, seed
     )
 
 
 def train_step(
-    model,
-    optimizer,
+    model: nn.Module,
+    optimizer: Optimizer,
     micro_batches: list[MicroBatch],
     config: TrainerConfig,
     dist: Dist,
@@ -225,8 +214,6 @@ def train_step(
     `loss_fn` = `rl_loss(config.loss)`, built once per run (built here when not given). `step` is the trained
     step n (the micro batches are rollouts/step_n): the token lags (n − each token's policy step) are measured
     and max_token_lag applied against it; None: no lag is measured or masked."""
-    from prime_rl.trainer.step import train_step as optimize
-
     c = config.loss
     loss_fn = functools.partial(loss_fn or rl_loss(c), step=step)
     return optimize(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, c.entropy_coef > 0)
@@ -239,13 +226,11 @@ def rl_loss(c: LossConfig, sampled: SampledMismatch | None = None) -> LossFn:
     (`mismatch_kl/<env>`, `is_masked/<env>`, `entropy/<env>`), and, given the trained `step`, the lag of the loss
     tokens whose policy step is known (`token_lag_mean`, `token_lag_max`). A custom loss is imported here
     (TrainerError when it does not import). `sampled` gets each gate step's on-policy tokens (trainer/rl/parity.py)."""
-    import torch
-
-    from prime_rl.trainer.rl.loss import load_custom_loss, policy_loss, sample_index, token_lag
-
     custom = load_custom_loss(c.import_path) if c.type == "custom" else None
 
-    def loss(out, mb, mask, scale, step: int | None = None):
+    def loss(
+        out: PolicyOutput, mb: MicroBatch, mask: torch.Tensor, scale: float, step: int | None = None
+    ) -> tuple[torch.Tensor, dict[str, Reported]]:
         device = mask.device
         samples = sample_index(mb.cu_seqlens.to(device), mb.num_tokens)
         inference_logprobs, advantages = mb.inference_logprobs.to(device), mb.advantages.to(device)
@@ -273,13 +258,9 @@ def rl_loss(c: LossConfig, sampled: SampledMismatch | None = None) -> LossFn:
     return loss
 
 
-def lag_metrics(lag, mask) -> dict:
+def lag_metrics(lag: torch.Tensor | None, mask: torch.Tensor) -> dict[str, Reported]:
     """`token_lag_mean` (a sum over, and the count of, the loss tokens whose policy step is known) and
     `token_lag_max` (a Peak; −inf when none): a micro batch without policy steps (`lag` None) has none."""
-    import torch
-
-    from prime_rl.trainer.step import Peak
-
     if lag is None:
         lag = torch.full_like(mask, -1, dtype=torch.long)
     known = mask & (lag >= 0)
@@ -288,13 +269,11 @@ def lag_metrics(lag, mask) -> dict:
     return {"token_lag_mean": (values.sum(), known.sum().float()), "token_lag_max": Peak(peak)}
 
 
-def per_env(mb: MicroBatch, samples, mask, per_token: dict) -> dict:
+def per_env(
+    mb: MicroBatch, samples: torch.Tensor, mask: torch.Tensor, per_token: dict[str, torch.Tensor]
+) -> dict[str, Reported]:
     """(sum, loss tokens) per metric and environment of `mb.env_names` (every env, so every rank has the same
     keys; the step leaves out an env without loss tokens). An env named like a mask rule gets `env:` before it."""
-    import torch
-
-    from prime_rl.trainer.rl.loss import MASK_RULES
-
     if not mb.env_names or not mb.sample_env.numel():
         return {}
     token_env = mb.sample_env.to(mask.device).long()[samples]
@@ -310,8 +289,6 @@ def per_env(mb: MicroBatch, samples, mask, per_token: dict) -> dict:
 
 def prune_old_steps(config: TrainerConfig, step: int) -> None:
     """Drop weights no reader can still need, and rollouts every rank has read (all are past step `step`)."""
-    from prime_rl.trainer.weights import prune_weights
-
     prune_weights(config.output_dir, keep=config.keep_weights or config.async_level + 1)
     prune_rollouts(config.output_dir, step, config.data.keep_rollouts, resumable=config.ckpt is not None)
 

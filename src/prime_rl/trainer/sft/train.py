@@ -26,34 +26,34 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoTokenizer
 
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.protocol import check_resume_before_end, checkpoint_due, link_final_weights, run_dir
+from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer import service
+from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.logprobs import PolicyOutput
+from prime_rl.trainer.parallel import Dist
+from prime_rl.trainer.sft.data import Sample, batch_epoch, build_samples, next_batch, pack_rank_rows
+from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
+from prime_rl.trainer.step import step_metrics, train_step
+from prime_rl.trainer.weights import prune_weights, save_weights
 from prime_rl.utils.console import LiveLine, eta, this_run
 from prime_rl.utils.metrics import MetricsWriter, tail_metrics
+from prime_rl.utils.plot import plot_runs
+from prime_rl.utils.summary import ThisRun, sft_summary
 from prime_rl.utils.timer import timer
-
-# The training modules import torch: under TYPE_CHECKING here, inside the functions at run time, so that
-# `sft --help` and config errors never load it.
-if TYPE_CHECKING:
-    from prime_rl.protocol.records import MicroBatch
-    from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.parallel import Dist
-    from prime_rl.trainer.sft.data import Sample
+from prime_rl.utils.wandb import MirroredMetrics, WandbError, open_run
 
 logger = logging.getLogger("prime_rl")
 
 
 def run(config: SFTConfig) -> None:
     started = time.time()
-    from transformers import AutoTokenizer
-
-    from prime_rl.trainer.sft.data import build_samples
-    from prime_rl.trainer.sft.val import build_val_rows
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     except (OSError, ValueError) as e:  # not a hub id, no such path, no network: one line, like the model's
@@ -64,7 +64,7 @@ def run(config: SFTConfig) -> None:
     check_resume_before_end(resumed_from, max_steps, config.output_dir)  # before the model loads
     with service.training(config, max_steps) as state:
         dist = state.dist
-        val_rows = build_val_rows(config, tokenizer, dist) if config.val else None
+        val_rows = build_val_rows(config.val.data, config.seq_len, tokenizer, dist) if config.val else None
         progress = resume(config, state, resumed_from)
         metrics = MetricsWriter(config.output_dir, "sft", progress.step) if dist.is_main else None
         if dist.is_main and config.wandb is not None:  # each record to W&B too (a resumed run: the same W&B run)
@@ -97,11 +97,6 @@ def train(
     live: LiveLine | None,
 ) -> tuple[Progress, str | None]:
     """The steps from `progress` on: the progress they end at, and why they ended early (None: all done)."""
-    from prime_rl.trainer.ckpt import Progress
-    from prime_rl.trainer.sft.data import batch_epoch
-    from prime_rl.trainer.sft.val import evaluate_if_due, target_reached
-    from prime_rl.trainer.step import step_metrics, train_step
-
     dist, first_step, val = state.dist, progress.step, {}
     carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
     for step in range(progress.step, max_steps):
@@ -118,8 +113,8 @@ def train(
         progress = Progress(
             step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
         )
-        val = evaluate_if_due(config, state.model, val_rows, dist, progress.step, max_steps, times)
-        stop_early = target_reached(config, val)
+        val = evaluate_if_due(config.val, state.model, val_rows, dist, progress.step, max_steps, times)
+        stop_early = target_reached(config.val, val)
         last_step = progress.step if stop_early else max_steps
         publish(config, last_step, state, progress, times)
         times["step"] = time.perf_counter() - start
@@ -146,9 +141,6 @@ def train(
 def report(output_dir: Path, max_steps: int, started: float, stopped: str | None, resumed_from: int | None) -> None:
     """The run's plots (OUTPUT_DIR/plots/run.png, .svg) and its summary, from its metrics files; of checkpoints/,
     those written since run/sft.toml (this run's record, written at its start; its time on the dir's clock)."""
-    from prime_rl.utils.plot import plot_runs
-    from prime_rl.utils.summary import ThisRun, sft_summary
-
     plots = plot_runs([output_dir], output_dir / "plots" / "run")
     this_run = ThisRun((run_dir(output_dir) / "sft.toml").stat().st_mtime, resumed_from)
     for line in sft_summary(output_dir, max_steps, time.time() - started, sys.argv[1:], plots, stopped, this_run):
@@ -173,8 +165,6 @@ def status_text(output_dir: Path, max_steps: int, since: float | None = None) ->
 
 def wandb_metrics(config: SFTConfig, metrics: MetricsWriter, resumed: bool):
     """`metrics`, whose records (`val/loss` too) also go to the W&B run of the output dir, series `sft`."""
-    from prime_rl.utils.wandb import MirroredMetrics, WandbError, open_run
-
     try:
         run = open_run(config.wandb, config.output_dir, config.model_dump(mode="json"), resumed, ("sft",))
     except WandbError as e:
@@ -184,8 +174,6 @@ def wandb_metrics(config: SFTConfig, metrics: MetricsWriter, resumed: bool):
 
 def resume(config: SFTConfig, state: service.Training, step: int | None) -> Progress:
     """The progress of checkpoint `step` (`--ckpt.resume-step`), restored into `state`; a fresh start's for None."""
-    from prime_rl.trainer.ckpt import Progress
-
     if step is None:
         return Progress()
     progress = service.load(config, state, step)
@@ -197,8 +185,6 @@ def step_batch(
     samples: list[Sample], progress: Progress, config: SFTConfig, dist: Dist
 ) -> tuple[list[MicroBatch], int, int]:
     """This rank's packed rows of the next batch (every rank the same row count), and the data position after it."""
-    from prime_rl.trainer.sft.data import next_batch, pack_rank_rows
-
     indices, epoch, position = next_batch(
         len(samples), config.batch_size, progress.epoch, progress.position, config.seed, config.data.shuffle
     )
@@ -206,10 +192,10 @@ def step_batch(
     return pack_rank_rows(mine, config.seq_len, dist), epoch, position
 
 
-def nll_loss(out, mb, mask, scale):
+def nll_loss(
+    out: PolicyOutput, mb: MicroBatch, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The step's loss callback: the negative log-likelihood of the completion tokens."""
-    import torch
-
     nll = torch.where(mask, -out.logprobs, 0.0).sum()
     return nll * scale, {"loss": nll}
 
@@ -217,8 +203,6 @@ def nll_loss(out, mb, mask, scale):
 def publish(config: SFTConfig, last_step: int, state: service.Training, progress: Progress, times: dict) -> None:
     """Weights every `weights_interval` steps and at the run's last step (`last_step`: max_steps, or this step
     when the run stops early), and their pruning (checkpoints: after the step's metrics record)."""
-    from prime_rl.trainer.weights import prune_weights, save_weights
-
     if checkpoint_due(progress.step, last_step, config.weights_interval):
         with timer(times, "save_weights"):
             save_weights(state.model, state.files, config.output_dir, progress.step)

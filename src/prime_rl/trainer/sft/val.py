@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prime_rl.configs.sft import SFTConfig
+from prime_rl.configs.sft import SFTDataConfig, SFTValConfig
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
@@ -18,17 +18,18 @@ from prime_rl.trainer.sft.data import build_samples, pack_rank_rows
 from prime_rl.utils.timer import timer
 
 
-def build_val_rows(config: SFTConfig, tokenizer, dist: Dist) -> list[MicroBatch]:
-    """This rank's packed held-out rows (collective: as many rows on every rank)."""
+def build_val_rows(data: SFTDataConfig, seq_len: int, tokenizer, dist: Dist) -> list[MicroBatch]:
+    """This rank's packed held-out rows of `data` (`val.data`) in rows of `seq_len` (collective: as many rows
+    on every rank)."""
     try:
-        samples, _ = build_samples(config.val.data, tokenizer, config.seq_len)
+        samples, _ = build_samples(data, tokenizer, seq_len)
     except TrainerError as e:  # its messages name `data.…`: say which data
         raise TrainerError(f"held-out rows (val.data): {e}") from None
-    return pack_rank_rows(samples[dist.rank :: dist.world_size], config.seq_len, dist)
+    return pack_rank_rows(samples[dist.rank :: dist.world_size], seq_len, dist)
 
 
 @torch.no_grad()
-def held_out_loss(model, rows: list[MicroBatch], dist: Dist) -> float:
+def held_out_loss(model: torch.nn.Module, rows: list[MicroBatch], dist: Dist) -> float:
     """Σ −log π(completion tokens) / N over all ranks' held-out rows (collective)."""
     nll, count = 0.0, 0
     for mb in rows:
@@ -41,15 +42,22 @@ def held_out_loss(model, rows: list[MicroBatch], dist: Dist) -> float:
 
 
 def evaluate_if_due(
-    config: SFTConfig, model, rows: list[MicroBatch] | None, dist: Dist, step: int, max_steps: int, times: dict
+    val: SFTValConfig | None,
+    model: torch.nn.Module,
+    rows: list[MicroBatch] | None,
+    dist: Dist,
+    step: int,
+    max_steps: int,
+    times: dict,
 ) -> dict:
-    """`{"val/loss": …}` after the steps `[val]` asks for (every `interval`-th and the last), else `{}`."""
-    if rows is None or (step % config.val.interval and step != max_steps):
+    """`{"val/loss": …}` after the steps `[val]` asks for (every `interval`-th and the last), else `{}` (and
+    always without `[val]`: no rows)."""
+    if val is None or rows is None or (step % val.interval and step != max_steps):
         return {}
     with timer(times, "val"):
         return {"val/loss": held_out_loss(model, rows, dist)}
 
 
-def target_reached(config: SFTConfig, val: dict) -> bool:
-    """The evaluation just made is below `val.stop_below`: the run ends here."""
-    return bool(val) and config.val.stop_below is not None and val["val/loss"] < config.val.stop_below
+def target_reached(val: SFTValConfig | None, measured: dict) -> bool:
+    """The evaluation just made (`measured`, from evaluate_if_due) is below `val.stop_below`: the run ends here."""
+    return bool(measured) and val is not None and val.stop_below is not None and measured["val/loss"] < val.stop_below
