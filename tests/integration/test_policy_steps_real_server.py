@@ -17,7 +17,7 @@ import torch
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.servers.weights import inflight_ask
 from prime_rl.protocol.records import MicroBatch, write_rank_file
@@ -27,6 +27,7 @@ from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.rl.train import load_micro_batches, train_step
 from prime_rl.utils.tiny_model import write_perturbed_weights
+from tests.samples import scored_rollout
 
 pytestmark = pytest.mark.slow
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
@@ -73,8 +74,8 @@ def test_a_swap_inside_a_request_labels_its_tokens_and_the_trainer_masks_the_old
     assert 20 <= swapped_at < n and steps == [0] * swapped_at + [1] * (n - swapped_at)
 
     # The rank file of step 1 carries them; the trainer at step 1 masks the step-0 tokens (lag 1 > 0).
-    sample = make_sample(PROMPT, completion.completion_ids, completion.logprobs, 1.0, policy_steps=steps)
-    write_rank_file(tmp_path, 1, 0, [MicroBatch.pack([sample], 1.0)])
+    rollout = scored_rollout(PROMPT, completion.completion_ids, completion.logprobs, 1.0, token_steps=steps)
+    write_rank_file(tmp_path, 1, 0, [MicroBatch.pack([rollout_sample(rollout)], 1.0)])
     # async_level 0: max_token_lag 0 masks every token of a run at async_level >= 1 (refused at parse)
     config = TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, async_level=0,
                            loss={"max_token_lag": 0})  # fmt: skip

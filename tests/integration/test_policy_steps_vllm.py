@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
-from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.servers.client import InferenceClient, parse_completion_response
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.utils.tiny_model import write_perturbed_weights
+from tests.samples import scored_rollout
 
 pytestmark = pytest.mark.slow
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
@@ -55,8 +56,8 @@ async def generated_tokens(http: httpx.AsyncClient, url: str) -> float:
 
 def served_and_recomputed(model_dirs, completion, one_rank) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The served logprobs, and each model's (the trainer's forward, fp32) over prompt + completion."""
-    sample = make_sample(PROMPT, completion.completion_ids, completion.logprobs, 1.0)
-    mb = MicroBatch.pack([sample], 1.0)
+    rollout = scored_rollout(PROMPT, completion.completion_ids, completion.logprobs, 1.0)
+    mb = MicroBatch.pack([rollout_sample(rollout)], 1.0)
     recomputed = []
     for path in model_dirs:
         model = build_model(str(path))

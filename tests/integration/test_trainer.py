@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import is_stable, weights_dir
 from prime_rl.protocol.records import MicroBatch, write_rank_file
-from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import create_tiny_model
+from tests.samples import on_policy_sample
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +42,7 @@ def _micro_batches(tiny_model, num: int, seed: int = 0) -> list[MicroBatch]:
         for _ in range(3):
             n = int(torch.randint(6, 24, (1,), generator=g))
             ids = torch.randint(3, 1000, (n,), generator=g).tolist()
-            alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
-                                      "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
-            with torch.no_grad():
-                mu = forward_logprobs(model, alone, torch.device("cpu")).logprobs[0].tolist()
-            advantage = float(torch.randn(1, generator=g))
-            samples.append({"input_ids": ids, "loss_mask": [False] * 4 + [True] * (n - 4),
-                            "advantages": [advantage] * n, "inference_logprobs": mu})  # fmt: skip
+            samples.append(on_policy_sample(model, ids, 4, float(torch.randn(1, generator=g))))
         batches.append(MicroBatch.pack(samples, temperature=1.0))
     return batches
 

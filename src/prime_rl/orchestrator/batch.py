@@ -23,10 +23,11 @@ from prime_rl.envs import EnvError, Environment, Example
 from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
 from prime_rl.orchestrator.ckpt import Progress
 from prime_rl.orchestrator.distill import Teacher, teacher_kl
-from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.rollout import Group, Rollout, RolloutSource, build_source, derive_seed
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.protocol.records import Sample
 from prime_rl.utils.memory import peak_rss_gib
 from prime_rl.utils.round_robin import SmoothRoundRobin
 from prime_rl.utils.timer import timer
@@ -98,8 +99,7 @@ def build_mix(config: OrchestratorConfig, state: Progress) -> EnvMix:
 
 @dataclass
 class Batch:
-    groups: list[Group]
-    advantages: list[list]  # per group, per rollout: its advantage, or per token with a teacher (distill.py)
+    groups: list[Group]  # scored, each rollout carrying its advantage
     skipped: int = 0  # zero-advantage groups replaced by fresh examples
     rounds: int = 1
     stale: int = 0  # continuous mode: groups dropped for a policy older than policy.oldest_policy(step)
@@ -126,15 +126,17 @@ def group_seed(config: OrchestratorConfig, rng) -> int | None:
 
 
 async def sample_group(client: InferenceClient, config: OrchestratorConfig, slot: EnvSlot, example: Example,
-                       seed: int | None, teacher: Teacher | None = None) -> tuple[Group, list]:  # fmt: skip
-    """One scored group with its advantages (scored as soon as it arrives, while other groups generate); with a
-    `teacher`, per-token advantages from its scores of the rollouts (distill.py)."""
+                       seed: int | None, teacher: Teacher | None = None) -> Group:  # fmt: skip
+    """One scored group, each rollout carrying its advantage (scored as soon as it arrives, while other groups
+    generate); with a `teacher`, per-token advantages from its scores of the rollouts (distill.py)."""
     group = await slot.source.group(client, example, config.rollouts_per_example, seed)
     await slot.source.score(group)
     advantages = advantages_of(group, config, slot.token_budget)
     if teacher is not None:
-        return group, await teacher.distil(group, advantages)
-    return group, advantages
+        advantages = await teacher.distil(group, advantages)
+    for rollout, advantage in zip(group.rollouts, advantages, strict=True):
+        rollout.advantage = advantage
+    return group
 
 
 async def generate_batch(
@@ -148,17 +150,17 @@ async def generate_batch(
     """Barrier mode: exactly batch_size / rollouts_per_example scored groups with their advantages."""
     need = config.batch_size // config.rollouts_per_example
     adv = config.advantage
-    kept: list[tuple[Group, list[float]]] = []
-    zero: list[tuple[Group, list[float]]] = []
-    batch = Batch([], [], rounds=0)
+    kept: list[Group] = []
+    zero: list[Group] = []
+    batch = Batch([], rounds=0)
     while len(kept) < need and batch.rounds < adv.max_rounds:
         batch.rounds += 1
         picks = [mix.next() for _ in range(need - len(kept))]
         draws = [(slot, slot.data.next(), group_seed(config, rng)) for slot in picks]
         with timer(batch.times, "generate"):
             scored = await progress.track([sample_group(client, config, *draw, teacher) for draw in draws])
-        for group, advantages in scored:
-            (zero if adv.skip_zero_advantage and is_zero(advantages) else kept).append((group, advantages))
+        for group in scored:
+            (zero if adv.skip_zero_advantage and is_zero(group.advantages) else kept).append(group)
         if not adv.skip_zero_advantage:
             break
     fill = zero[: max(0, need - len(kept))]
@@ -169,26 +171,19 @@ async def generate_batch(
         )
     kept += fill
     batch.skipped = len(zero) - len(fill)
-    batch.groups = [g for g, _ in kept]
-    batch.advantages = [a for _, a in kept]
+    batch.groups = kept
     return batch
 
 
-def build_samples(batch: Batch, truncated: str, env_names: list[str] = ()) -> list[dict]:
-    """The batch's rollouts as trainer samples, each tagged with its environment's index in `env_names` and
-    carrying the policy step and the server of each token (`policy_steps`, `token_server` in the rank files)."""
+def build_samples(batch: Batch, truncated: str, env_names: list[str] = ()) -> list[Sample]:
+    """The batch's rollouts as trainer samples, each tagged with its environment's index in `env_names` (a truncated
+    rollout under truncated = "mask" trains on no token, its reward still in its group's baseline)."""
     index = {name: i for i, name in enumerate(env_names)}
-    samples = []
-    for group, advantages in zip(batch.groups, batch.advantages, strict=True):
-        for r, a in zip(group.rollouts, advantages, strict=True):
-            mask = [False] * len(r.completion_mask) if truncated == "mask" and r.truncated else r.completion_mask
-            env = index.get(group.env, -1)
-            samples.append(
-                make_sample(
-                    r.prompt_ids, r.completion_ids, r.logprobs, a, mask, env, r.kept, r.token_steps, r.token_servers
-                )
-            )
-    return samples
+    return [
+        rollout_sample(r, index.get(g.env, -1), trained=not (truncated == "mask" and r.truncated))
+        for g in batch.groups
+        for r in g.rollouts
+    ]
 
 
 def step_metrics(batch: Batch, times: dict[str, float], step: int) -> dict[str, Any]:

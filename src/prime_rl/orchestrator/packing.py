@@ -3,9 +3,9 @@
 The packing rules shared with the trainer (first-fit-decreasing rows, all-masked padding rows) are in
 `protocol/packing.py`; this module owns what is the orchestrator's own:
 
-1. `make_sample`: one rollout becomes one sample: prompt + completion tokens, the loss mask (sampled
-   completion tokens only), the rollout's advantage on those tokens, the sampler's logprobs (μ) there and
-   the policy step that sampled each token (-1 on the prompt and env replies).
+1. `rollout_sample`: one rollout becomes one `Sample` (protocol/records.py): prompt + completion tokens, the loss
+   mask (sampled completion tokens only), the rollout's advantage on those tokens, the sampler's logprobs (μ)
+   there and the policy step that sampled each token (-1 on the prompt and env replies).
 2. `pack_rows` (protocol): samples are packed first-fit-decreasing into rows of at most `seq_len` tokens;
    a sample longer than that is `SampleTooLong`, never truncated.
 3. `split_over_ranks`: rows are dealt out longest first, each to the rank with the fewest rows (ties:
@@ -17,67 +17,32 @@ The packing rules shared with the trainer (first-fit-decreasing rows, all-masked
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from prime_rl.orchestrator.rollout import Rollout
 from prime_rl.protocol.packing import SampleTooLong, pack_rows, pad_rows
-
-if TYPE_CHECKING:
-    from prime_rl.protocol.records import MicroBatch
+from prime_rl.protocol.records import MicroBatch, Sample
 
 # SampleTooLong is re-exported: the orchestrator catches what `pack_micro_batches` raises by this module.
-__all__ = ["SampleTooLong", "make_sample", "pack_micro_batches", "split_over_ranks"]
+__all__ = ["SampleTooLong", "pack_micro_batches", "rollout_sample", "split_over_ranks"]
 
 
-def make_sample(
-    prompt_ids: list[int],
-    completion_ids: list[int],
-    logprobs: list[float],
-    advantage: float | list[float],
-    completion_mask: list[bool] | None = None,
-    env: int = -1,
-    kept: list[list[int]] | None = None,
-    policy_steps: list[int] | None = None,
-    servers: list[int] | None = None,
-) -> dict:
-    """One rollout as the per-token lists that `MicroBatch.pack` lays end to end.
-
-    `completion_mask` marks the completion tokens the model sampled (default: all of them); env replies
-    of multi-turn rollouts are part of the completion but masked, and carry no advantage. `advantage` is the
-    rollout's, or one per completion token (distillation: [0.5, -1.2] for two tokens). `env` is the
-    index of the rollout's environment in the step's env names; `kept` the token ids the sampler could draw
-    at each completion token (top-p/top-k; [] = the whole vocabulary), None when it sampled without a filter;
-    `policy_steps` the weight step that sampled each completion token (-1: none, e.g. env replies), None: unknown;
-    `servers` likewise the server that sampled it (its index in client.base_url), for the parity gate.
-    """
-    if len(logprobs) != len(completion_ids):
-        raise ValueError(f"{len(logprobs)} logprobs for {len(completion_ids)} completion tokens")
-    mask = [True] * len(completion_ids) if completion_mask is None else [bool(m) for m in completion_mask]
-    if len(mask) != len(completion_ids):
-        raise ValueError(f"{len(mask)} mask entries for {len(completion_ids)} completion tokens")
-    n_prompt = len(prompt_ids)
-    per_token = advantage if isinstance(advantage, list) else [advantage] * len(completion_ids)
-    if len(per_token) != len(completion_ids):
-        raise ValueError(f"{len(per_token)} advantages for {len(completion_ids)} completion tokens")
-    sample = {
-        "input_ids": list(prompt_ids) + list(completion_ids),
-        "loss_mask": [False] * n_prompt + mask,
-        "advantages": [0.0] * n_prompt + [float(a) if m else 0.0 for a, m in zip(per_token, mask, strict=True)],
-        "inference_logprobs": [0.0] * n_prompt + [float(x) if m else 0.0 for x, m in zip(logprobs, mask, strict=True)],
-        "env": env,
-    }
-    if kept is not None:
-        if len(kept) != len(completion_ids):
-            raise ValueError(f"{len(kept)} kept sets for {len(completion_ids)} completion tokens")
-        sample["kept"] = [[]] * n_prompt + [list(k) if m else [] for k, m in zip(kept, mask, strict=True)]
-    if policy_steps is not None:
-        if len(policy_steps) != len(completion_ids):
-            raise ValueError(f"{len(policy_steps)} policy steps for {len(completion_ids)} completion tokens")
-        sample["policy_steps"] = [-1] * n_prompt + [int(s) for s in policy_steps]
-    if servers is not None:
-        if len(servers) != len(completion_ids):
-            raise ValueError(f"{len(servers)} servers for {len(completion_ids)} completion tokens")
-        sample["servers"] = [-1] * n_prompt + [int(s) for s in servers]
-    return sample
+def rollout_sample(rollout: Rollout, env: int = -1, trained: bool = True) -> Sample:
+    """One rollout as a trainer sample (module docstring, 1): the loss on the completion tokens the model sampled
+    (none when not `trained`: a truncated rollout under advantage.truncated = "mask"), with the rollout's
+    advantage (one value, or one per completion token with a teacher), μ and kept sets there; per token the policy
+    step and server that sampled it (-1 on the prompt and env replies); `env`: its env's index in the step's names."""
+    r, n = rollout, len(rollout.prompt_ids)
+    mask = r.completion_mask if trained else [False] * len(r.completion_mask)
+    advantages = r.advantage if isinstance(r.advantage, list) else [r.advantage] * len(r.completion_ids)
+    return Sample(
+        input_ids=r.prompt_ids + r.completion_ids,
+        loss_mask=[False] * n + [bool(m) for m in mask],
+        advantages=[0.0] * n + [float(a) for a in advantages],
+        inference_logprobs=[0.0] * n + [float(x) for x in r.logprobs],
+        env=env,
+        kept=None if r.kept is None else [[]] * n + r.kept,
+        policy_steps=[-1] * n + [int(s) for s in r.token_steps],
+        servers=[-1] * n + [int(s) for s in r.token_servers],
+    ).masked()
 
 
 def split_over_ranks(sizes: list[int], num_ranks: int) -> list[list[int]]:
@@ -92,7 +57,7 @@ def split_over_ranks(sizes: list[int], num_ranks: int) -> list[list[int]]:
 
 
 def pack_micro_batches(
-    samples: list[dict],
+    samples: list[Sample],
     seq_len: int,
     num_ranks: int,
     temperature: float,

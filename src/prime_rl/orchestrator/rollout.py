@@ -61,6 +61,8 @@ class Rollout:
     kept: list[list[int]] | None = None  # per completion token its kept set ([] = all, env tokens): with masks
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    # set with the group's advantages (batch.sample_group): the rollout's, or one per completion token (distill.py)
+    advantage: float | list[float] = 0.0
     teacher_logprobs: list[float] | None = None  # distillation: the teacher's logprob of each completion token
     # per completion token the policy step that sampled it, -1 on env tokens (None: weight_step on model tokens)
     token_steps: list[int] | None = None
@@ -123,6 +125,10 @@ class Group:
     @property
     def weight_step(self) -> int:
         return min(r.weight_step for r in self.rollouts)
+
+    @property
+    def advantages(self) -> list[float | list[float]]:
+        return [r.advantage for r in self.rollouts]
 
 
 def from_completion(example: Example, c: Completion) -> Rollout:

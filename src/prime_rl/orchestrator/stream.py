@@ -66,7 +66,7 @@ class Started:
 
     task: asyncio.Task
     deadline: int
-    result: tuple[Group, list] | None = None
+    result: Group | None = None
     order: int = 0  # completion order
 
 
@@ -145,7 +145,7 @@ class RolloutStream(StepObserver):
     def complete(self, started: Started, batch: Batch) -> None:
         """A group finished generating: its real deadline, or dropped as stale if that has passed."""
         started.result = started.task.result()  # a failed group (server gone, env error) stops the run here
-        group = started.result[0]
+        group = started.result
         self.completions += 1
         started.order = self.completions
         started.deadline = self.staleness.deadline(group.weight_step)
@@ -170,7 +170,7 @@ class RolloutStream(StepObserver):
         need, adv = self.per_step, self.config.advantage
         self.step, self.taken = step, 0
         self.floor = max(self.floor, self.staleness.required(step))
-        batch = Batch([], [])
+        batch = Batch([])
         with timer(batch.times, "generate"):
             for started in [s for s in self.started if s.result is not None and s.deadline < step]:
                 self.started.remove(started)  # (*) never lets this happen; counted should it anyway
@@ -184,12 +184,11 @@ class RolloutStream(StepObserver):
                     self.complete(await self.done.get(), batch)
                     continue
                 self.started.remove(started)
-                group, advantages = started.result
+                group, advantages = started.result, started.result.advantages
                 if adv.skip_zero_advantage and is_zero(advantages) and batch.skipped < need * (adv.max_rounds - 1):
                     batch.skipped += 1
                     continue
                 batch.groups.append(group)
-                batch.advantages.append(advantages)
                 self.taken += 1
                 self.progress.note(len(batch.groups), need)
         self.step, self.taken = step + 1, 0

@@ -1,8 +1,8 @@
 """Packing samples into the rows of a rank file (docs/design.md §2): the one packer of the orchestrator (rollouts),
 SFT (data rows) and the trainer's fake data.
 
-A sample is a dict of equal-length per-token lists (`input_ids`, `loss_mask`, `advantages`,
-`inference_logprobs`), laid end to end by `MicroBatch.pack`.
+A sample is a `protocol.records.Sample` (token ids, loss mask, advantages, μ, ... one entry per token), laid end
+to end by `MicroBatch.pack`.
 
 1. `first_fit_decreasing`: samples go into rows of at most `seq_len` tokens. Longest first, each sample goes
    into the first row with room, else opens a new row. Lengths [5, 2, 7, 3, 4], seq_len 10:
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from prime_rl.protocol.records import MicroBatch
+    from prime_rl.protocol.records import MicroBatch, Sample
 
 # Padding rows are all masked, so their content never matters. A few tokens keep their compute negligible
 # while sparing the trainer zero-size tensors after its next-token shift.
@@ -60,12 +60,12 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack_rows(samples: list[dict], seq_len: int, temperature: float, env_names: list[str] = ()) -> list[MicroBatch]:
+def pack_rows(samples: list[Sample], seq_len: int, temperature: float, env_names: list[str] = ()) -> list[MicroBatch]:
     """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens, one MicroBatch each
     (`env_names`: the labels the samples' `env` indexes, carried by every row)."""
     from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
 
-    bins = first_fit_decreasing([len(s["input_ids"]) for s in samples], seq_len)
+    bins = first_fit_decreasing([s.num_tokens for s in samples], seq_len)
     return [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
 
 

@@ -1,9 +1,10 @@
 """The rank-file record: what the orchestrator hands trainer rank r for step n (docs/design.md §2).
 
 `rollouts/step_{n}/rank_{r}.pt` is a `torch.save`d dict
-`{"version": 1, "step": n, "rank": r, "micro_batches": [MicroBatch.to_dict(), ...]}`.
-Each micro batch is one packed row (batch dim 1): samples laid end to end, positions restarting at 0,
-`cu_seqlens` marking the boundaries. For two samples of lengths 3 and 2:
+`{"version": RANK_FILE_VERSION, "step": n, "rank": r, "micro_batches": [MicroBatch.to_dict(), ...]}`.
+Each micro batch is one packed row (batch dim 1): `Sample`s (one training sequence each, the record both
+sides build: rollouts, SFT rows, canaries, fake data) laid end to end by `MicroBatch.pack`, positions restarting
+at 0, `cu_seqlens` marking the boundaries. For two samples of lengths 3 and 2:
 
     input_ids    [[a0 a1 a2 b0 b1]]
     position_ids [[0  1  2  0  1 ]]
@@ -24,7 +25,7 @@ Optional per-sample and per-token extras (empty when unused):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +34,55 @@ from prime_rl.protocol.files import atomic_write, unreadable
 from prime_rl.protocol.paths import rank_file
 
 RANK_FILE_VERSION = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One training sequence, before packing: what the orchestrator makes of a rollout (orchestrator/packing.py
+    `rollout_sample`), SFT of a data row, the trainer of a canary or of fake data. Every per-token list has one
+    entry per token of `input_ids`, checked here, once.
+
+    `loss_mask` marks the tokens the loss trains on (the sampled completion tokens); `advantages` and
+    `inference_logprobs` (μ, the sampler's logprob) are per token, None = 0.0 on each (SFT, canaries, padding);
+    `env` indexes the step's env names (-1: none); `kept` per token the ids the sampler could draw (top-p/top-k,
+    [] = the full vocabulary), None: sampled without a filter; `policy_steps` / `servers` per token the weight
+    step / the server (its index in client.base_url) that sampled it, -1 where none did, None: unknown."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float] | None = None
+    inference_logprobs: list[float] | None = None
+    env: int = -1
+    kept: list[list[int]] | None = None
+    policy_steps: list[int] | None = None
+    servers: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "advantages", "inference_logprobs", "kept", "policy_steps", "servers"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                label = {"loss_mask": "loss mask entries", "kept": "kept sets"}.get(name, name.replace("_", " "))
+                raise ValueError(f"{len(values)} {label} for {n} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def masked(self) -> Sample:
+        """The sample with no advantage, logprob or kept set where `loss_mask` is False (prompt, env replies and
+        the tokens of a rollout the step does not train on); a record is built whole, so this is a new one."""
+        mask = self.loss_mask
+        return replace(
+            self,
+            advantages=None if self.advantages is None else _where(mask, self.advantages, 0.0),
+            inference_logprobs=None if self.inference_logprobs is None else _where(mask, self.inference_logprobs, 0.0),
+            kept=None if self.kept is None else _where(mask, self.kept, []),
+        )
+
+
+def _where(mask: list[bool], values: list, off) -> list:
+    return [v if m else off for v, m in zip(values, mask, strict=True)]
 
 
 @dataclass
@@ -104,30 +154,24 @@ class MicroBatch:
         return self.kept_ids.numel() > 0
 
     @classmethod
-    def pack(cls, samples: list[dict], temperature: float, env_names: list[str] = ()) -> MicroBatch:
-        """Lay samples (dicts of equal-length 1-D lists/tensors) end to end in one row.
+    def pack(cls, samples: list[Sample], temperature: float, env_names: list[str] = ()) -> MicroBatch:
+        """Lay `samples` end to end in one row (`env_names`: the labels their `env` indexes, given to pack_rows).
 
-        Optional keys: `env` (int, index into `env_names`, given to pack_rows), `kept` (per token a list of
-        token ids the sampler could draw, [] = the full vocabulary), `policy_steps` (per token the weight step
-        that sampled it, -1 = none; samples without it get -1 throughout) and `servers` (per token the index of
-        the server that sampled it, -1 = none; likewise)."""
-
-        def cat(key: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in samples]).unsqueeze(0)
-
-        lengths = [len(s["input_ids"]) for s in samples]
+        A sample without advantages or logprobs gets 0.0 on each token; one without policy steps or servers, -1,
+        when another sample of the row has them; one without kept sets, the full vocabulary on each token."""
+        lengths = [s.num_tokens for s in samples]
         cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         return cls(
-            input_ids=cat("input_ids", torch.int64),
+            input_ids=_row(samples, "input_ids", torch.int64, 0),
             position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
             cu_seqlens=cu,
-            loss_mask=cat("loss_mask", torch.bool),
-            advantages=cat("advantages", torch.float32),
-            inference_logprobs=cat("inference_logprobs", torch.float32),
+            loss_mask=_row(samples, "loss_mask", torch.bool, False),
+            advantages=_row(samples, "advantages", torch.float32, 0.0),
+            inference_logprobs=_row(samples, "inference_logprobs", torch.float32, 0.0),
             temperature=float(temperature),
             env_names=list(env_names),
-            sample_env=torch.tensor([s.get("env", -1) for s in samples], dtype=torch.int32)
+            sample_env=torch.tensor([s.env for s in samples], dtype=torch.int32)
             if env_names
             else torch.zeros(0, dtype=torch.int32),
             policy_steps=_per_token(samples, "policy_steps"),
@@ -138,42 +182,37 @@ class MicroBatch:
     @classmethod
     def padding(cls, length: int, temperature: float, pad_id: int = 0, env_names: list[str] = ()) -> MicroBatch:
         """An all-masked micro batch that keeps FSDP collectives in lockstep on ranks with less data."""
-        return cls.pack(
-            [
-                {
-                    "input_ids": [pad_id] * length,
-                    "loss_mask": [False] * length,
-                    "advantages": [0.0] * length,
-                    "inference_logprobs": [0.0] * length,
-                }
-            ],
-            temperature,
-            env_names,
-        )
+        return cls.pack([Sample([pad_id] * length, [False] * length)], temperature, env_names)
 
 
-def _per_token(samples: list[dict], key: str) -> torch.Tensor:
-    """The samples' per-token ints under `key` (policy steps, servers) in one row, -1 for a sample without them;
+def _row(samples: list[Sample], name: str, dtype: torch.dtype, missing: float) -> torch.Tensor:
+    """The samples' per-token `name` laid end to end as a [1, L] row; `missing` on each token of a sample without
+    it (advantages and logprobs of SFT, canary and padding samples)."""
+
+    def part(s: Sample) -> torch.Tensor:
+        values = getattr(s, name)
+        if values is None:
+            return torch.full((s.num_tokens,), missing, dtype=dtype)
+        return torch.as_tensor(values, dtype=dtype)
+
+    return torch.cat([part(s) for s in samples]).unsqueeze(0)
+
+
+def _per_token(samples: list[Sample], name: str) -> torch.Tensor:
+    """The samples' per-token ints `name` (policy steps, servers) in one row, -1 for a sample without them;
     empty when no sample has them."""
-    if not any(s.get(key) is not None for s in samples):
+    if all(getattr(s, name) is None for s in samples):
         return torch.zeros(0, dtype=torch.int32)
-    rows = [s.get(key) or [-1] * len(s["input_ids"]) for s in samples]
-    for row, s in zip(rows, samples, strict=True):
-        if len(row) != len(s["input_ids"]):
-            raise ValueError(f"{len(row)} {key.replace('_', ' ')} for {len(s['input_ids'])} tokens")
-    return torch.cat([torch.as_tensor(r, dtype=torch.int32) for r in rows]).unsqueeze(0)
+    return _row(samples, name, torch.int32, -1)
 
 
-def _kept_csr(samples: list[dict], length: int) -> dict[str, torch.Tensor]:
-    """The samples' `kept` sets laid end to end as CSR (`kept_offsets`, `kept_ids`); none when no sample has one."""
-    if not any(s.get("kept") for s in samples):
+def _kept_csr(samples: list[Sample], length: int) -> dict[str, torch.Tensor]:
+    """The samples' kept sets laid end to end as CSR (`kept_offsets`, `kept_ids`); none when no sample has one."""
+    if not any(s.kept for s in samples):
         return {}
     sizes, ids = [], []
     for s in samples:
-        kept = s.get("kept") or [[]] * len(s["input_ids"])
-        if len(kept) != len(s["input_ids"]):
-            raise ValueError(f"{len(kept)} kept sets for {len(s['input_ids'])} tokens")
-        for k in kept:
+        for k in s.kept or [()] * s.num_tokens:
             sizes.append(len(k))
             ids.extend(k)
     offsets = torch.zeros(length + 1, dtype=torch.int64)

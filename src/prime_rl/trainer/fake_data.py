@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from prime_rl.protocol.packing import first_fit_decreasing, pack_rows, pad_rows
-from prime_rl.protocol.records import MicroBatch
+from prime_rl.protocol.records import MicroBatch, Sample
 
 
 def random_samples(num: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -31,8 +31,7 @@ def pack_samples(samples: list[list[int]], seq_len: int, seed: int) -> list[Micr
     packed = []
     for ids, advantage in zip(samples, advantages, strict=True):
         n, prompt = len(ids), max(1, len(ids) // 4)
-        packed.append({"input_ids": ids, "loss_mask": [False] * prompt + [True] * (n - prompt),
-                       "advantages": [advantage] * n, "inference_logprobs": [-7.0] * n})  # fmt: skip
+        packed.append(Sample(ids, [False] * prompt + [True] * (n - prompt), [advantage] * n, [-7.0] * n))
     return pack_rows(packed, seq_len, temperature=1.0)
 
 

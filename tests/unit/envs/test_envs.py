@@ -6,7 +6,8 @@ import pytest
 from prime_rl.envs import EnvError, Example, is_multi_turn, load_environment, split_score
 from prime_rl.envs.arithmetic import parse_final_answer
 from prime_rl.orchestrator.advantage import apply_truncation, is_zero
-from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.packing import rollout_sample
+from tests.samples import scored_rollout
 
 
 def test_arithmetic_generates_exact_integer_problems_and_parses_final_answers():
@@ -72,10 +73,11 @@ def test_score_may_return_a_dict_of_metrics_with_a_reward():
 
 
 def test_env_tokens_are_masked_and_carry_no_advantage_or_logprob():
-    sample = make_sample([1, 2], [10, 11, 50, 51, 12], [-0.1, -0.2, -9, -9, -0.3], 0.5, [1, 1, 0, 0, 1])
-    assert sample["loss_mask"] == [False, False, True, True, False, False, True]
-    assert sample["advantages"] == [0, 0, 0.5, 0.5, 0, 0, 0.5]
-    assert sample["inference_logprobs"] == [0, 0, -0.1, -0.2, 0, 0, -0.3]
+    rollout = scored_rollout([1, 2], [10, 11, 50, 51, 12], [-0.1, -0.2, -9, -9, -0.3], 0.5, [1, 1, 0, 0, 1])
+    sample = rollout_sample(rollout)
+    assert sample.loss_mask == [False, False, True, True, False, False, True]
+    assert sample.advantages == [0, 0, 0.5, 0.5, 0, 0, 0.5]
+    assert sample.inference_logprobs == [0, 0, -0.1, -0.2, 0, 0, -0.3]
 
 
 def test_truncation_options_and_zero_groups():

@@ -77,7 +77,7 @@ def test_zero_advantage_groups_are_replaced_until_the_batch_is_full():
 def test_without_skipping_the_batch_keeps_zero_groups():
     batch, data, _ = run_batch()
     assert [g.example.info["i"] for g in batch.groups] == [0, 1, 2, 3] and data.drawn == 4
-    assert batch.advantages[0] == [0.0, 0.0] and batch.advantages[1] == [0.5, -0.5]
+    assert batch.groups[0].advantages == [0.0, 0.0] and batch.groups[1].advantages == [0.5, -0.5]
 
 
 def test_round_limit_fills_with_zero_groups_to_keep_batch_size():
@@ -88,21 +88,21 @@ def test_round_limit_fills_with_zero_groups_to_keep_batch_size():
 def test_truncated_completions_can_get_zero_reward_or_be_masked():
     # Choice 1 of each group is cut at max_tokens ("length"); every rollout scores 1.
     batch, _, _ = run_batch(AllRight())
-    assert batch.advantages == [[0.0, 0.0]] * 4
+    assert [g.advantages for g in batch.groups] == [[0.0, 0.0]] * 4
     batch, _, _ = run_batch(AllRight(), truncated="zero_reward")
-    assert batch.advantages == [[0.5, -0.5]] * 4
+    assert [g.advantages for g in batch.groups] == [[0.5, -0.5]] * 4
     batch, _, _ = run_batch(truncated="mask")
     samples = build_samples(batch, "mask")
-    assert [any(s["loss_mask"]) for s in samples] == [True, False] * 4
+    assert [any(s.loss_mask) for s in samples] == [True, False] * 4
 
 
 def test_masked_truncated_rollouts_leave_the_loss_but_keep_their_reward_in_the_baseline():
     # Odd groups: choice 0 ("a", stop) scores 1, choice 1 ("b", cut at max_tokens) 0.
     batch, _, _ = run_batch(truncated="mask")
-    assert batch.advantages[1] == [0.5, -0.5]  # the cut rollout's 0 is in the baseline (without it: [0.0])
+    assert batch.groups[1].advantages == [0.5, -0.5]  # the cut rollout's 0 is in the baseline (without it: [0.0])
     samples = build_samples(batch, "mask")
-    assert [any(s["loss_mask"]) for s in samples[2:4]] == [True, False]
-    assert samples[2]["advantages"][-1] == 0.5
+    assert [any(s.loss_mask) for s in samples[2:4]] == [True, False]
+    assert samples[2].advantages[-1] == 0.5
 
 
 def test_length_penalty_gives_equal_rewards_a_signal_so_skip_zero_advantage_keeps_them():
@@ -127,9 +127,9 @@ def test_length_penalty_gives_equal_rewards_a_signal_so_skip_zero_advantage_keep
     shaped = run(skip_zero_advantage=True, length_penalty=0.1)
     assert shaped.skipped == 0 and shaped.rounds == 1
     gap = 0.1 * 2 / 128 / 2  # λ × (3 − 1 tokens) / (max_tokens 128 × 1 turn), split around the mean
-    assert shaped.advantages == [[pytest.approx(gap), pytest.approx(-gap)]] * 2
+    assert [g.advantages for g in shaped.groups] == [[pytest.approx(gap), pytest.approx(-gap)]] * 2
     plain = run(skip_zero_advantage=True, max_rounds=2)
-    assert plain.skipped == 2 and plain.rounds == 2 and plain.advantages == [[0.0, 0.0]] * 2
+    assert plain.skipped == 2 and plain.rounds == 2 and [g.advantages for g in plain.groups] == [[0.0, 0.0]] * 2
 
 
 def test_two_environments_mix_by_ratio_and_get_their_own_metrics():

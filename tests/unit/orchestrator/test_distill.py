@@ -1,4 +1,4 @@
-"""On-policy distillation without servers: the per-token advantage formula, teacher_kl, make_sample's per-token
+"""On-policy distillation without servers: the per-token advantage formula, teacher_kl, rollout_sample's per-token
 advantages, the vocabulary check, and how `rl` wires [teacher] into [orchestrator.teacher]."""
 
 import asyncio
@@ -13,9 +13,10 @@ from prime_rl.configs.rl import RLConfig
 from prime_rl.launch.services import service_commands, service_configs
 from prime_rl.orchestrator.advantage import is_zero
 from prime_rl.orchestrator.distill import Teacher, TeacherMismatch, check_vocabulary, teacher_kl, token_advantages
-from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.rollout import Group, Rollout
 from prime_rl.utils.tiny_model import create_tiny_model
+from tests.samples import scored_rollout
 
 
 def rollout(student: list[float], teacher: list[float], mask: list[bool]) -> Rollout:
@@ -33,12 +34,12 @@ def test_the_docstrings_worked_example_and_env_tokens_get_nothing():
     assert not is_zero([[0.0, 0.3]]) and is_zero([[0.0, 0.0], [0.0]]) and is_zero([0.0, 0.0])
 
 
-def test_make_sample_takes_one_advantage_per_completion_token():
-    sample = make_sample([1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [0.5, 9.0, -1.2], [True, False, True])
-    assert sample["advantages"] == [0.0, 0.0, 0.5, 0.0, -1.2]  # none on the prompt or a masked token
-    assert make_sample([1], [5, 6], [-0.1, -0.2], 0.25)["advantages"] == [0.0, 0.25, 0.25]  # a float as before
-    with pytest.raises(ValueError, match="2 advantages for 3 completion tokens"):
-        make_sample([1], [5, 6, 7], [-0.1] * 3, [0.5, 0.5])
+def test_rollout_sample_takes_one_advantage_per_completion_token():
+    sample = rollout_sample(scored_rollout([1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [0.5, 9.0, -1.2], [1, 0, 1]))
+    assert sample.advantages == [0.0, 0.0, 0.5, 0.0, -1.2]  # none on the prompt or a masked token
+    assert rollout_sample(scored_rollout([1], [5, 6], [-0.1, -0.2], 0.25)).advantages == [0.0, 0.25, 0.25]  # a float
+    with pytest.raises(ValueError, match="3 advantages for 4 tokens"):  # 1 prompt + 2 for 3 completion tokens
+        rollout_sample(scored_rollout([1], [5, 6, 7], [-0.1] * 3, [0.5, 0.5]))
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):

@@ -3,23 +3,25 @@ import itertools
 import pytest
 import torch
 
-from prime_rl.orchestrator.packing import make_sample, pack_micro_batches, split_over_ranks
+from prime_rl.orchestrator.packing import pack_micro_batches, rollout_sample, split_over_ranks
 from prime_rl.protocol.packing import PADDING_LENGTH, SampleTooLong, first_fit_decreasing
+from prime_rl.protocol.records import Sample
+from tests.samples import scored_rollout
 
 
-def sample(uid: int, n_prompt: int, n_completion: int, advantage: float = 0.5) -> dict:
+def sample(uid: int, n_prompt: int, n_completion: int, advantage: float = 0.5) -> Sample:
     """Token ids encode (sample, position) so we can trace every token after packing."""
     ids = [uid * 1000 + i for i in range(n_prompt + n_completion)]
     logprobs = [-(uid + i / 100) for i in range(n_completion)]
-    return make_sample(ids[:n_prompt], ids[n_prompt:], logprobs, advantage)
+    return rollout_sample(scored_rollout(ids[:n_prompt], ids[n_prompt:], logprobs, advantage))
 
 
-def test_make_sample_masks_prompt_and_puts_advantage_and_logprobs_on_completion():
-    s = make_sample([1, 2, 3], [4, 5], [-0.1, -0.2], advantage=0.75)
-    assert s["input_ids"] == [1, 2, 3, 4, 5]
-    assert s["loss_mask"] == [False, False, False, True, True]
-    assert s["advantages"] == [0.0, 0.0, 0.0, 0.75, 0.75]
-    assert s["inference_logprobs"] == [0.0, 0.0, 0.0, -0.1, -0.2]
+def test_rollout_sample_masks_prompt_and_puts_advantage_and_logprobs_on_completion():
+    s = rollout_sample(scored_rollout([1, 2, 3], [4, 5], [-0.1, -0.2], advantage=0.75))
+    assert s.input_ids == [1, 2, 3, 4, 5]
+    assert s.loss_mask == [False, False, False, True, True]
+    assert s.advantages == [0.0, 0.0, 0.0, 0.75, 0.75]
+    assert s.inference_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2]
 
 
 def test_ffd_matches_docstring_example():
@@ -56,11 +58,11 @@ def test_every_token_lands_exactly_once_with_correct_boundaries():
             uid = ids[0] // 1000
             assert uid not in seen, "sample packed twice"
             seen[uid] = (a, b)
-            assert ids == samples[uid]["input_ids"]
+            assert ids == samples[uid].input_ids
             assert mb.position_ids[0, a:b].tolist() == list(range(b - a))
-            assert mb.loss_mask[0, a:b].tolist() == samples[uid]["loss_mask"]
-            assert mb.advantages[0, a:b].tolist() == pytest.approx(samples[uid]["advantages"])
-            assert mb.inference_logprobs[0, a:b].tolist() == pytest.approx(samples[uid]["inference_logprobs"])
+            assert mb.loss_mask[0, a:b].tolist() == samples[uid].loss_mask
+            assert mb.advantages[0, a:b].tolist() == pytest.approx(samples[uid].advantages)
+            assert mb.inference_logprobs[0, a:b].tolist() == pytest.approx(samples[uid].inference_logprobs)
     assert sorted(seen) == list(range(len(shapes)))
 
 

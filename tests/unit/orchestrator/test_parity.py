@@ -68,7 +68,6 @@ def test_the_first_batch_gives_the_canaries_across_envs_and_a_bad_server_stops_t
             Group(None, [rollout([6], [7, 8], [True, False])], env="a"),
             Group(None, [rollout([9, 10, 11], [12])], env="b"),
         ],
-        advantages=[],
     )
     good, bad = "http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"
     client = FakeClient({good: [0.0, -1.0, -1.0, -1.0], bad: [0.0, -1.5, -1.5, -1.5]})
@@ -140,7 +139,7 @@ def test_without_a_trainer_in_the_output_dir_no_server_is_asked_to_score(tmp_pat
     client.score = None  # a server that cannot score (e.g. a test's fake one) is never asked
     g = ParityGate(config, resumed=False)
     asyncio.run(g.start_step(client))
-    asyncio.run(g.choose_canaries(client, Batch(groups=[Group(None, [rollout([1], [2])], env="a")], advantages=[])))
+    asyncio.run(g.choose_canaries(client, Batch(groups=[Group(None, [rollout([1], [2])], env="a")])))
     assert read_canaries(tmp_path) is None and asyncio.run(g.finish_step(client, 19)) == {}
 
 

@@ -99,7 +99,8 @@ def test_a_multi_turn_rollouts_token_steps_reach_the_rank_file_and_the_per_token
     assert env > 0 and rollout.token_steps == [3, 3, 4] + [-1] * env + [5, 5]
     assert (rollout.weight_step, rollout.weight_step_max) == (3, 5)
 
-    batch = Batch([group], [[1.0]])
+    rollout.advantage = 1.0
+    batch = Batch([group])
     samples = build_samples(batch, "zero_reward", ["two"])
     (rows,) = pack_micro_batches(samples, 512, 1, 1.0, env_names=["two"])
     write_rank_file(tmp_path, 5, 0, rows)
@@ -128,7 +129,7 @@ def test_a_server_without_spans_gives_every_token_the_responses_step():
     group = asyncio.run(source.group(client_for(Server(spans=None)), Example(prompt=MESSAGES, answer=""), 1))
     (rollout,) = group.rollouts
     assert rollout.token_steps == [4, 4, 4] and rollout.weight_step == rollout.weight_step_max == 4
-    m = step_metrics(Batch([group], [[0.0]]), {"step": 1.0}, 6)
+    m = step_metrics(Batch([group]), {"step": 1.0}, 6)
     assert m["token_lag/2"] == 3 and m["token_lag_mean"] == m["token_lag_max"] == m["off_policy_gap"] == 2
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, SamplingConfig
-from prime_rl.orchestrator.packing import make_sample
+from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.protocol.records import MicroBatch
@@ -82,9 +82,8 @@ def test_a_multi_turn_rollout_keeps_sets_on_model_tokens_and_none_on_env_replies
     (rollout,) = group.rollouts
     env = len(rollout.completion_ids) - 3
     assert rollout.kept == [[10, 99], [11, 99]] + [[]] * env + [[]]
-    sample = make_sample(rollout.prompt_ids, rollout.completion_ids, rollout.logprobs, 1.0, rollout.completion_mask,
-                         kept=rollout.kept)  # fmt: skip
-    mb = MicroBatch.pack([sample], 1.0)
+    rollout.advantage = 1.0
+    mb = MicroBatch.pack([rollout_sample(rollout)], 1.0)
     assert mb.has_kept_sets and mb.kept_ids.tolist() == [10, 99, 11, 99]
     start = len(rollout.prompt_ids)
     assert mb.kept_offsets[start : start + 3].tolist() == [0, 2, 4]

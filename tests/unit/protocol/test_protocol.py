@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import time
+from dataclasses import FrozenInstanceError
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ from prime_rl.protocol import (
     weights_root,
 )
 from prime_rl.protocol.liveness import RUN_VAR, STARTED
-from prime_rl.protocol.records import MicroBatch, read_rank_file, write_rank_file
+from prime_rl.protocol.records import MicroBatch, Sample, read_rank_file, write_rank_file
+from tests.samples import sample
 
 
 def test_atomic_write_leaves_no_temp_files_and_replaces_whole(tmp_path):
@@ -52,9 +54,8 @@ def test_only_stable_dirs_count_and_pruning_keeps_newest(tmp_path):
 
 
 def test_rank_file_round_trip_and_mismatch_is_an_error(tmp_path):
-    sample = {"input_ids": [5, 6, 7], "loss_mask": [False, True, True], "advantages": [0, 1, 1],
-              "inference_logprobs": [0, -1.5, -0.5]}  # fmt: skip
-    mb = MicroBatch.pack([sample, sample], temperature=0.7)
+    one = sample([5, 6, 7], 1, [0, 1, 1], [0, -1.5, -0.5])
+    mb = MicroBatch.pack([one, one], temperature=0.7)
     assert mb.cu_seqlens.tolist() == [0, 3, 6]
     assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
     write_rank_file(tmp_path, 3, 1, [mb, MicroBatch.padding(4, 0.7)])
@@ -63,6 +64,25 @@ def test_rank_file_round_trip_and_mismatch_is_an_error(tmp_path):
     assert not loaded[1].loss_mask.any()
     with pytest.raises(ValueError, match="holds step 3 rank 1, expected 4/1"):
         read_rank_file(rank_file(tmp_path, 3, 1), step=4, rank=1)
+
+
+def test_a_sample_has_one_entry_per_token_in_every_list_and_packs_without_the_optional_ones():
+    with pytest.raises(ValueError, match="2 loss mask entries for 3 tokens"):
+        Sample([1, 2, 3], [True, True])
+    with pytest.raises(ValueError, match="2 inference logprobs for 3 tokens"):
+        Sample([1, 2, 3], [True] * 3, [0.0] * 3, [0.0] * 2)
+    for extra in ("kept", "policy_steps", "servers"):
+        with pytest.raises(ValueError, match=f"1 {'kept sets' if extra == 'kept' else extra.replace('_', ' ')} for 3"):
+            Sample([1, 2, 3], [True] * 3, **{extra: [[]] if extra == "kept" else [0]})
+    with pytest.raises(FrozenInstanceError):
+        Sample([1], [True]).env = 0
+    # No advantage, μ or kept set off the loss mask; an SFT sample (none given) packs as zeros, -1 steps beside others'.
+    one = Sample([5, 6, 7], [False, True, False], [1.0] * 3, [-0.5] * 3, kept=[[1], [2, 3], [4]]).masked()
+    assert (one.advantages, one.inference_logprobs, one.kept) == ([0.0, 1.0, 0.0], [0.0, -0.5, 0.0], [[], [2, 3], []])
+    mb = MicroBatch.pack([Sample([8, 9], [True, True]), sample([1, 2], 1, 0.5, policy_steps=[-1, 4])], 1.0)
+    mb.validate()
+    assert mb.advantages.tolist() == [[0.0, 0.0, 0.5, 0.5]] and mb.inference_logprobs.tolist() == [[0.0] * 4]
+    assert mb.policy_steps.tolist() == [[-1, -1, -1, 4]] and mb.kept_ids.numel() == 0
 
 
 def test_malformed_micro_batch_is_rejected():

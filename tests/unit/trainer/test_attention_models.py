@@ -13,6 +13,7 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.utils.tiny_model import GEMMA2_SLIDING_WINDOW, create_tiny_model
+from tests.samples import sample
 
 CPU = torch.device("cpu")
 # Longer than the window of 8 (but for the 5-token one), so the window hides keys in most samples.
@@ -34,11 +35,6 @@ def _variant(base, tmp_path, **config):
         setattr(changed, key, value)
     changed.save_pretrained(path)
     return path
-
-
-def _sample(ids: list[int]) -> dict:
-    n = len(ids)
-    return {"input_ids": ids, "loss_mask": [True] * n, "advantages": [0.0] * n, "inference_logprobs": [0.0] * n}
 
 
 def _samples(lengths, seed=0) -> list[list[int]]:
@@ -65,7 +61,7 @@ def _check_packed_matches_eager(path, where: bool):
     want, want_grads = _eager_logprobs(path, samples)
     model = build_model(str(path))
     check_supported(model)
-    mb = MicroBatch.pack([_sample(ids) for ids in samples], temperature=1.0)
+    mb = MicroBatch.pack([sample(ids) for ids in samples], temperature=1.0)
     out = forward_logprobs(model, mb, CPU, where=mb.loss_mask if where else None).logprobs
     got = out[0].split(list(LENGTHS))
     for g, w in zip(got, want, strict=True):  # position 0 of a sample has no prefix
@@ -120,7 +116,7 @@ def test_plain_causal_attention_keeps_the_fast_packed_op(arch, tiny_model, tiny_
     model = build_model(str(path))
     lengths = (GEMMA2_SLIDING_WINDOW, 3, GEMMA2_SLIDING_WINDOW - 1)
     with torch.no_grad():
-        forward_logprobs(model, MicroBatch.pack([_sample(ids) for ids in _samples(lengths)], 1.0), CPU)
+        forward_logprobs(model, MicroBatch.pack([sample(ids) for ids in _samples(lengths)], 1.0), CPU)
     assert calls == {"packed_causal_attention": model.config.num_hidden_layers, "capped_window_attention": 0}
 
 

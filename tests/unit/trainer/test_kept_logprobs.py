@@ -11,6 +11,7 @@ import torch
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import kept_at, target_logprobs_and_entropy, token_logprobs_and_entropy
+from tests.samples import sample
 
 
 def csr(sets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +74,7 @@ def test_gradients_are_exact_in_float64():
 
 
 def test_a_packed_micro_batch_scores_its_kept_positions_and_leaves_the_others():
-    samples = [
-        {"input_ids": [5, 1, 2], "loss_mask": [0, 1, 1], "advantages": [0.0] * 3, "inference_logprobs": [0.0] * 3,
-         "kept": [[], [1, 3], []]},
-        {"input_ids": [4, 0], "loss_mask": [0, 1], "advantages": [0.0] * 2, "inference_logprobs": [0.0] * 2,
-         "kept": [[], [0, 2, 7]]},
-    ]  # fmt: skip
+    samples = [sample([5, 1, 2], 1, kept=[[], [1, 3], []]), sample([4, 0], 1, kept=[[], [0, 2, 7]])]
     mb = MicroBatch.pack(samples, 1.0)
     offsets, ids = kept_at(mb, torch.tensor([1, 2, 3, 4]))
     assert offsets.tolist() == [0, 2, 2, 2, 5] and ids.tolist() == [1, 3, 0, 2, 7]

@@ -22,6 +22,7 @@ from prime_rl.trainer.model import build_training
 from prime_rl.trainer.rl.train import train_step
 from prime_rl.trainer.weights import save_weights
 from prime_rl.utils.lora import adapter_pairs, merge_weight
+from tests.samples import sample
 
 
 def _config(model, out, **lora) -> TrainerConfig:
@@ -38,16 +39,9 @@ def _batch(seed: int) -> MicroBatch:
     samples = []
     for n in (12, 9):
         ids = torch.randint(3, 1000, (n,), generator=g).tolist()
-        mask = [False] * 3 + [True] * (n - 3)
         advantage = float(torch.randn((), generator=g))
-        samples.append((ids, mask, [-1.0] * n, [advantage] * n))
-    return MicroBatch.pack(
-        [
-            {"input_ids": ids, "loss_mask": mask, "inference_logprobs": lp, "advantages": adv}
-            for ids, mask, lp, adv in samples
-        ],
-        temperature=1.0,
-    )
+        samples.append((ids, [-1.0] * n, advantage))
+    return MicroBatch.pack([sample(ids, 3, adv, lp) for ids, lp, adv in samples], temperature=1.0)
 
 
 def _train(config, one_rank, steps: range, state=None):

@@ -7,15 +7,11 @@ from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_ac, apply_compile
-
-
-def _sample(ids: list[int]) -> dict:
-    n = len(ids)
-    return {"input_ids": ids, "loss_mask": [True] * n, "advantages": [0.0] * n, "inference_logprobs": [0.0] * n}
+from tests.samples import sample
 
 
 def test_sample_starts_marks_first_token_of_each_packed_sample():
-    mb = MicroBatch.pack([_sample([1, 2, 3]), _sample([4]), _sample([5, 6])], temperature=1.0)
+    mb = MicroBatch.pack([sample([1, 2, 3]), sample([4]), sample([5, 6])], temperature=1.0)
     assert sample_starts(mb).tolist() == [[True, False, False, True, True, False]]
 
 
@@ -24,8 +20,8 @@ def test_logprobs_of_a_packed_sample_equal_those_of_the_sample_alone(arch, reque
     model = build_model(str(request.getfixturevalue(arch)))
     g = torch.Generator().manual_seed(1)
     a, b, c = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 13, 6))
-    alone = MicroBatch.pack([_sample(a)], temperature=0.8)
-    packed = MicroBatch.pack([_sample(b), _sample(a), _sample(c)], temperature=0.8)
+    alone = MicroBatch.pack([sample(a)], temperature=0.8)
+    packed = MicroBatch.pack([sample(b), sample(a), sample(c)], temperature=0.8)
 
     with torch.no_grad():
         ref = forward_logprobs(model, alone, torch.device("cpu"))
@@ -35,12 +31,12 @@ def test_logprobs_of_a_packed_sample_equal_those_of_the_sample_alone(arch, reque
     torch.testing.assert_close(out.logprobs[0, start + 1 : end], ref.logprobs[0, 1:], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.entropy[0, start + 1 : end], ref.entropy[0, 1:], atol=1e-5, rtol=0)
     # And the samples around it are unaffected by it: c alone gives c's packed logprobs.
-    ref_c = forward_logprobs(model, MicroBatch.pack([_sample(c)], 0.8), torch.device("cpu"))
+    ref_c = forward_logprobs(model, MicroBatch.pack([sample(c)], 0.8), torch.device("cpu"))
     torch.testing.assert_close(out.logprobs[0, end + 1 :], ref_c.logprobs[0, 1:].detach(), atol=1e-5, rtol=0)
 
 
 def test_activation_checkpointing_leaves_gradients_unchanged(tiny_model):
-    mb = MicroBatch.pack([_sample(list(range(5, 17))), _sample(list(range(40, 47)))], temperature=1.0)
+    mb = MicroBatch.pack([sample(list(range(5, 17))), sample(list(range(40, 47)))], temperature=1.0)
     grads = []
     for ac in (False, True):
         model = build_model(str(tiny_model))
@@ -57,7 +53,7 @@ def test_logprobs_at_loss_positions_only_match_the_full_forward_in_value_and_gra
     model = build_model(str(tiny_model))
     g = torch.Generator().manual_seed(2)
     a, b = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (11, 7))
-    mb = MicroBatch.pack([_sample(a), _sample(b)], temperature=0.7)
+    mb = MicroBatch.pack([sample(a), sample(b)], temperature=0.7)
     where = torch.zeros_like(mb.loss_mask)
     where[0, [0, 3, 4, 10, 11, 12, 17]] = True  # 0 and 11 start a sample: they have no prediction
     want = where & ~sample_starts(mb)
@@ -81,7 +77,7 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients_for_any_row_lengt
     and parameter names (what checkpoints and weight export read) are unchanged."""
     g = torch.Generator().manual_seed(3)
     rows = [
-        MicroBatch.pack([_sample(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in lengths], 1.0)
+        MicroBatch.pack([sample(torch.randint(3, 1000, (n,), generator=g).tolist()) for n in lengths], 1.0)
         for lengths in ([9, 300], [40, 7, 3], [5])
     ]
     eager = build_model(str(tiny_model))

@@ -20,7 +20,7 @@ import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.parity import canary_file, is_gate_step, read_canaries, write_sampled, write_trainer_scores
-from prime_rl.protocol.records import MicroBatch
+from prime_rl.protocol.records import MicroBatch, Sample
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
 
@@ -29,9 +29,7 @@ logger = logging.getLogger("prime_rl")
 
 def canary_batch(token_ids: list[int]) -> MicroBatch:
     """One canary as a packed row of one sample, scored at temperature 1 (as the servers' prompt logprobs)."""
-    n = len(token_ids)
-    sample = {"input_ids": token_ids, "loss_mask": [True] * n, "advantages": [0.0] * n, "inference_logprobs": [0.0] * n}
-    return MicroBatch.pack([sample], temperature=1.0)
+    return MicroBatch.pack([Sample(token_ids, [True] * len(token_ids))], temperature=1.0)
 
 
 def score_canaries(config: TrainerConfig, model: torch.nn.Module, device: torch.device, step: int, main: bool) -> None:

@@ -22,7 +22,6 @@ template the text is `prompt + completion + eos`. Example with ChatML, prompt "a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,15 +29,9 @@ import torch
 from prime_rl.configs.sft import SFTDataConfig
 from prime_rl.envs import EnvError, load_environment
 from prime_rl.protocol.packing import pack_rows, pad_rows
-from prime_rl.protocol.records import MicroBatch
+from prime_rl.protocol.records import MicroBatch, Sample
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.parallel import Dist, all_reduce
-
-
-@dataclass
-class Sample:
-    input_ids: list[int]
-    loss_mask: list[bool]
 
 
 def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
@@ -257,17 +250,9 @@ def batch_epoch(epoch: int, position: int) -> int:
 
 
 def pack_rank_rows(mine: list[Sample], seq_len: int, dist: Dist) -> list[MicroBatch]:
-    """This rank's samples packed first-fit-decreasing into rows (advantages and μ unused by SFT: zeros), padded
-    to the most rows any rank has (collective): FSDP's collectives need every rank to run as many forwards."""
-    samples = [
-        {
-            "input_ids": s.input_ids,
-            "loss_mask": s.loss_mask,
-            "advantages": [0.0] * len(s.input_ids),
-            "inference_logprobs": [0.0] * len(s.input_ids),
-        }
-        for s in mine
-    ]
-    rows = pack_rows(samples, seq_len, temperature=1.0)
+    """This rank's samples packed first-fit-decreasing into rows (advantages and μ unused by SFT: none, zeros in the
+    rows), padded to the most rows any rank has (collective): FSDP's collectives need every rank to run as many
+    forwards."""
+    rows = pack_rows(mine, seq_len, temperature=1.0)
     (most,) = all_reduce([len(rows)], dist.device, op="max")
     return pad_rows(rows, int(most), 1.0)

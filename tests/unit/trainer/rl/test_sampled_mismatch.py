@@ -3,32 +3,32 @@ every loss token that weight step n sampled, per sample and server, from the los
 written per rank to `parity/sampled_step_n_rank_r.json` for the orchestrator (docs/orchestrator.md)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.parity import read_sampled, sampled_file
-from prime_rl.protocol.records import MicroBatch, read_rank_file, write_rank_file
+from prime_rl.protocol.records import MicroBatch, Sample, read_rank_file, write_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.rl.parity import SampledMismatch
 from prime_rl.trainer.rl.train import rl_loss, train_step
+from tests.samples import sample as make_sample
 
 
-def sample(mu: list[float], steps: list[int], servers: list[int]) -> dict:
+def sample(mu: list[float], steps: list[int], servers: list[int]) -> Sample:
     """3 prompt tokens, then the completion; `mu` the sampler's logprobs of every position."""
-    n = len(mu)
-    return {"input_ids": list(range(10, 10 + n)), "loss_mask": [False] * 3 + [True] * (n - 3),
-            "advantages": [0.0] * n, "inference_logprobs": mu, "policy_steps": [-1] * 3 + steps,
-            "servers": [-1] * 3 + servers}  # fmt: skip
+    ids = list(range(10, 10 + len(mu)))
+    return make_sample(ids, 3, logprobs=mu, policy_steps=[-1] * 3 + steps, servers=[-1] * 3 + servers)
 
 
 def test_the_rank_file_carries_each_tokens_server(tmp_path):
     a = sample([0.0] * 6, [4, 4, 4], [1, 1, 0])  # a multi-turn sample whose last turn went to server 0
-    write_rank_file(tmp_path, 4, 0, [MicroBatch.pack([a, {k: v for k, v in a.items() if k != "servers"}], 1.0)])
+    write_rank_file(tmp_path, 4, 0, [MicroBatch.pack([a, replace(a, servers=None)], 1.0)])
     [mb] = read_rank_file(tmp_path / "rollouts" / "step_4" / "rank_0.pt", 4, 0)
     assert mb.token_server.tolist() == [[-1, -1, -1, 1, 1, 0] + [-1] * 6]
 

@@ -4,18 +4,20 @@ that sampled it) from the rank file's `policy_steps`, reports `token_lag_mean` /
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from prime_rl.configs.trainer import LossConfig, TrainerConfig
-from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.protocol.records import MicroBatch, Sample, write_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.rl.loss import policy_loss, token_lag
 from prime_rl.trainer.rl.train import load_micro_batches, train_step
+from tests.samples import on_policy_sample
 
 # One sample of 4 positions, the first a prompt token (as in test_loss_masks.py): r = [·, 3, 1, 0.25].
 PI = torch.tensor([[0.5, 0.9, 0.5, 0.1]])
@@ -60,16 +62,9 @@ def test_without_max_token_lag_or_without_steps_nothing_is_masked_for_lag():
     assert not terms.rule_masks["lag"].any() and not terms.masked.any()
 
 
-def _sample(model, ids: list[int], advantage: float, steps: list[int] | None) -> dict:
+def _sample(model, ids: list[int], advantage: float, steps: list[int] | None) -> Sample:
     """Token ids with 3 prompt tokens, μ = the model's own logprobs (every ratio 1) and per-token policy steps."""
-    n = len(ids)
-    alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
-                              "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
-    with torch.no_grad():
-        mu = forward_logprobs(model, alone, torch.device("cpu")).logprobs[0].tolist()
-    sample = {"input_ids": ids, "loss_mask": [False] * 3 + [True] * (n - 3), "advantages": [advantage] * n,
-              "inference_logprobs": mu}  # fmt: skip
-    return sample if steps is None else sample | {"policy_steps": [-1] * 3 + steps}
+    return on_policy_sample(model, ids, 3, advantage, policy_steps=None if steps is None else [-1] * 3 + steps)
 
 
 def _step_5(tiny_model, tmp_path, one_rank, late_advantage: float):
@@ -79,7 +74,7 @@ def _step_5(tiny_model, tmp_path, one_rank, late_advantage: float):
     model = build_model(str(tiny_model))
     apply_fsdp(model, one_rank, torch.float32)
     a = _sample(model, list(range(10, 22)), 1.0, [5] * 4 + [3] * 5)
-    a["advantages"] = a["advantages"][:7] + [late_advantage] * 5  # only the lagging tokens' advantage varies
+    a = replace(a, advantages=a.advantages[:7] + [late_advantage] * 5)  # only the lagging tokens' advantage varies
     b = _sample(model, list(range(200, 208)), -1.0, [4] * 5)
     plain = _sample(model, list(range(40, 48)), 0.5, None)
     write_rank_file(tmp_path, 5, 0, [MicroBatch.pack([a, b], 1.0), MicroBatch.pack([plain], 1.0),

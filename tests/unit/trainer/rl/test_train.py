@@ -7,13 +7,14 @@ import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol import list_steps, rank_file, rollout_step_dir, weights_dir, weights_root
-from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.protocol.records import MicroBatch, Sample, write_rank_file
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.rl.train import load_micro_batches, prune_old_steps, train_step
+from tests.samples import on_policy_sample, sample
 
 
 def _config(tiny_model, tmp_path, **kw) -> TrainerConfig:
@@ -22,15 +23,7 @@ def _config(tiny_model, tmp_path, **kw) -> TrainerConfig:
 
 def _on_policy_batch(model, samples: list[tuple[list[int], float]], prompt_len: int = 3) -> MicroBatch:
     """Samples (token ids, advantage) whose μ logprobs are the model's own, so every ratio is 1."""
-    packed = []
-    for ids, advantage in samples:
-        n = len(ids)
-        alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
-                                  "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
-        with torch.no_grad():
-            mu = forward_logprobs(model, alone, torch.device("cpu")).logprobs[0].tolist()
-        mask = [False] * prompt_len + [True] * (n - prompt_len)
-        packed.append({"input_ids": ids, "loss_mask": mask, "advantages": [advantage] * n, "inference_logprobs": mu})
+    packed = [on_policy_sample(model, ids, prompt_len, advantage) for ids, advantage in samples]
     return MicroBatch.pack(packed, temperature=1.0)
 
 
@@ -63,8 +56,7 @@ def test_a_rank_file_token_outside_the_vocabulary_is_a_trainer_error_not_an_inde
     apply_fsdp(model, one_rank, torch.float32)
     vocab = model.get_input_embeddings().num_embeddings
     ids = [5, 6, 7, vocab, 9]
-    mb = MicroBatch.pack([{"input_ids": ids, "loss_mask": [True] * 5, "advantages": [1.0] * 5,
-                           "inference_logprobs": [0.0] * 5}], 1.0)  # fmt: skip
+    mb = MicroBatch.pack([sample(ids, advantage=1.0)], 1.0)
     with pytest.raises(TrainerError, match=rf"outside the model's vocabulary \[0, {vocab}\): \[{vocab}\]"):
         train_step(model, build_optimizer(model, config.optim), [mb], config, one_rank)
 
@@ -96,18 +88,9 @@ def test_pruning_keeps_newest_weights_and_every_unread_rollout_step(tiny_model, 
     assert list_steps(weights_root(tmp_path)) == [2, 3]
 
 
-def _env_batch(model, samples: list[tuple[list[int], int, float]], env_names: list[str]) -> list[dict]:
+def _env_batch(model, samples: list[tuple[list[int], int, float]], env_names: list[str]) -> list[Sample]:
     """Samples (token ids, env index, δ) with μ = π − δ on the loss tokens: log r = δ on every one of them."""
-    out = []
-    for ids, env, delta in samples:
-        n = len(ids)
-        alone = MicroBatch.pack([{"input_ids": ids, "loss_mask": [False] * n, "advantages": [0.0] * n,
-                                  "inference_logprobs": [0.0] * n}], 1.0)  # fmt: skip
-        with torch.no_grad():
-            mu = (forward_logprobs(model, alone, torch.device("cpu")).logprobs[0] - delta).tolist()
-        mask = [False] * 3 + [True] * (n - 3)
-        out.append({"input_ids": ids, "loss_mask": mask, "advantages": [1.0] * n, "inference_logprobs": mu, "env": env})
-    return out
+    return [on_policy_sample(model, ids, 3, 1.0, shift=delta, env=env) for ids, env, delta in samples]
 
 
 def test_per_env_metrics_are_means_over_each_envs_tokens_whatever_the_split(tiny_model, tmp_path, one_rank):
