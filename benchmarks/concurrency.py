@@ -20,26 +20,16 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from common import add_json_argument, start_server, write_json
 
-from prime_rl.launch.supervise import Service, stop_all, wait_for_inference
+from prime_rl.launch.supervise import stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def start_server(model: Path, port: int, capacity: int, out: Path) -> Service:
-    """One built-in server with `capacity` batch rows, started and awaited as `rl` does."""
-    cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
-           "--server.port", str(port), "--output-dir", str(out), "--no-log.file",
-           "--engine.max-batch-size", str(capacity)]  # fmt: skip
-    server = Service("inference", cmd, out / "server.log", {})
-    wait_for_inference([server], f"http://127.0.0.1:{port}/health", 180)
-    return server
 
 
 class Bursts:
@@ -125,6 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="bursts per mode")
     parser.add_argument("--every", type=float, default=0.5, help="seconds between trace rows")
     parser.add_argument("--model", type=Path, default=ROOT / "assets" / "tiny-qwen3")
+    add_json_argument(parser, "concurrency")
     args = parser.parse_args()
     import logging
 
@@ -135,7 +126,7 @@ def main() -> None:
     logging.getLogger("prime_rl").setLevel(logging.WARNING)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(args.model, port, args.capacity, Path(tmp))
+        server = start_server(args.model, port, Path(tmp), ["--engine.max-batch-size", str(args.capacity)])
         try:
             runs, traces = asyncio.run(measure(f"http://127.0.0.1:{port}", str(args.model), args))
         finally:
@@ -151,10 +142,12 @@ def main() -> None:
     print(f"\nmedians of {args.repeats} bursts of {args.requests} requests (up to {args.tokens} tokens each)")
     print("| mode | makespan | tokens/s | time at server (median) | time at server (max) |")
     print("|---|---|---|---|---|")
+    medians = {}
     for mode, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med = medians[mode] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         print(f"| {mode} | {med['makespan_s']:.2f} s | {med['tokens_per_s']:.0f} | {med['at_server_s']:.2f} s | "
               f"{med['at_server_max_s']:.2f} s |")  # fmt: skip
+    write_json(args, "concurrency", {"medians": medians, "bursts": runs, "traces": traces})
 
 
 if __name__ == "__main__":

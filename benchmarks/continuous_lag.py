@@ -20,22 +20,21 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from common import add_json_argument, write_json
+
+from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
+from prime_rl.envs import Example
+from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot, token_lags
+from prime_rl.orchestrator.rollout import RolloutSource
+from prime_rl.orchestrator.servers.client import InferenceClient
+from prime_rl.orchestrator.staleness import Staleness
+from prime_rl.orchestrator.stream import RolloutStream
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig  # noqa: E402
-from prime_rl.envs import Example  # noqa: E402
-from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot, token_lags  # noqa: E402
-from prime_rl.orchestrator.rollout import RolloutSource  # noqa: E402
-from prime_rl.orchestrator.servers.client import InferenceClient  # noqa: E402
-from prime_rl.orchestrator.staleness import Staleness  # noqa: E402
-from prime_rl.orchestrator.stream import RolloutStream  # noqa: E402
 
 SHORT, LONG, TRAIN = 0.01, 0.1, 0.03  # seconds: a request, a long-tail request, a trainer step
 
@@ -129,14 +128,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
+    add_json_argument(parser, "continuous_lag")
     args = parser.parse_args()
+    rows = []
     print("| max_inflight | max_off_policy_steps | token lag mean | token lag max | stale groups | step (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for inflight in args.inflight:
         for bound in args.bounds:
             r = asyncio.run(run_case(inflight, bound, args.steps, args.warmup, args.batch, args.group))
+            rows.append(r)
             print(f"| {r['inflight']} | {r['bound']}{'' if bound is not None else ' (default)'} | {r['lag_mean']:.2f} "
                   f"| {r['lag_max']} | {r['stale']} | {1000 * r['step_s']:.0f} |", flush=True)  # fmt: skip
+    write_json(args, "continuous_lag", {"rows": rows})
 
 
 if __name__ == "__main__":

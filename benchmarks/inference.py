@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_json_argument, write_json
+
 READY = re.compile(r"(?:serving .* on|Starting vLLM server on) (http://[^\s,]+)")
 SIZES = {"tiny": {}, "small": {"hidden_size": 256, "num_layers": 4}}
 LABELS = {"vllm": "vLLM CPU build"}
@@ -179,6 +181,7 @@ def main() -> None:
     parser.add_argument(
         "--impls", default="native,transformers", help="servers, each its own: native, transformers (built-in), vllm"
     )
+    add_json_argument(parser, "inference")
     args = parser.parse_args()
 
     import torch
@@ -238,6 +241,11 @@ def main() -> None:
     print("\n| model | server | start-up (s) |\n|---|---|---|")
     for name, impl, seconds in startups:
         print(f"| {name} | {LABELS.get(impl, impl)} | {seconds:.0f} |")
+    keys = ("model", "concurrency", "engine", "tokens_per_s", "p50_s", "p99_s")
+    write_json(args, "inference", {
+        "threads": torch.get_num_threads(), "rows": [dict(zip(keys, r, strict=True)) for r in rows],
+        "startup_s": [{"model": n, "server": i, "seconds": s} for n, i, s in startups],
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,14 +24,14 @@ import statistics
 import sys
 from pathlib import Path
 
+from common import add_json_argument, mean_ends, write_json
+from reverse_text import run  # benchmarks/ is this script's sys.path[0]
+
+from prime_rl.protocol import final_weights_dir
+from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from reverse_text import run  # noqa: E402  (benchmarks/ is this script's sys.path[0])
-
-from prime_rl.protocol import final_weights_dir  # noqa: E402
-from prime_rl.utils.metrics import read_metrics  # noqa: E402
-from prime_rl.utils.net import free_port  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "examples" / "reverse_text"
 OBJECTIVES = {  # name → extra rl flags
@@ -47,12 +47,6 @@ PLOT = ROOT / "docs" / "examples" / "reverse_text_objectives.png"
 
 def slug(objective: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in objective).replace("---", "-")
-
-
-def mean_ends(values: list[float]) -> tuple[float, float]:
-    """Means of the first and last 10 % (at least one value each)."""
-    k = max(1, len(values) // 10)
-    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def run_rl(out: Path, sft: Path, objective: str, seed: int) -> Path:
@@ -144,6 +138,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="OMP_NUM_THREADS (1: a 2-thread run beside other work spins)"
     )
     parser.add_argument("--report", action="store_true", help="only the table and plot of the runs in --out")
+    add_json_argument(parser, "objectives")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ENV.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -162,6 +157,7 @@ def main() -> None:
     print(table(rows))
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
+    write_json(args, "objectives", {"runs": rows})
 
 
 if __name__ == "__main__":

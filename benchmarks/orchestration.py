@@ -44,12 +44,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from common import add_json_argument, start_server, write_json
 
-from prime_rl.utils.metrics import read_metrics  # noqa: E402
-from prime_rl.utils.net import free_port  # noqa: E402
-from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
+from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
+from prime_rl.utils.tiny_model import create_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BASE = """
 output_dir = "{out}"
@@ -132,15 +133,13 @@ def run_case(
 def generation_only(model: Path, out: Path, steps: int, continuous: bool, port: int) -> list[dict]:
     import asyncio
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from orchestrator import start_server  # benchmarks/orchestrator.py
-
     from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.launch.supervise import stop_all
     from prime_rl.orchestrator.orchestrator import orchestrate
 
     batch_size, rollouts, max_tokens = SHAPES["long-tail"]
     out.mkdir(parents=True)
-    proc = start_server("real", model, port, max_tokens, out / "server.log")
+    server = start_server(model, port, out, ["--engine.max-batch-size", "256"])
     try:
         config = OrchestratorConfig(
             model={"name": str(model)}, output_dir=out, max_steps=steps, async_level=steps, batch_size=batch_size,
@@ -150,8 +149,7 @@ def generation_only(model: Path, out: Path, steps: int, continuous: bool, port: 
         )  # fmt: skip
         asyncio.run(orchestrate(config))
     finally:
-        proc.terminate()
-        proc.wait()
+        stop_all([server])
     return read_metrics(out, "orchestrator")
 
 
@@ -211,7 +209,7 @@ def long_share(measured: list[dict], prefix: str = "") -> str:
     return f"{(turns - 1) / (LONG - 1):.1%}"
 
 
-def row(case: str, mode: str, out: Path, orch: list[dict], warmup: int, load: ServerLoad) -> str:
+def row(case: str, mode: str, out: Path, orch: list[dict], warmup: int, load: ServerLoad) -> dict:
     measured = orch[warmup + 1 :]
     walls = [b["time"] - a["time"] for a, b in itertools.pairwise(orch[warmup:])]
     trainer = read_metrics(out, "trainer")[warmup + 1 :]
@@ -230,8 +228,16 @@ def row(case: str, mode: str, out: Path, orch: list[dict], warmup: int, load: Se
             long += f" ({long_share(measured, 'generated/')})"
     generate = statistics.median(m["time/generate"] for m in measured)
     stale = sum(m.get("stale_groups", 0) for m in measured)
-    return (f"| {mode} | {statistics.median(walls):.2f} s | {generate:.2f} s | {trainer_idle} | "
-            f"{server_idle} | {histogram(measured)} | {long} | {stale} | {share} |")  # fmt: skip
+    return {"mode": mode, "step_s": statistics.median(walls), "generate_s": generate, "trainer_idle": trainer_idle,
+            "server_idle": server_idle, "lag": histogram(measured), "long_episodes": long, "stale_groups": stale,
+            "eval_share": share}  # fmt: skip
+
+
+def cells(r: dict) -> str:
+    return (
+        f"| {r['mode']} | {r['step_s']:.2f} s | {r['generate_s']:.2f} s | {r['trainer_idle']} | "
+        f"{r['server_idle']} | {r['lag']} | {r['long_episodes']} | {r['stale_groups']} | {r['eval_share']} |"
+    )
 
 
 def main() -> None:
@@ -242,7 +248,9 @@ def main() -> None:
     parser.add_argument("--backend", choices=["builtin", "vllm"], default="builtin")
     parser.add_argument("--before", type=Path, help="also run `rl` from this source tree (an older commit's "
                         "worktree's src/), each mode before this tree's")  # fmt: skip
+    add_json_argument(parser, "orchestration")
     args = parser.parse_args()
+    results: dict[str, list[dict]] = {}
     trees = {"before": args.before, "after": None} if args.before is not None else {"": None}
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         work = Path(tmp)
@@ -272,8 +280,10 @@ def main() -> None:
                             orch = run_case(model, out, steps, port, case, extra, src, args.backend)
                     finally:
                         load.stopped.set()
-                    print(row(case, label, out, orch, args.warmup, load), flush=True)
+                    results.setdefault(case, []).append(row(case, label, out, orch, args.warmup, load))
+                    print(cells(results[case][-1]), flush=True)
                     print(f"    ({label}: run {time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    write_json(args, "orchestration", {"cases": results})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,12 +39,13 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from common import add_json_argument, median_of, write_json
 
-from prime_rl.utils.metrics import read_metrics  # noqa: E402
-from prime_rl.utils.net import free_port  # noqa: E402
-from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
+from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
+from prime_rl.utils.tiny_model import create_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SERVICES = {"inference": "prime_rl.entrypoints.inference", "orchestrator": "prime_rl.entrypoints.orchestrator",
             "trainer": "prime_rl.entrypoints.trainer"}  # fmt: skip
@@ -188,11 +188,6 @@ def run_trl(model: Path, work: Path, args) -> dict:
     return json.loads(out.read_text())["summary"]
 
 
-def median(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
 def seconds(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f} s"
 
@@ -209,7 +204,7 @@ def main() -> None:
     parser.add_argument("--ckpt-interval", type=int, default=2)
     parser.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer beside ours (.venv-trl)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
-    parser.add_argument("--json", type=Path, help="also write the per-step rows here")
+    add_json_argument(parser, "real_size")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
@@ -223,8 +218,7 @@ def main() -> None:
             case = run_case(model, work, args, transfer, backend, mode == "async")
             print(f"{case['name']}: {len(case['rows'])} steps, run {case['seconds']:.0f} s", file=sys.stderr)
             cases.append(case)
-            if args.json:  # after every case: a later failure (or the disk) does not lose the earlier ones
-                args.json.write_text(json.dumps({"cases": cases, "trl": None}, indent=1))
+            write_json(args, "real_size", {"cases": cases, "trl": None})  # a later failure keeps the earlier ones
         trl = run_trl(model, work, args) if args.trl else None
 
     print("| case | generate | train | export | to served | checkpoint (share) | step | mismatch KL (max) | peak RSS: "
@@ -232,11 +226,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         rows, peaks = case["rows"][1:] or case["rows"], case["peaks"]
-        step, ckpt = median(rows, "step"), [r["ckpt"] / r["trainer_step"] for r in rows if r["ckpt"]]
-        share = f"{seconds(median([r for r in rows if r['ckpt']], 'ckpt'))} ({max(ckpt):.1%} max)" if ckpt else "—"
+        step, ckpt = median_of(rows, "step"), [r["ckpt"] / r["trainer_step"] for r in rows if r["ckpt"]]
+        share = f"{seconds(median_of([r for r in rows if r['ckpt']], 'ckpt'))} ({max(ckpt):.1%} max)" if ckpt else "—"
         mem = " / ".join(f"{peaks.get(s, 0.0):.1f}" for s in SERVICES)
-        print(f"| {case['name']} | {seconds(median(rows, 'generate'))} | {seconds(median(rows, 'train'))} | "
-              f"{seconds(median(rows, 'export'))} | {seconds(median(rows, 'to_served'))} | {share} | "
+        print(f"| {case['name']} | {seconds(median_of(rows, 'generate'))} | {seconds(median_of(rows, 'train'))} | "
+              f"{seconds(median_of(rows, 'export'))} | {seconds(median_of(rows, 'to_served'))} | {share} | "
               f"{seconds(step)} | {max(r['mismatch_kl'] or 0.0 for r in case['rows']):.1e} | {mem} GiB |")  # fmt: skip
     if trl:
         print(f"| TRL {trl['trl']} GRPOTrainer | {seconds(trl['generate_s'])} | {seconds(trl['train_s'])} "
@@ -244,10 +238,9 @@ def main() -> None:
         ours = next((c for c in cases if c["name"].startswith("builtin-filesystem")), cases[0] if cases else None)
         if ours:
             rows = ours["rows"][1:] or ours["rows"]
-            ratios = {k: median(rows, k) / trl[f"{k}_s"] for k in ("step", "generate", "train") if trl[f"{k}_s"]}
+            ratios = {k: median_of(rows, k) / trl[f"{k}_s"] for k in ("step", "generate", "train") if trl[f"{k}_s"]}
             print(f"\nours ({ours['name']}) / TRL: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    if args.json:
-        args.json.write_text(json.dumps({"cases": cases, "trl": trl}, indent=1))
+    write_json(args, "real_size", {"cases": cases, "trl": trl})
 
 
 if __name__ == "__main__":

@@ -31,12 +31,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from common import add_json_argument, mean_ends, write_json
 
-from prime_rl.protocol import final_weights_dir  # noqa: E402
-from prime_rl.utils.metrics import read_metrics  # noqa: E402
-from prime_rl.utils.net import free_port  # noqa: E402
+from prime_rl.protocol import final_weights_dir
+from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = ROOT / "configs" / "examples" / "reverse_text"
 
@@ -48,12 +49,6 @@ def run(cmd: list[str], env: dict, log: Path, timeout: float) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[2:5])} exited {result.returncode}; see {log}")
     return time.perf_counter() - start
-
-
-def mean_ends(values: list[float]) -> tuple[float, float]:
-    """Means of the first and last 10 % (at least one value each)."""
-    k = max(1, len(values) // 10)
-    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def run_case(out: Path, seed: int, threads: int, isa: str, sft_args: list[str], rl_args: list[str]) -> dict:
@@ -135,9 +130,12 @@ def main() -> None:
     parser.add_argument("--sft-args", default="", help="extra sft flags (one string)")
     parser.add_argument("--rl-args", default="", help="extra rl flags (one string)")
     parser.add_argument("--report", action="store_true", help="only print the table of every case in --out")
+    add_json_argument(parser, "reverse_text")
     args = parser.parse_args()
     if args.report:
-        print(table([json.loads(p.read_text()) for p in sorted(args.out.glob("*/result.json"))]))
+        rows = [json.loads(p.read_text()) for p in sorted(args.out.glob("*/result.json"))]
+        print(table(rows))
+        write_json(args, "reverse_text", {"cases": rows})
         return
 
     cases = [(seed, threads, isa) for isa, seed, threads in itertools.product(
@@ -148,6 +146,7 @@ def main() -> None:
             lambda c: run_case(args.out, *c, args.sft_args.split(), args.rl_args.split()), cases
         ))  # fmt: skip
     print(table(rows))
+    write_json(args, "reverse_text", {"cases": rows})
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from common import add_json_argument, write_json
+
 VARIANTS = {
     "padded": "padded transformers loop",
     "ours": "prime-rl trainer (packed)",
@@ -50,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    add_json_argument(p, "trainer")
     return p.parse_args(argv)
 
 
@@ -87,6 +90,7 @@ def main() -> None:
             for child in children.values():
                 child.proc.kill()
     print_table(results, args)
+    write_json(args, "trainer", {"variants": results})
 
 
 class Child:

@@ -7,7 +7,7 @@
 A driver in the project env runs it as a subprocess, `[".venv-trl/bin/python", "benchmarks/trl_grpo.py",
 "--model", DIR, "--json", PATH, ...]`, and reads PATH (the last stdout line is the summary as JSON).
 
-Mirrors benchmarks/rl.py's config on CPU, fp32, in TRL's sync mode (each step generates with the policy,
+Mirrors benchmarks/loop.py handoffs' config on CPU, fp32, in TRL's sync mode (each step generates with the policy,
 then trains on it once: num_iterations 1, `transformers.generate`, no vLLM):
 - the same prompts in the same order and the same reward: our env module (prime_rl.envs.reverse_text) is
   imported from src/, its examples(seed) drawn in order (shuffle off) as our orchestrator's DataStream does;
@@ -159,9 +159,9 @@ def main() -> None:
     parser.add_argument("--rollouts-per-example", type=int, default=default(OrchestratorConfig, "rollouts_per_example"))
     parser.add_argument("--micro-batch", type=int, default=8,
                         help="samples per forward/backward (TRL's per_device_train_batch_size, default 8)")  # fmt: skip
-    parser.add_argument("--max-tokens", type=int, default=32, help="sampling.max_tokens (benchmarks/rl.py: 32)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="sampling.max_tokens (loop.py handoffs: 32)")
     parser.add_argument("--temperature", type=float, default=default(SamplingConfig, "temperature"))
-    parser.add_argument("--lr", type=float, default=1e-4, help="optim.lr (benchmarks/rl.py: 1e-4)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="optim.lr (loop.py handoffs: 1e-4)")
     parser.add_argument("--env", default="reverse-text")
     parser.add_argument("--env-args", type=json.loads, default={}, help="JSON, our env.args")
     parser.add_argument("--env-seed", type=int, default=default(OrchestratorConfig, "seed"),

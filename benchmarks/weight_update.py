@@ -13,6 +13,12 @@ as the trainer does on CPU, sending the same tensors). "seconds" is the request 
 (serving the step); "peak +RSS" the server's process tree's resident memory above its idle level while it
 took the update, sampled every 20 ms. Medians over the repeats. `--python` runs the servers with another
 environment's interpreter (an older checkout's, to compare; `--stagings -` passes no staging flag).
+
+    uv run python benchmarks/weight_update.py --checksum [--dtype bfloat16] [--layers 28]   # seconds, no server
+
+`--checksum`: what the weight checksum (protocol.parity, the parity gate's) costs on a Qwen3-0.6B-shaped set of
+tensors on this machine's CPU: parameters, seconds (best of `--repeats`) and GB/s (the figure in
+docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -29,16 +35,49 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
+from common import add_json_argument, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from prime_rl.launch.supervise import Service, ServiceFailed, stop_all, wait_for_inference
+from prime_rl.protocol import mark_stable, weights_dir
+from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step
+from prime_rl.protocol.parity import checksum_of
+from prime_rl.utils.hf_layout import iter_safetensors
+from prime_rl.utils.net import free_port
+from prime_rl.utils.tiny_model import create_tiny_model
 
-from prime_rl.launch.supervise import Service, ServiceFailed, stop_all, wait_for_inference  # noqa: E402
-from prime_rl.protocol import mark_stable, weights_dir  # noqa: E402
-from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step  # noqa: E402
-from prime_rl.utils.hf_layout import iter_safetensors  # noqa: E402
-from prime_rl.utils.net import free_port  # noqa: E402
-from prime_rl.utils.tiny_model import create_tiny_model  # noqa: E402
+
+def qwen3_06b(layers: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Qwen3-0.6B's tensor shapes (hidden 1024, MLP 3072, 16 query / 8 key-value heads of 128, vocab 151,936)."""
+    h, mlp, q, kv, vocab = 1024, 3072, 2048, 1024, 151936
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
+            f"{p}.self_attn.q_norm.weight": (128,), f"{p}.self_attn.k_norm.weight": (128,),
+            f"{p}.mlp.gate_proj.weight": (mlp, h), f"{p}.mlp.up_proj.weight": (mlp, h),
+            f"{p}.mlp.down_proj.weight": (h, mlp), f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+        }  # fmt: skip
+    return {name: torch.randn(shape).to(dtype) for name, shape in shapes.items()}
+
+
+def checksum_cost(args: argparse.Namespace) -> dict:
+    tensors = qwen3_06b(args.layers, getattr(torch, args.dtype))
+    params = sum(t.numel() for t in tensors.values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        checksum = checksum_of(tensors.items())
+        times.append(time.perf_counter() - start)
+    best = min(times)
+    print(
+        f"{params:,} parameters ({nbytes / 1e9:.2f} GB {args.dtype}), {torch.get_num_threads()} threads: "
+        f"checksum {checksum.hex} in {best:.2f} s (best of {args.repeats}), {nbytes / best / 1e9:.2f} GB/s"
+    )
+    return {"params": params, "bytes": nbytes, "threads": torch.get_num_threads(), "seconds": best}
 
 
 class Server:
@@ -123,7 +162,14 @@ def main() -> None:
     parser.add_argument("--stagings", default="device,stream", help="vLLM --weight-staging values to run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the servers")
+    parser.add_argument("--checksum", action="store_true", help="only the weight checksum's cost (no server)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--checksum's")
+    parser.add_argument("--layers", type=int, default=28, help="--checksum's Qwen3-0.6B layers")
+    add_json_argument(parser, "weight_update")
     args = parser.parse_args()
+    if args.checksum:
+        write_json(args, "weight_update", {"checksum": checksum_cost(args)})
+        return
     stagings = [None if s == "-" else s for s in args.stagings.split(",")] if args.backend == "vllm" else [None]
 
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
@@ -165,6 +211,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for staging, transfer, seconds, rss in rows:
         print(f"| {args.preset} | {args.backend} | {staging} | {transfer} | {seconds:.2f} s | {rss:.2f} GiB |")
+    keys = ("staging", "transfer", "seconds", "peak_rss_gib")
+    write_json(args, "weight_update", {"rows": [dict(zip(keys, r, strict=True)) for r in rows]})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`scripts/gpu_check.sh` (benchmarks/gpu.py): its plan, its refusal without CUDA, and its table.
+"""`scripts/gpu_check.sh` (scripts/gpu_check.py): its plan, its refusal without CUDA, and its table.
 
 The real run needs a CUDA GPU and vLLM; here the plan is read back and every command in it must load into its
 entrypoint's config, so a renamed flag fails here rather than 20 minutes into a GPU session.
@@ -22,7 +22,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def load_gpu_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

@@ -63,7 +63,7 @@ async def load_weights(client: InferenceClient, config: OrchestratorConfig, step
     weight_dir = weights_dir(config.output_dir, step)
     with timer(times, "update_weights"):
         loaded = await client.update_weights(str(weight_dir))
-    times["served_at"] = time.time()  # a timestamp, for the weight plane's latency (benchmarks/rl.py)
+    times["served_at"] = time.time()  # a timestamp, for the weight plane's latency (benchmarks/loop.py handoffs)
     if loaded != step:
         raise InferenceError(f"servers report weights step {loaded} after loading {weight_dir}")
     logger.info(f"servers now serve weights step {loaded}")

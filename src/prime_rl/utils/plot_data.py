@@ -37,7 +37,7 @@ TRAINER_WORK = ("load_data", "train", "save_weights")
 
 
 def handoffs(orchestrator: list[dict], trainer: list[dict]) -> Series:
-    """Hand-off per step n >= 1, the one definition (plot, benchmarks/rl.py, docs/benchmarks.md): the step's wall
+    """Hand-off per step n >= 1, the one definition (plot, benchmarks/loop.py, docs/benchmarks.md): the step's wall
     time (between the ends of orchestrator steps n-1 and n) minus the work in it (ORCHESTRATOR_WORK of step n,
     TRAINER_WORK of trainer step n-1): the time no service works because one waits to notice another. Negative
     where the services overlap (async_level >= 1).

@@ -11,7 +11,7 @@ A LoRA adapter (a server with `model.lora`) is merged here, also off the worker:
 gets W = W_base + (alpha / r) · B @ A, computed in float32 from the engine's pristine base copy and cast to
 the served precision, so each adapter lands on the base (never on the previous merge), layers this adapter
 leaves out go back to the base, and the swap is the same copy as a full update. Merged weights decode at
-the base model's speed (benchmarks/lora_serving.py measured runtime LoRA matmuls slower).
+the base model's speed (benchmarks/lora.py serving measured runtime LoRA matmuls slower).
 """
 
 from __future__ import annotations

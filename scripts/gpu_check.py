@@ -13,14 +13,14 @@ still run, and the exit status is 1):
    FSDP2 trainer on the same GPU, `weight_transfer = broadcast` (nccl; gloo when both share one GPU);
 4. `trainer --bench` alone in upstream's shape: one 16,384-token sample a row, activation checkpointing;
 5. `rl` with `weight_transfer = filesystem`, fewer steps.
-`--quick`: 1, then the fork probe and a one-rank NCCL weight group (benchmarks/gpu_probes.py), 4, 4 with
+`--quick`: 1, then the fork probe and a one-rank NCCL weight group (scripts/gpu_probes.py), 4, 4 with
 `--compile` (TORCH_LOGS=recompiles: the recompilations are counted), and 3 for 6 steps.
 The rl runs are synchronous (async_level 0): every step samples from the weights the trainer has, so the
 mismatch KL is the two engines' numerics, not a policy lag.
 
 Every figure is read from what the runs write: metrics/{trainer,orchestrator}.jsonl (trainer tokens/s and
 torch peak memory, mismatch KL, generated tokens over generation time, time to served = the trainer's
-optimizer step done -> the servers answering with those weights, as benchmarks/rl.py measures it); MFU with
+optimizer step done -> the servers answering with those weights, as benchmarks/loop.py handoffs measures it); MFU with
 trainer/rl/bench.py's FLOPs per token (6 x matmul parameters + 12 x layers x attention width x mean causal
 context); peak GPU memory per service from nvidia-smi, sampled every second by a side thread (a process counts
 for the service whose entrypoint is in its parent chain). Upstream's figures: PrimeIntellect-ai/prime-rl
@@ -42,11 +42,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
 
-from prime_rl.utils.metrics import read_metrics  # noqa: E402
-from prime_rl.utils.net import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PRESET = "qwen3-0.6b"
 RL_CONFIG = "configs/examples/reverse_text/rl.toml"
@@ -130,7 +129,7 @@ def plan(out: Path, steps: int, fs_steps: int, backend: str, quick: bool = False
 
     build = [py, "-m", "prime_rl.utils.tiny_model", str(model), "--preset", PRESET]
     if quick:  # timeouts: 11 min in all
-        probes = [py, str(ROOT / "benchmarks" / "gpu_probes.py")]
+        probes = [py, str(ROOT / "scripts" / "gpu_probes.py")]
         return [Step(f"build the {PRESET} model", build, 120),
                 Step("fork probe: inference up to vLLM's engine start", [*probes, "fork", str(model)], 45),
                 Step("NCCL: one-rank weight group sends the model", [*probes, "nccl", str(model)], 60),

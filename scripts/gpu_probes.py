@@ -1,7 +1,7 @@
 """Two probes of `scripts/gpu_check.sh --quick` that need a CUDA GPU but not vLLM (the GPU machine has none).
 
-    python benchmarks/gpu_probes.py fork MODEL_DIR   # the inference process, up to where vLLM starts its engine
-    python benchmarks/gpu_probes.py nccl MODEL_DIR   # a one-rank NCCL weight group sends MODEL_DIR's tensors
+    python scripts/gpu_probes.py fork MODEL_DIR   # the inference process, up to where vLLM starts its engine
+    python scripts/gpu_probes.py nccl MODEL_DIR   # a one-rank NCCL weight group sends MODEL_DIR's tensors
 
 fork: `inference --backend vllm` runs as users start it, but where vLLM would start (serve_vllm) the probe forks
 instead: the child must not find CUDA initialised in its parent (`torch._C._cuda_isInBadFork()`: vLLM's
@@ -20,9 +20,6 @@ import os
 import sys
 import time
 import types
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def fork_probe(model: str) -> int:

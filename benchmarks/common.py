@@ -1,0 +1,93 @@
+"""What the benchmarks share: medians, Markdown tables, starting a server, running `rl`, writing the JSON record.
+
+A script imports it as `from common import ...`: Python puts a script's own folder (benchmarks/) first on
+sys.path. Everything `prime_rl` comes from the project's environment (`uv run`), never from a path added here,
+so a benchmark measures the code the venv has installed (`orchestration.py --before` alone runs another tree,
+in its own subprocess).
+
+Every benchmark writes one JSON record (`--json PATH`, default benchmarks/results/<name>.json, git-ignored):
+{"benchmark", "date" (UTC), "argv", "args", ...the script's own results}; the script prints its table as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that were measured (None: not measured), None when none were."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    return median(r.get(key) for r in rows)
+
+
+def mean_ends(values: list[float]) -> tuple[float, float]:
+    """Means of the first and last 10 % (at least one value each): a learning curve's start and end."""
+    k = max(1, len(values) // 10)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def markdown_table(header: list[str], rows: Iterable[Iterable[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def add_json_argument(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / f"{name}.json",
+        help=f"the JSON record (default {RESULTS.name}/{name}.json)",
+    )
+
+
+def write_json(args: argparse.Namespace, name: str, results: dict) -> Path:
+    """Write the run's record to `args.json` (see the module docstring) and say where on stderr."""
+    record = {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **results,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1, default=str))
+    print(f"results: {args.json}", file=sys.stderr)
+    return args.json
+
+
+def start_server(model: Path, port: int, out: Path, extra: list[str] = (), timeout: float = 180):
+    """One built-in inference server on `port`, started and awaited as `rl` does (launch.supervise); its log is
+    out/server.log. Stop it with `launch.supervise.stop_all([server])`."""
+    from prime_rl.launch.supervise import Service, wait_for_inference
+
+    cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", str(model),
+           "--server.port", str(port), "--output-dir", str(out), "--no-log.file", *extra]  # fmt: skip
+    server = Service("inference", cmd, out / "server.log", {})
+    wait_for_inference([server], f"http://127.0.0.1:{port}/health", timeout)
+    return server
+
+
+def run_rl(config: Path, env: dict[str, str] | None = None, timeout: float | None = None) -> float:
+    """Run `rl @ config` from the repo root as a user would; exit with its last output if it fails. Seconds."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(config)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    if done.returncode != 0:
+        sys.exit(f"rl failed for {config}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start

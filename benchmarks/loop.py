@@ -1,0 +1,252 @@
+"""Where a step of the RL loop spends its time: hand-offs between services, and the orchestrator's own overhead.
+
+    uv run python benchmarks/loop.py handoffs             # ~9 min: both models, sync and async_level 1
+    uv run python benchmarks/loop.py handoffs --models tiny --modes sync --transfers filesystem,broadcast
+    uv run python benchmarks/loop.py handoffs --models 10m --modes sync --backends builtin,vllm   # vLLM: its CPU build
+    uv run python benchmarks/loop.py overhead             # ~1 min: orchestrator overhead at batch 256, both servers
+    uv run python benchmarks/loop.py overhead --server real   # or --server fake
+
+`handoffs`: each case is one real `rl` run (inference server, orchestrator, 1-rank trainer on this machine's
+CPU, fp32) on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the services' own metrics files:
+- generate: the orchestrator's generation requests (and scoring, which overlaps them);
+- train: the trainer's forward/backward/optimizer step;
+- transfer: filesystem: the trainer writing the weights plus the servers loading them; broadcast: the
+  orchestrator's request until the servers answer, the trainer's sending included;
+- to served: from the trainer's optimizer step (of step - 1) to the servers answering with its weights,
+  everything in between included (wall clocks of one machine);
+- work: all of the above plus packing, writing and reading rank files;
+- step: wall time between the ends of two orchestrator steps;
+- hand-offs: step - work (`prime_rl.utils.plot_data.handoffs`, the plot's hand-off line too). With
+  async_level 0 the services alternate, so every instant of a step is one side's work or waiting for the
+  other to notice something (bookkeeping outside the timers, such as metrics lines and the orchestrator's
+  progress record, counts here too). With async_level 1 they overlap, and a negative figure is the overlap.
+Medians over the steps after `--warmup`.
+
+`overhead`: the real orchestrator loop in-process (reverse-text, async_level = steps so no trainer is needed)
+against two servers, medians over the steps after the first:
+- `real`: the real inference server (built-in engine) with the tiny model on this machine's CPU. This is
+  the share a user sees: overhead / step time.
+- `fake`: a separate process that answers every chat request at once with canned completions of
+  `--tokens` tokens. Generation costs nothing there, so the absolute seconds of everything else
+  (HTTP + JSON parsing of the responses, scoring, advantages, packing, writing rank files) stand alone.
+Overhead = step time - time waiting for weights - time in generation requests (the `generate` timer,
+which includes the client's own parsing of the responses and the environment's scoring and advantages, which
+run as each group arrives while the server works on the others); pack and write are timed on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import sys
+import tempfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from common import add_json_argument, markdown_table, median, median_of, run_rl, start_server, write_json
+
+from prime_rl.configs.orchestrator import OrchestratorConfig
+from prime_rl.launch.supervise import Service, stop_all, wait_for_inference
+from prime_rl.orchestrator.orchestrator import orchestrate
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.metrics import read_metrics
+from prime_rl.utils.net import free_port
+from prime_rl.utils.plot_data import ORCHESTRATOR_WORK, TRAINER_WORK, handoffs
+from prime_rl.utils.tiny_model import create_tiny_model
+
+MODELS = {  # name: (hidden, layers); both with the char-level tokenizer reverse-text wants
+    "tiny": (128, 4),  # 0.8 M parameters
+    "10m": (384, 6),  # 10 M parameters
+}
+
+
+def config_text(
+    model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int, backend: str
+) -> str:
+    return f"""
+output_dir = "{output_dir}"
+max_steps = {steps}
+async_level = {async_level}
+weight_transfer = "{transfer}"
+
+[model]
+name = "{model}"
+
+[inference]
+backend = "{backend}"
+enforce_eager = true
+server.port = {port}
+max_model_len = 256
+
+[orchestrator]
+batch_size = 64
+rollouts_per_example = 8
+seq_len = 256
+sampling.max_tokens = 32
+sampling.temperature = 1.0
+env.id = "reverse-text"
+
+[trainer]
+optim.lr = 1e-4
+"""
+
+
+def handoff_case(model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int, backend: str) -> dict:
+    output_dir = work / f"{model.name}-a{async_level}-{transfer}-{backend}"
+    cfg = work / f"{output_dir.name}.toml"
+    cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port, backend))
+    seconds = run_rl(cfg)
+    orch_records, trainer_records = read_metrics(output_dir, "orchestrator"), read_metrics(output_dir, "trainer")
+    orch, trainer = {r["step"]: r for r in orch_records}, {r["step"]: r for r in trainer_records}
+    handoff = dict(handoffs(orch_records, trainer_records))  # the plot's hand-off line: the same numbers
+    rows = []
+    for step in range(1, steps):
+        o, prev, t = orch[step], orch[step - 1], trainer[step - 1]  # step's weights come from trainer step - 1
+        generate = o["time/generate"]
+        transfer_s = t.get("time/save_weights", 0.0) + o.get("time/update_weights", 0.0)
+        busy = sum(o.get(f"time/{k}", 0.0) for k in ORCHESTRATOR_WORK)
+        busy += sum(t.get(f"time/{k}", 0.0) for k in TRAINER_WORK)
+        wall = o["time"] - prev["time"]
+        # The trainer's optimizer step done → the servers answered with those weights (sync mode: at once).
+        w = o["weight_step"]  # the step the servers were given before this step's requests
+        latency = o["weights_served_at"] - trainer[w - 1]["optimized_at"] if "weights_served_at" in o and w else None
+        rows.append({"generate": generate, "train": t["time/train"], "transfer": transfer_s, "work": busy,
+                     "step": wall, "handoffs": handoff[step], "to_served": latency})  # fmt: skip
+    return {"rows": rows, "seconds": seconds}
+
+
+def main_handoffs(args: argparse.Namespace) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
+        work = Path(tmp)
+        for name in args.models.split(","):
+            hidden, layers = MODELS[name]
+            model = create_tiny_model(work / name, hidden_size=hidden, num_layers=layers, tokenizer_vocab_size=259)
+            split = [getattr(args, k).split(",") for k in ("backends", "modes", "transfers")]
+            for backend, mode, transfer in itertools.product(*split):
+                level = {"sync": 0, "async": 1}[mode]
+                case = handoff_case(model, work, args.steps + args.warmup + 1, level, transfer, args.port, backend)
+                rows = case["rows"][args.warmup :]
+                results[f"{name}/{backend}/{mode}/{transfer}"] = rows
+                print(f"{name:>5} {backend:>7} {mode:>5} {transfer:>10}: {len(rows)} steps measured, "
+                      f"run {case['seconds']:.0f}s", file=sys.stderr)  # fmt: skip
+
+    header = ["model", "backend", "mode", "transfer", "generate", "train", "transfer", "to served", "step",
+              "hand-offs", "share"]  # fmt: skip
+    table = []
+    for key, rows in results.items():
+        step, handoff = median_of(rows, "step"), median_of(rows, "handoffs")
+        cells = [f"{median_of(rows, k):.3f} s" for k in ("generate", "train", "transfer", "to_served", "step")]
+        table.append([*key.split("/"), *cells, f"{handoff:.3f} s", f"{handoff / step:.1%}"])
+    print(markdown_table(header, table))
+    write_json(args, "loop-handoffs", {"cases": results})
+
+
+def serve_fake(port: int, tokens: int) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def reply(self, data: dict) -> None:
+            payload = json.dumps(data).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("x-weight-step", "0")  # the policy that sampled it, as real servers report it
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self):
+            self.reply({"status": "ok", "step": 0})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = [100 + (i % 500) for i in range(tokens)]
+            content = [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": [], "top_logprobs": []} for t in ids]
+            choices = [
+                {"index": j, "message": {"role": "assistant", "content": "x" * tokens}, "finish_reason": "length",
+                 "token_ids": ids, "logprobs": {"content": content}}
+                for j in range(body["n"])
+            ]  # fmt: skip
+            self.reply({"object": "chat.completion", "prompt_token_ids": list(range(40)), "choices": choices})
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+def overhead_case(kind: str, model: Path, args, root: Path) -> dict:
+    port = free_port()
+    out = root / kind
+    out.mkdir()
+    if kind == "fake":
+        cmd = [sys.executable, __file__, "overhead", "--serve-fake", str(port), "--tokens", str(args.tokens)]
+        server = Service("fake", cmd, out / "server.log", {})
+        wait_for_inference([server], f"http://127.0.0.1:{port}/health", 180)
+    else:
+        server = start_server(model, port, out, ["--engine.max-batch-size", "256"])
+    try:
+        config = OrchestratorConfig(
+            model={"name": str(model)}, output_dir=out, max_steps=args.steps, async_level=args.steps,
+            batch_size=args.batch_size, rollouts_per_example=8, seq_len=1024, progress=False,
+            sampling={"max_tokens": args.tokens}, client={"base_url": [f"http://127.0.0.1:{port}/v1"]},
+        )  # fmt: skip
+        asyncio.run(orchestrate(config))
+    finally:
+        stop_all([server])
+    steps = read_metrics(out, "orchestrator")[1:]  # the first step warms up connections and caches
+    # wait_weights is only recorded by a step that waited (never here: async_level = steps)
+    overhead = [m["time/step"] - m["time/generate"] - m.get("time/wait_weights", 0.0) for m in steps]
+    med = {k: median_of(steps, f"time/{k}") for k in ("step", "generate", "pack", "write")}
+    return {
+        "server": kind, **{f"{k}_s": v for k, v in med.items()}, "overhead_s": median(overhead),
+        "overhead_share": median(o / m["time/step"] for o, m in zip(overhead, steps, strict=True)),
+        "tokens_per_s": median_of(steps, "tokens_per_s"),
+    }  # fmt: skip
+
+
+def main_overhead(args: argparse.Namespace) -> None:
+    if args.serve_fake is not None:
+        return serve_fake(args.serve_fake, args.tokens)
+    setup_logging("bench", None, "WARNING")
+    logging.getLogger("prime_rl").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = args.model or create_tiny_model(root / "tiny", "qwen3")
+        kinds = ["real", "fake"] if args.server == "both" else [args.server]
+        rows = [overhead_case(kind, model, args, root) for kind in kinds]
+    print(f"batch {args.batch_size}, {args.tokens} completion tokens, medians over steps 1..{args.steps - 1}")
+    keys = list(rows[0])
+    print(markdown_table(keys, ([f"{r[k]:.4f}" if isinstance(r[k], float) else r[k] for k in keys] for r in rows)))
+    write_json(args, "loop-overhead", {"rows": rows})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="question", required=True)
+    h = sub.add_parser("handoffs", help="where a step's time goes, real `rl` runs")
+    h.add_argument("--models", default="tiny,10m")
+    h.add_argument("--modes", default="sync,async", help="sync = async_level 0, async = async_level 1")
+    h.add_argument("--transfers", default="filesystem,broadcast")
+    h.add_argument("--backends", default="builtin", help="inference backends: builtin, vllm")
+    h.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
+    h.add_argument("--warmup", type=int, default=2)
+    h.add_argument("--port", type=int, default=8791)
+    add_json_argument(h, "loop-handoffs")
+    o = sub.add_parser("overhead", help="the orchestrator's share of a step at batch 256")
+    o.add_argument("--server", choices=["real", "fake", "both"], default="both")
+    o.add_argument("--batch-size", type=int, default=256)
+    o.add_argument("--tokens", type=int, default=64, help="completion tokens per rollout")
+    o.add_argument("--steps", type=int, default=4)
+    o.add_argument("--model", type=Path, default=None, help="model dir; default: a fresh tiny Qwen3")
+    o.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    add_json_argument(o, "loop-overhead")
+    args = parser.parse_args()
+    {"handoffs": main_handoffs, "overhead": main_overhead}[args.question](args)
+
+
+if __name__ == "__main__":
+    main()
