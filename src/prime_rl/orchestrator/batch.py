@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
+from prime_rl.configs.orchestrator import AdvantageConfig, EnvConfig, OrchestratorConfig
 from prime_rl.envs import EnvError, Environment, Example
 from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
 from prime_rl.orchestrator.ckpt import Progress
@@ -110,8 +110,7 @@ class Batch:
         return [r for g in self.groups for r in g.rollouts]
 
 
-def advantages_of(group: Group, config: OrchestratorConfig, token_budget: int) -> list[float]:
-    adv = config.advantage
+def advantages_of(group: Group, adv: AdvantageConfig, token_budget: int) -> list[float]:
     rollouts = group.rollouts
     rewards = apply_truncation([r.reward for r in rollouts], [r.truncated for r in rollouts], adv.truncated)
     lengths = [sum(r.completion_mask) for r in rollouts]
@@ -131,7 +130,7 @@ async def sample_group(client: InferenceClient, config: OrchestratorConfig, slot
     generate); with a `teacher`, per-token advantages from its scores of the rollouts (distill.py)."""
     group = await slot.source.group(client, example, config.rollouts_per_example, seed)
     await slot.source.score(group)
-    advantages = advantages_of(group, config, slot.token_budget)
+    advantages = advantages_of(group, config.advantage, slot.token_budget)
     if teacher is not None:
         advantages = await teacher.distil(group, advantages)
     for rollout, advantage in zip(group.rollouts, advantages, strict=True):
