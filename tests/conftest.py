@@ -152,8 +152,45 @@ def calc_servers(calc_model, tmp_path_factory):
     servers.stop()
 
 
+# The README's command runs the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`). A fixture wider
+# than a test is made once per worker, so the tests that share one (a module's servers, the session's calc
+# servers) go to one worker as a group; the rest are handed out one by one as a worker frees up.
+SHARED_FIXTURE_GROUPS = {"calc_servers": "calc-servers"}  # session-wide: every module that uses it, one group
+ONE_WORKER_MODULES = {"test_slurm.py"}  # jobs on the one-node cluster would queue behind each other's
+# Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.
+FIRST_MODULES = ["test_example_reverse_text.py"]
+
+
+def xdist_group(item) -> str | None:
+    """The group an item runs in under `--dist loadgroup` (None: any worker, on its own)."""
+    fixtures = item._fixtureinfo.name2fixturedefs
+    for name, group in SHARED_FIXTURE_GROUPS.items():
+        if name in fixtures:
+            return group
+    module = item.nodeid.split("::")[0]
+    wide = any(defs[-1].scope != "function" and defs[-1].baseid == module for defs in fixtures.values())
+    return module if wide or item.path.name in ONE_WORKER_MODULES else None
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist would hand out the biggest groups first, not this order
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    groups = {item: xdist_group(item) for item in items}
+    by_module = {}  # a module that has a test in a shared-fixture group goes to that group whole
+    for item, group in groups.items():
+        if group in SHARED_FIXTURE_GROUPS.values():
+            by_module[item.path] = group
+    for item in items:
+        group = by_module.get(item.path, groups[item])
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.path.name not in FIRST_MODULES)  # stable: the rest keep their order
 
     if torch.cuda.is_available():
         return
