@@ -163,7 +163,7 @@ FIRST_MODULES = ["test_example_reverse_text.py"]
 
 def xdist_group(item) -> str | None:
     """The group an item runs in under `--dist loadgroup` (None: any worker, on its own)."""
-    fixtures = item._fixtureinfo.name2fixturedefs
+    fixtures = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}  # a Function's
     for name, group in SHARED_FIXTURE_GROUPS.items():
         if name in fixtures:
             return group
