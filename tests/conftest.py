@@ -152,44 +152,44 @@ def calc_servers(calc_model, tmp_path_factory):
     servers.stop()
 
 
-# The README's command runs the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`). A fixture wider
-# than a test is made once per worker, so the tests that share one (a module's servers, the session's calc
-# servers) go to one worker as a group; the rest are handed out one by one as a worker frees up.
-SHARED_FIXTURE_GROUPS = {"calc_servers": "calc-servers"}  # session-wide: every module that uses it, one group
-ONE_WORKER_MODULES = {"test_slurm.py"}  # jobs on the one-node cluster would queue behind each other's
+# The README's command runs the suite on two workers (pytest-xdist, `-n 2 --dist loadfile`): a module's tests go
+# to one worker, so a module's servers start once. Two exceptions: the modules sharing the session's calc servers
+# go to one worker together (else each worker starts them), and test_rl.py's independent runs are handed out one
+# at a time. (xdist_group marks with `--dist loadgroup` would say it per test, but on pytest 9.2 xdist 3.8's
+# grouping is silently lost: pytest-xdist#1386.)
+CALC_SERVER_MODULES = {"test_inference_fuzz.py", "test_tool_calls.py", "test_lora_serving.py", "test_sinks.py"}
+ONE_BY_ONE_MODULES = {"test_rl.py"}  # 17 runs, ~10 min in all: one worker would end long after the other
 # Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.
 FIRST_MODULES = ["test_example_reverse_text.py"]
 
 
-def xdist_group(item) -> str | None:
-    """The group an item runs in under `--dist loadgroup` (None: any worker, on its own)."""
-    fixtures = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}  # a Function's
-    for name, group in SHARED_FIXTURE_GROUPS.items():
-        if name in fixtures:
-            return group
-    module = item.nodeid.split("::")[0]
-    wide = any(defs[-1].scope != "function" and defs[-1].baseid == module for defs in fixtures.values())
-    return module if wide or item.path.name in ONE_WORKER_MODULES else None
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduler(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            name = module.rsplit("/", 1)[-1]
+            if name in CALC_SERVER_MODULES:
+                return "calc-servers"
+            return nodeid if name in ONE_BY_ONE_MODULES else module
+
+    return Scheduler(config, log)
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # xdist would hand out the biggest groups first, not this order
+    if hasattr(config.option, "loadscopereorder"):  # xdist would hand out the biggest modules first, not this order
         config.option.loadscopereorder = False
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    groups = {item: xdist_group(item) for item in items}
-    by_module = {}  # a module that has a test in a shared-fixture group goes to that group whole
-    for item, group in groups.items():
-        if group in SHARED_FIXTURE_GROUPS.values():
-            by_module[item.path] = group
-    for item in items:
-        group = by_module.get(item.path, groups[item])
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+    stray = {item.path.name for item in items if "calc_servers" in item.fixturenames} - CALC_SERVER_MODULES
+    if stray:
+        raise pytest.UsageError(f"add {sorted(stray)} to CALC_SERVER_MODULES in tests/conftest.py")
     items.sort(key=lambda item: item.path.name not in FIRST_MODULES)  # stable: the rest keep their order
 
     if torch.cuda.is_available():
