@@ -152,8 +152,45 @@ def calc_servers(calc_model, tmp_path_factory):
     servers.stop()
 
 
+# The README's command runs the suite on two workers (pytest-xdist, `-n 2 --dist loadfile`): a module's tests go
+# to one worker, so a module's servers start once. Two exceptions: the modules sharing the session's calc servers
+# go to one worker together (else each worker starts them), and test_rl.py's independent runs are handed out one
+# at a time. (xdist_group marks with `--dist loadgroup` would say it per test, but on pytest 9.2 xdist 3.8's
+# grouping is silently lost: pytest-xdist#1386.)
+CALC_SERVER_MODULES = {"test_inference_fuzz.py", "test_tool_calls.py", "test_lora_serving.py", "test_sinks.py"}
+ONE_BY_ONE_MODULES = {"test_rl.py"}  # 17 runs, ~10 min in all: one worker would end long after the other
+# Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.
+FIRST_MODULES = ["test_example_reverse_text.py"]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduler(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            name = module.rsplit("/", 1)[-1]
+            if name in CALC_SERVER_MODULES:
+                return "calc-servers"
+            return nodeid if name in ONE_BY_ONE_MODULES else module
+
+    return Scheduler(config, log)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist would hand out the biggest modules first, not this order
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    stray = {item.path.name for item in items if "calc_servers" in item.fixturenames} - CALC_SERVER_MODULES
+    if stray:
+        raise pytest.UsageError(f"add {sorted(stray)} to CALC_SERVER_MODULES in tests/conftest.py")
+    items.sort(key=lambda item: item.path.name not in FIRST_MODULES)  # stable: the rest keep their order
 
     if torch.cuda.is_available():
         return

@@ -33,19 +33,21 @@ def server_url(tiny_model, tmp_path_factory):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     url = None
-    while url is None:
-        text = (out / "server.out").read_text()
-        ready = READY.search(text)
-        if ready:
-            url = f"http://127.0.0.1:{ready.group(2)}"
-        assert proc.poll() is None and time.monotonic() < deadline, f"server did not start:\n{text}"
-        time.sleep(0.2)
-    while httpx.get(f"{url}/health", timeout=5).status_code != 200:
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+    try:
+        while url is None:
+            text = (out / "server.out").read_text()
+            ready = READY.search(text)
+            if ready:
+                url = f"http://127.0.0.1:{ready.group(2)}"
+            assert proc.poll() is None and time.monotonic() < deadline, f"server did not start:\n{text}"
+            time.sleep(0.2)
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            time.sleep(0.2)
+        yield url
+    finally:  # a start that timed out left the server running for the rest of the session
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
 
 
 def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -226,11 +226,14 @@ def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, 
     )  # fmt: skip
     trainer_log = out / "logs" / "trainer.log"
     deadline = time.monotonic() + 180
-    while not (trainer_log.is_file() and "step 0 |" in trainer_log.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, show_logs(out)
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        while not (trainer_log.is_file() and "step 0 |" in trainer_log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, show_logs(out)
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        leave_nothing_running(proc, {})  # a failed wait would leave a 1000-step run loading the machine
     assert proc.returncode == 130, stderr
     assert "interrupted; stopped all services" in stderr
     no_traceback(stderr, out)
