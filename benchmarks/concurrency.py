@@ -61,7 +61,7 @@ class Bursts:
 
     async def run(self, trace: list | None = None) -> dict:
         """One burst of `args.requests` requests; its numbers, and every `args.every` s a trace row if asked."""
-        from prime_rl.orchestrator.servers.metrics import parse_metrics
+        from prime_rl.orchestrator.servers.prometheus import parse_metrics
 
         self.at_server.clear()
         start, slots = time.monotonic(), self.slots

@@ -163,6 +163,7 @@ ONE_BY_ONE_MODULES = {"test_rl.py"}  # 17 runs, ~10 min in all: one worker would
 FIRST_MODULES = ["test_example_reverse_text.py"]
 
 
+@pytest.hookimpl(optionalhook=True)  # a plain `pytest` without xdist runs too
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None

@@ -59,7 +59,7 @@ class Load:
 
     @classmethod
     def of(cls, values: dict[str, float]) -> Load | None:
-        """From metrics.parse_metrics' series; None when the read has no queue length."""
+        """From prometheus.parse_metrics' series; None when the read has no queue length."""
         if "requests_waiting" not in values:
             return None
         return cls(
@@ -100,7 +100,7 @@ class AIMD:
 class Limiter:
     """`async with limiter:` around each request to one server; at most `limit` at once, first come first in.
 
-    With a `controller` (adaptive) and a `read` of the server's /metrics (metrics.parse_metrics' series),
+    With a `controller` (adaptive) and a `read` of the server's /metrics (prometheus.parse_metrics' series),
     a task reads it every `interval` while requests are in flight or waiting here, unless someone else fed
     `observe` a read within the interval (metrics.ServerMetrics does when it runs); it stops when idle.
     `take()` gives the time-weighted means of the limit and the in-flight count since the last take.

@@ -30,7 +30,7 @@ import httpx
 from prime_rl.configs.orchestrator import ClientConfig
 from prime_rl.orchestrator.servers.concurrency import AIMD, Limiter
 from prime_rl.orchestrator.servers.http import Http, InferenceError
-from prime_rl.orchestrator.servers.metrics import parse_metrics
+from prime_rl.orchestrator.servers.prometheus import parse_metrics
 from prime_rl.utils.round_robin import SmoothRoundRobin
 
 logger = logging.getLogger("prime_rl")
@@ -92,7 +92,7 @@ class ServerPool:
 
     async def read_metrics(self, server: Server, timeout: float) -> dict[str, float]:
         """One quick GET of a server's Prometheus /metrics (no retries, no slot: it must never hold up generation),
-        parsed into metrics.SERIES; raises httpx.HTTPError when it does not answer 200."""
+        parsed into prometheus.SERIES; raises httpx.HTTPError when it does not answer 200."""
         response = await self.http.client.get(f"{server_root(server.base)}/metrics", timeout=timeout)
         response.raise_for_status()
         return parse_metrics(response.text)
