@@ -262,7 +262,4 @@ async def finish(loop: Loop) -> None:
 
 
 def run(config: OrchestratorConfig) -> None:
-    # torch (for the rank-file records) loads here: after config parsing, and not inside step 0's timings.
-    import prime_rl.protocol.records  # noqa: F401
-
     asyncio.run(orchestrate(config))
