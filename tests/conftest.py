@@ -152,7 +152,7 @@ def calc_servers(calc_model, tmp_path_factory):
     servers.stop()
 
 
-# The README's command runs the suite on two workers (pytest-xdist, `-n 2 --dist loadfile`): a module's tests go
+# With pytest-xdist (`uv run pytest -n 2 --dist loadfile`, on a machine with cores to spare) a module's tests go
 # to one worker, so a module's servers start once. Two exceptions: the modules sharing the session's calc servers
 # go to one worker together (else each worker starts them), and test_rl.py's independent runs are handed out one
 # at a time. (xdist_group marks with `--dist loadgroup` would say it per test, but on pytest 9.2 xdist 3.8's
