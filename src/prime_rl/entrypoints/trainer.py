@@ -30,10 +30,15 @@ def main() -> None:
 
 
 def train(config: TrainerConfig) -> None:
-    """The RL trainer's steps, imported once the start's checks passed: they load torch (seconds of CPU)."""
-    from prime_rl.trainer.rl.train import run
+    """The RL trainer's steps, imported once the start's checks passed: they load torch (seconds of CPU), so the
+    rank beats from before that (peers, the launcher and the orchestrator's parity gate see a trainer starting)."""
+    from prime_rl.protocol import Heartbeat
 
-    run(config)
+    rank = int(os.environ.get("RANK", 0))
+    with Heartbeat(config.output_dir, f"trainer-rank{rank}", hang_timeout=config.hang_timeout) as heartbeat:
+        from prime_rl.trainer.rl.train import run
+
+        run(config, heartbeat)
 
 
 if __name__ == "__main__":

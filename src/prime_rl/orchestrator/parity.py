@@ -118,13 +118,16 @@ class ParityGate(StepObserver):
         self.earlier: set[tuple[str, int]] = set()  # (server, weight step): it holds an earlier publish of the step
         self.sampled: set[int] = set()  # on-policy gate steps whose sampled tokens the trainer will report
         self.step_on_policy = False  # the step in progress samples from its own weight step
+        # The trainer scores the canaries at each gate step whose rank files it reads after canary.json: weight
+        # steps from the step that chose them on (0 when resumed: it had them). Earlier ones it may have passed.
+        self.step, self.scored_from = 0, 0
 
     # The step's hooks (observer.py).
     async def before_policy(self, client: InferenceClient, step: int) -> bool:
         """Before any update: what every server holds now (the step's /health round) against the trainer's; whether
         the step samples on-policy."""
         await self.check_checksums(client)
-        self.step_on_policy = self.on_policy(step)
+        self.step, self.step_on_policy = step, self.on_policy(step)
         return self.step_on_policy
 
     async def before_generate(self, client: InferenceClient, step: int) -> None:
@@ -153,6 +156,8 @@ class ParityGate(StepObserver):
         """The servers' scores of the canaries, when the weights they hold now are a gate step not yet scored."""
         step = self.held
         if not is_gate_step(step, self.c.interval) or step in self.done or step in self.pending:
+            return
+        if step < self.scored_from:  # the trainer may have scored it before the canaries existed
             return
         if read_beat(self.config.output_dir, "trainer-rank0") is None:
             logger.debug(f"parity: no trainer beats in {self.config.output_dir}: canaries not scored")
@@ -234,6 +239,7 @@ class ParityGate(StepObserver):
         if not canaries:
             return
         write_canaries(self.config.output_dir, canaries)
+        self.scored_from = self.step
         logger.info(f"parity: {len(canaries)} canaries ({sum(len(c['token_ids']) for c in canaries)} tokens) chosen")
         await self.score_gate_step(client, canaries)
 

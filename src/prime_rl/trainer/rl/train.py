@@ -53,15 +53,13 @@ from prime_rl.utils.timer import timer
 logger = logging.getLogger("prime_rl")
 
 
-def run(config: TrainerConfig) -> None:
-    # Beating from the start: peers and the launcher tell a trainer loading a 70B model from a dead one.
+def run(config: TrainerConfig, hb: Heartbeat) -> None:
+    """The steps; `hb` beats from before the imports (the entrypoint): peers and the launcher tell a trainer
+    loading a 70B model from a dead one."""
     rank = int(os.environ.get("RANK", 0))
     sampled = SampledMismatch(config, rank)  # the parity gate's sampled tokens, collected by the loss
     loss_fn = rl_loss(config.loss, sampled)  # a custom loss is imported here, once, from the config: before the model
-    with (
-        Heartbeat(config.output_dir, f"trainer-rank{rank}", hang_timeout=config.hang_timeout) as hb,
-        ExitStack() as stack,
-    ):
+    with ExitStack() as stack:
         with doing("loading the model", long=True):
             state = stack.enter_context(service.training(config, config.max_steps))
             dist = state.dist
