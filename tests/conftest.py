@@ -152,6 +152,20 @@ def calc_servers(calc_model, tmp_path_factory):
     servers.stop()
 
 
+@pytest.fixture(scope="module", params=["builtin", "vllm"])
+def calc_server(request, calc_servers) -> InferenceProcess:
+    """The module's tests once on each backend's session calc server (vLLM's skip where it is not installed)."""
+    return calc_servers.ready(request.param)
+
+
+@pytest.fixture(autouse=True)
+def show_calc_server_log_on_failure(request):
+    yield
+    if "calc_server" in request.fixturenames:  # pytest shows printed output only for failing tests
+        server = request.getfixturevalue("calc_server")
+        print(f"--- {server.backend} server log ---\n{server.output()[-6000:]}")
+
+
 # With pytest-xdist (`uv run pytest -n 2 --dist loadfile`, on a machine with cores to spare) a module's tests go
 # to one worker, so a module's servers start once. Two exceptions: the modules sharing the session's calc servers
 # go to one worker together (else each worker starts them), and test_rl.py's independent runs are handed out one

@@ -341,19 +341,11 @@ def check_answer(request: Sent, response: httpx.Response, tally: Tally) -> None:
             assert not errors, shown
 
 
-@pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, calc_servers):
+@pytest.fixture(scope="module")
+def server(calc_server):
     if not CALC_MODEL.joinpath("tools.json").exists():
         pytest.skip(f"{CALC_MODEL} is not in this checkout")
-    return calc_servers.ready(request.param)
-
-
-@pytest.fixture(autouse=True)
-def show_server_log_on_failure(request):
-    yield
-    if "server" in request.fixturenames:  # printed output is shown only for failing tests
-        s = request.getfixturevalue("server")
-        print(f"--- {s.backend} server log ---\n{s.output()[-5000:]}")
+    return calc_server
 
 
 # ---- the properties -----------------------------------------------------------------------------------

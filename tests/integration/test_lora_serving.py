@@ -100,22 +100,13 @@ def adapters(calc_model, tmp_path_factory) -> dict[str, Path]:
     return dirs | {"nan": nan, "shape": shape, "full": full}
 
 
-@pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, calc_servers):
+@pytest.fixture(scope="module")
+def server(calc_server):
     """A shared server, left on the base afterwards: the built-in engine serves a loaded adapter merged into its
     only weights, even under the base model's name that test_tool_calls asks for."""
-    server = calc_servers.ready(request.param)
-    yield server
-    response = server.post("/reload_weights", {})
+    yield calc_server
+    response = calc_server.post("/reload_weights", {})
     assert response.status_code == 200 and response.json()["step"] == 0, response.text
-
-
-@pytest.fixture(autouse=True)
-def show_server_log_on_failure(request):
-    yield
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed and "server" in request.fixturenames:
-        print(request.getfixturevalue("server").output()[-6000:])
 
 
 # Served (float32) logprobs vs transformers: the built-in engine's native forward agrees to float32 rounding;

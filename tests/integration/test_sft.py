@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from prime_rl.protocol import checkpoint_steps, is_stable, wandb_run_file, weights_dir
 from prime_rl.utils.metrics import read_metrics
+from tests.processes import finish
 
 pytestmark = pytest.mark.slow
 
@@ -48,13 +49,7 @@ def summary(output: str) -> dict[str, str]:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"sft did not finish within {timeout}s:\n{output[-6000:]}")
-    return proc.returncode, output
+    return finish(proc, "sft", timeout)
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,9 @@ GREEDY = {"temperature": 0, "max_tokens": 96}  # byte-level: a call is ~70 token
 RAW = {"return_token_ids": True, "return_tokens_as_token_ids": True}  # what the orchestrator reads
 
 
-@pytest.fixture(scope="module", params=["builtin", "vllm"])
-def server(request, calc_servers):
-    return calc_servers.ready(request.param)
-
-
-@pytest.fixture(autouse=True)
-def show_server_log_on_failure(request):
-    yield
-    if "server" in request.fixturenames:  # printed output is shown only for failing tests
-        s = request.getfixturevalue("server")
-        print(f"--- {s.backend} server log ---\n{s.output()[-5000:]}")
+@pytest.fixture(scope="module")
+def server(calc_server):
+    return calc_server
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import create_tiny_model
+from tests.processes import finish
 from tests.samples import on_policy_sample
 
 pytestmark = pytest.mark.slow
@@ -68,13 +69,7 @@ def _node(node_rank: int, rdzv: str, args: list[str]) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"trainer did not finish within {timeout}s:\n{output[-6000:]}")
-    return proc.returncode, output
+    return finish(proc, "trainer", timeout)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from prime_rl.protocol.records import write_rank_file
 from prime_rl.trainer.fake_data import fake_micro_batches
 from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
+from tests.processes import finish
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +44,8 @@ def _start(cmd: list[str]) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 180) -> str:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"trainer did not finish within {timeout}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
+    rc, output = finish(proc, "trainer", timeout)
+    assert rc == 0, output[-6000:]
     return output
 
 

@@ -35,3 +35,28 @@ def test_an_8b_model_on_this_cpu_node_is_warned_of_naming_the_settings_to_change
 
 def test_the_shipped_tiny_model_fits(tmp_path):
     assert memory_warning(rl(tmp_path, ROOT / "assets/tiny-qwen3"), gpus=0) is None
+
+
+def test_a_checkpoints_size_is_read_from_its_headers_as_the_model_counts_it_without_torch(tmp_path):
+    """The count `rl` warns with comes from the safetensors headers where the checkpoint is at hand (its
+    start-up imported transformers and torch for it: ~10 s before any service started), and agrees with
+    the parameters of the model built from the config; the launcher never imports torch for it."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from prime_rl.launch.memory_check import parameter_count
+    from prime_rl.utils.tiny_model import meta_model
+
+    for name in ("tiny-qwen3", "calc-qwen3"):
+        model = ROOT / "assets" / name
+        built = sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(model)).parameters())
+        assert parameter_count(str(model)) == built, name
+    probe = (
+        "import sys; from prime_rl.launch.memory_check import parameter_count; "
+        f"n = parameter_count({str(ROOT / 'assets/tiny-qwen3')!r}); print(n, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    count, torch_loaded = out.stdout.split()
+    assert int(count) > 0 and torch_loaded == "False", out.stdout

@@ -9,10 +9,13 @@ checkpoint's names and shapes (vLLM's loader expects them).
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch itself only where a tensor is made: `rl`'s start-up reads headers without it (~5 s)
+    import torch
 
 # name -> (shape, is floating point), as read from safetensors headers
 TensorSpecs = dict[str, tuple[tuple[int, ...], bool]]
@@ -32,6 +35,8 @@ def checkpoint_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Te
 
 def converted_at_load(model: torch.nn.Module) -> bool:
     """Whether transformers converted `model`'s tensors at load (its state dict's names are not its checkpoint's)."""
+    import torch
+
     meta = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict().items()}
     return set(checkpoint_state_dict(model, meta)) != set(meta)
 
@@ -71,12 +76,13 @@ def checkpoint_file(name: str, filename: str) -> Path | None:
 
 
 def header_specs(file: Path) -> TensorSpecs:
-    """Names, shapes and dtype kinds in one safetensors file, from its header only (no tensor data read)."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        parts = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        return {name: (tuple(p.get_shape()), p.get_dtype().startswith(("F", "BF"))) for name, p in parts.items()}
+    """Names, shapes and dtype kinds in one safetensors file, from its header only (no tensor data read): the
+    format's first 8 bytes are the header's length (little-endian), then the header, JSON."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {name: (tuple(t["shape"]), t["dtype"].startswith(("F", "BF"))) for name, t in header.items()}
 
 
 def iter_safetensors(weight_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,11 +12,9 @@ on their port on cue; the real server's /update_weights is covered by tests/inte
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -27,78 +25,14 @@ from prime_rl.orchestrator.servers import STALE_ANSWERS, Servers, StaleAnswer
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.protocol import weights_dir
 from prime_rl.protocol.files import mark_stable
+from tests.fake_server import FakeServer
 
 BOUND = 15.0  # seconds a test's requests get; the restores take well under 1 s on loopback
 
 
-def chat_answer(n: int) -> dict:
-    token = {"token": "token_id:7", "logprob": -0.1}
-    choice = {"message": {"role": "assistant", "content": "x"}, "finish_reason": "stop", "token_ids": [7],
-              "logprobs": {"content": [token]}}  # fmt: skip
-    return {"prompt_token_ids": [1, 2], "choices": [choice | {"index": i} for i in range(n)]}
-
-
-class Server:
-    """A fake inference server holding weight step `step` (0: its base weights, as after a start), which loads a
-    `weights/step_k` dir (needs STABLE) as step k. `lying`: it reports the step it loaded but samples from 0."""
-
-    def __init__(self, step: int = 0, port: int = 0, lying: bool = False):
-        self.step, self.lying = step, lying
-        self.gate: threading.Semaphore | None = None  # when set, each generation answers once given a permit
-        self.updates: list[str] = []
-        self.requests = 0
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, data: dict, status: int = 200, sampled: int | None = None) -> None:
-                payload = json.dumps(data).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.send_header("x-weight-step", str(fake.step if sampled is None else sampled))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def do_GET(self):
-                self.reply({"status": "ok", "step": fake.step})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/update_weights":
-                    source = Path(body["weight_dir"])
-                    if not (source / "STABLE").is_file():
-                        return self.reply({"error": {"message": f"{source} is not a complete weight dir"}}, 400)
-                    fake.updates.append(str(source))
-                    fake.step = int(source.name.removeprefix("step_"))
-                    return self.reply({"step": fake.step, "checksum": None})
-                fake.requests += 1
-                arrived = fake.step  # x-weight-step: the step held when the request arrived
-                if fake.gate is not None:
-                    fake.gate.acquire(timeout=BOUND)
-                self.reply(chat_answer(body["n"]), sampled=0 if fake.lying else arrived)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def restart(self, lying: bool = False) -> Server:
-        """The server process restarts on its port: it serves its base weights (step 0) again."""
-        self.kill()
-        return Server(port=self.port, lying=lying)
-
-    def kill(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def started():
-    servers: list[Server] = []
+    servers: list[FakeServer] = []
     yield servers
     for server in servers:
         try:
@@ -107,14 +41,19 @@ def started():
             pass
 
 
+def server_at(step: int) -> FakeServer:
+    """A fake server holding `step` that loads only complete weight dirs; a gated request waits at most BOUND."""
+    return FakeServer(step, require_stable=True, gate_timeout=BOUND)
+
+
 def write_weights(out: Path, *steps: int) -> None:
     for step in steps:
         weights_dir(out, step).mkdir(parents=True)
         mark_stable(weights_dir(out, step))
 
 
-async def requests_after_a_restart(servers: list[Server], started: list[Server], out: Path, floor: int,
-                                   n: int = 8, lying: bool = False) -> tuple[list, Server, float]:  # fmt: skip
+async def requests_after_a_restart(servers: list[FakeServer], started: list[FakeServer], out: Path, floor: int,
+                                   n: int = 8, lying: bool = False) -> tuple[list, FakeServer, float]:  # fmt: skip
     """A fresh client (the orchestrator restarted: it posted no update) finds the servers on step 3 and sets the
     floor; then server 0 restarts and `n` requests run. Their results (or the error), the restarted server, and
     the seconds they took."""
@@ -137,7 +76,7 @@ def test_a_restarted_server_is_given_the_weights_on_disk_and_every_request_is_an
     """Filesystem mode after an orchestrator restart, one server and two: the restarted server gets
     weights/step_3 (the step the others hold), once for all the requests that found it on step 0."""
     write_weights(tmp_path, 1, 2, 3)
-    servers = [Server(step=3) for _ in range(count)]
+    servers = [server_at(3) for _ in range(count)]
     started.extend(servers)
     with caplog.at_level(logging.WARNING, logger="prime_rl"):
         results, restarted, seconds = asyncio.run(requests_after_a_restart(servers, started, tmp_path, floor=3))
@@ -150,7 +89,7 @@ def test_a_restarted_server_is_given_the_weights_on_disk_and_every_request_is_an
 def test_with_broadcasts_a_checkpoint_step_on_disk_at_or_above_the_floor_restores_the_server(tmp_path, started):
     """Broadcast mode writes weights/step_k at checkpoint steps: one at the floor serves the restarted server."""
     write_weights(tmp_path, 2)
-    servers = [Server(step=3)]
+    servers = [server_at(3)]
     started.extend(servers)
     results, restarted, _ = asyncio.run(requests_after_a_restart(servers, started, tmp_path, floor=2))
     assert restarted.updates == [str(weights_dir(tmp_path, 2))] and all(r[0].weight_step == 2 for r in results)
@@ -163,7 +102,10 @@ def test_with_broadcasts_and_no_weights_on_disk_the_restarted_server_is_benched_
     restarted one gets no requests after its first answers, the other answers them all at step 3; the next
     update (a broadcast, or a dir: both end in the same bookkeeping) puts it back in the rotation."""
     write_weights(tmp_path, 1)
-    servers = [Server(step=3), Server(step=3)]
+    servers = [
+        server_at(3),
+        server_at(3),
+    ]
     started.extend(servers)
     config = ClientConfig(base_url=[s.url for s in servers], max_retries=0)
 
@@ -196,7 +138,7 @@ def test_with_broadcasts_one_server_and_no_weights_on_disk_the_request_fails_at_
     """Nothing can give the only server a usable policy mid-step: the requests fail within a second, naming it,
     the step it holds and the floor, and what to do (the orchestrator exits 1 with that line; `rl --restart`
     resumes it, and the next step's broadcast reaches the server)."""
-    servers = [Server(step=3)]
+    servers = [server_at(3)]
     started.extend(servers)
     results, restarted, seconds = asyncio.run(requests_after_a_restart(servers, started, tmp_path, floor=3))
     assert all(isinstance(r, InferenceError) for r in results) and seconds < 2.0
@@ -211,7 +153,7 @@ def test_a_server_that_keeps_sampling_old_weights_after_reloads_fails_the_reques
     """A server that reports the step it loaded but samples from its base weights: the request gives up after
     STALE_ANSWERS answers, naming the server and each answer's step."""
     write_weights(tmp_path, 3)
-    servers = [Server(step=3)]
+    servers = [server_at(3)]
     started.extend(servers)
     results, restarted, seconds = asyncio.run(
         requests_after_a_restart(servers, started, tmp_path, floor=3, n=1, lying=True)
@@ -231,7 +173,7 @@ def test_requests_running_while_the_trainers_weights_are_awaited_keep_the_previo
     not written yet. Requests running meanwhile sample weights 1, still the previous step's policy: they are
     answered (the floor rises once the servers hold step 2), not thrown away or failed for an absent step_2."""
     write_weights(tmp_path, 1)
-    servers = [Server(step=1)]
+    servers = [server_at(1)]
     started.extend(servers)
     config = OrchestratorConfig(
         output_dir=tmp_path, batch_size=4, rollouts_per_example=2, max_inflight=8, max_off_policy_steps=1,
@@ -260,7 +202,7 @@ def test_answers_older_than_updates_they_ran_across_are_asked_again_without_a_re
     current when it started, so it is asked again on the new weights, with no restore, and not counted towards
     STALE_ANSWERS: here it runs across STALE_ANSWERS updates in a row and is still answered."""
     write_weights(tmp_path, *range(3, 4 + STALE_ANSWERS))
-    servers = [Server(step=3)]
+    servers = [server_at(3)]
     servers[0].gate = threading.Semaphore(0)
     started.extend(servers)
     config = ClientConfig(base_url=[servers[0].url], max_retries=0)
@@ -287,7 +229,7 @@ def test_answers_older_than_updates_they_ran_across_are_asked_again_without_a_re
 def test_one_attempt_from_below_the_floor_is_a_stale_answer_and_restores_nothing(started):
     """`Servers._generate` is one attempt: an answer from below the floor raises StaleAnswer naming the server and
     the step it answered from, and loads nothing; restoring the server and asking again is `Servers.generate`'s."""
-    server = Server(step=0)
+    server = server_at(0)
     started.append(server)
 
     async def attempt() -> StaleAnswer:

@@ -8,74 +8,14 @@ answer instantly and can be killed on cue. The real server is covered by tests/i
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
-
-
-def chat_answer(n: int) -> dict:
-    token = {"token": "token_id:7", "logprob": -0.1, "bytes": [], "top_logprobs": []}
-    choices = [
-        {"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop", "token_ids": [7],
-         "logprobs": {"content": [token]}}
-        for i in range(n)
-    ]  # fmt: skip
-    return {"id": "c", "object": "chat.completion", "prompt_token_ids": [1, 2], "choices": choices}
-
-
-class FakeServer:
-    def __init__(self, delay: float = 0.0, port: int = 0):
-        self.requests = 0
-        self.step = 0
-        self.updates: list[str] = []
-        self.delay = delay
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, data: dict) -> None:
-                payload = json.dumps(data).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.send_header("x-weight-step", str(fake.step))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def do_GET(self):
-                self.reply({"status": "ok", "step": fake.step})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/update_weights":
-                    fake.updates.append(body["weight_dir"])
-                    fake.step = 3
-                    return self.reply({"step": 3, "weight_dir": body["weight_dir"], "seconds": 0.0})
-                if self.path == "/reload_weights":
-                    fake.updates.append("base")
-                    fake.step = 0
-                    return self.reply({"step": 0, "seconds": 0.0})
-                fake.requests += 1
-                time.sleep(fake.delay)
-                self.reply(chat_answer(body["n"]))
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def kill(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from tests.fake_server import FakeServer
 
 
 @pytest.fixture

@@ -1,0 +1,17 @@
+"""Waiting for a test's own subprocesses with a bound (`from tests.processes import finish`)."""
+
+import subprocess
+
+import pytest
+
+
+def finish(proc: subprocess.Popen, what: str, timeout: float = 180) -> tuple[int, str]:
+    """`proc`'s exit status and output (stdout, stderr merged); fails the test, showing the output's tail, where
+    `what` has not finished within `timeout` seconds."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish within {timeout}s:\n{output[-6000:]}")
+    return proc.returncode, output
