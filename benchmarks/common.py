@@ -83,6 +83,51 @@ def start_server(model: Path, port: int, out: Path, extra: list[str] = (), timeo
     return server
 
 
+def rl_config_toml(
+    model: Path,
+    output_dir: Path,
+    *,
+    steps: int,
+    async_level: int,
+    transfer: str,
+    port: int,
+    backend: str,
+    batch_size: int,
+    rollouts: int,
+    max_tokens: int,
+    lr: float,
+    extra: str = "",
+) -> str:
+    """An `rl` config of reverse-text steps at a model's size (vLLM eager: no compile in the timings); `extra`
+    is appended (more TOML tables)."""
+    return f"""
+output_dir = "{output_dir}"
+max_steps = {steps}
+async_level = {async_level}
+weight_transfer = "{transfer}"
+
+[model]
+name = "{model}"
+
+[inference]
+backend = "{backend}"
+enforce_eager = true
+server.port = {port}
+max_model_len = 256
+
+[orchestrator]
+batch_size = {batch_size}
+rollouts_per_example = {rollouts}
+seq_len = 256
+sampling.max_tokens = {max_tokens}
+sampling.temperature = 1.0
+env.id = "reverse-text"
+
+[trainer]
+optim.lr = {lr}
+{extra}"""
+
+
 def run_rl(config: Path, env: dict[str, str] | None = None, timeout: float | None = None) -> float:
     """Run `rl @ config` from the repo root as a user would; exit with its last output if it fails. Seconds."""
     start = time.perf_counter()

@@ -46,7 +46,16 @@ import tempfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from common import add_json_argument, markdown_table, median, median_of, run_rl, start_server, write_json
+from common import (
+    add_json_argument,
+    markdown_table,
+    median,
+    median_of,
+    rl_config_toml,
+    run_rl,
+    start_server,
+    write_json,
+)
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.launch.supervise import Service, stop_all, wait_for_inference
@@ -66,32 +75,8 @@ MODELS = {  # name: (hidden, layers); both with the char-level tokenizer reverse
 def config_text(
     model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int, backend: str
 ) -> str:
-    return f"""
-output_dir = "{output_dir}"
-max_steps = {steps}
-async_level = {async_level}
-weight_transfer = "{transfer}"
-
-[model]
-name = "{model}"
-
-[inference]
-backend = "{backend}"
-enforce_eager = true
-server.port = {port}
-max_model_len = 256
-
-[orchestrator]
-batch_size = 64
-rollouts_per_example = 8
-seq_len = 256
-sampling.max_tokens = 32
-sampling.temperature = 1.0
-env.id = "reverse-text"
-
-[trainer]
-optim.lr = 1e-4
-"""
+    return rl_config_toml(model, output_dir, steps=steps, async_level=async_level, transfer=transfer, port=port,
+                          backend=backend, batch_size=64, rollouts=8, max_tokens=32, lr=1e-4)  # fmt: skip
 
 
 def handoff_case(model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int, backend: str) -> dict:

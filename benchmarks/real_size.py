@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import add_json_argument, median_of, write_json
+from common import add_json_argument, median_of, rl_config_toml, write_json
 
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port
@@ -55,36 +55,10 @@ MAX_TOKENS, LR = 32, 1e-5
 
 
 def config_text(model: Path, out: Path, args, transfer: str, backend: str, ckpt_async: bool) -> str:
-    return f"""
-output_dir = "{out}"
-max_steps = {args.steps}
-async_level = 0
-weight_transfer = "{transfer}"
-
-[model]
-name = "{model}"
-
-[inference]
-backend = "{backend}"
-enforce_eager = true
-server.port = {free_port()}
-max_model_len = 256
-
-[orchestrator]
-batch_size = {args.batch_size}
-rollouts_per_example = {args.rollouts}
-seq_len = 256
-sampling.max_tokens = {MAX_TOKENS}
-sampling.temperature = 1.0
-env.id = "reverse-text"
-
-[trainer]
-optim.lr = {LR}
-
-[ckpt]
-interval = {args.ckpt_interval}
-async_save = {str(ckpt_async).lower()}
-"""
+    ckpt = f"\n[ckpt]\ninterval = {args.ckpt_interval}\nasync_save = {str(ckpt_async).lower()}\n"
+    return rl_config_toml(model, out, steps=args.steps, async_level=0, transfer=transfer, port=free_port(),
+                          backend=backend, batch_size=args.batch_size, rollouts=args.rollouts, max_tokens=MAX_TOKENS,
+                          lr=LR, extra=ckpt)  # fmt: skip
 
 
 class ServiceMemory(threading.Thread):
