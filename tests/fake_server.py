@@ -31,6 +31,7 @@ class FakeServer:
     def __init__(self, step: int = 0, port: int = 0, delay: float = 0.0, lying: bool = False,
                  require_stable: bool = False, gate_timeout: float = 15.0):  # fmt: skip
         self.step, self.delay, self.lying, self.require_stable = step, delay, lying, require_stable
+        self.gate_timeout = gate_timeout
         self.gate: threading.Semaphore | None = None
         self.updates: list[str] = []
         self.requests = 0
@@ -68,7 +69,7 @@ class FakeServer:
                 fake.requests += 1
                 arrived = fake.step  # x-weight-step: the step held when the request arrived
                 if fake.gate is not None:
-                    fake.gate.acquire(timeout=gate_timeout)
+                    fake.gate.acquire(timeout=fake.gate_timeout)
                 time.sleep(fake.delay)
                 self.reply(chat_answer(body["n"]), sampled=0 if fake.lying else arrived)
 
@@ -81,7 +82,9 @@ class FakeServer:
     def restart(self, lying: bool = False) -> FakeServer:
         """The server process restarts on its port: it serves its base weights (step 0) again."""
         self.kill()
-        return FakeServer(port=self.port, lying=lying, require_stable=self.require_stable)
+        return FakeServer(
+            port=self.port, lying=lying, require_stable=self.require_stable, gate_timeout=self.gate_timeout
+        )
 
     def kill(self) -> None:
         self.httpd.shutdown()

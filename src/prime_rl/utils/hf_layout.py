@@ -9,7 +9,6 @@ checkpoint's names and shapes (vLLM's loader expects them).
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -76,13 +75,13 @@ def checkpoint_file(name: str, filename: str) -> Path | None:
 
 
 def header_specs(file: Path) -> TensorSpecs:
-    """Names, shapes and dtype kinds in one safetensors file, from its header only (no tensor data read): the
-    format's first 8 bytes are the header's length (little-endian), then the header, JSON."""
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return {name: (tuple(t["shape"]), t["dtype"].startswith(("F", "BF"))) for name, t in header.items()}
+    """Names, shapes and dtype kinds in one safetensors file, from its header only (no tensor data read). Opened
+    for numpy, which reads the header without importing torch (`rl`'s start-up counts parameters with it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="numpy") as f:
+        parts = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        return {name: (tuple(p.get_shape()), p.get_dtype().startswith(("F", "BF"))) for name, p in parts.items()}
 
 
 def iter_safetensors(weight_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
