@@ -367,13 +367,26 @@ def wait_for_work(work, pg, timeout: float, what: str) -> None:
     work.wait()
 
 
+# How long `abandon` waits for an abort. NCCL's abort ends NCCL kernels stuck on a dead peer, but it also waits
+# for whatever else is queued ahead of them on the stream (seen on an H200: 27 s behind a 30 s kernel); the error
+# must not wait with it.
+ABORT_GRACE = 5.0
+
+
 def abandon(pg) -> None:
     """Abort `pg` before it is dropped: on nccl this aborts its communicator, which ends kernels stuck on a dead
     peer. (gloo's abort does nothing for its peers; dropping the last reference closes its sockets, so they fail
-    at once rather than at their timeout.) Best effort: the group is being given up."""
+    at once rather than at their timeout.) Best effort, at most ABORT_GRACE seconds: the abort goes on in a
+    daemon thread past that, and the group is given up either way."""
     if pg is None:
         return
-    try:
-        pg.abort()
-    except (RuntimeError, NotImplementedError, AttributeError):
-        pass
+
+    def abort() -> None:
+        try:
+            pg.abort()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            pass
+
+    thread = threading.Thread(target=abort, name="weight-group-abort", daemon=True)
+    thread.start()
+    thread.join(ABORT_GRACE)
