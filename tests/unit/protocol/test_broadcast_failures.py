@@ -84,7 +84,6 @@ def test_a_collective_that_never_completes_is_a_timeout_naming_it_and_the_group_
         wait_for_work(work, pg, 0.01, "x")
 
 
-
 class StuckAbort(Group):
     """A group whose abort blocks (NCCL's waits for work queued ahead on the stream: seen on an H200, a GPU
     cannot be had here, so the blocking abort is simulated)."""
@@ -106,6 +105,7 @@ def test_a_timeout_is_raised_within_the_abort_grace_even_when_the_abort_blocks(m
         wait_for_work(work, pg, 0.2, "bucket 1 of weight step 2")
     assert 0.7 <= time.monotonic() - start < 2.0 and pg.aborted == 1
     pg.release.set()
+
 
 def gloo_pair(timeout: float):
     port = free_port()
