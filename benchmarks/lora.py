@@ -162,7 +162,7 @@ def saved_activations_mib(model, row) -> float:
 def run_mode(args) -> dict:
     from prime_rl.configs.trainer import TrainerConfig
     from prime_rl.trainer.fake_data import fake_micro_batches
-    from prime_rl.trainer.model import build_training
+    from prime_rl.trainer.loading import build_training
     from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.train import train_step
 

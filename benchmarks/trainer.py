@@ -158,7 +158,7 @@ def serve_variant(args: argparse.Namespace) -> None:
 def build_ours(args, samples):
     from prime_rl.configs.trainer import TrainerConfig
     from prime_rl.trainer.fake_data import pack_samples
-    from prime_rl.trainer.model import build_training
+    from prime_rl.trainer.loading import build_training
     from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.train import train_step
 

@@ -141,7 +141,7 @@ def test_lora_on_two_fsdp_ranks_trains_the_adapter_of_one_rank(tiny_model, runs,
     """FSDP2 over the LoRA-wrapped model (frozen base, trainable adapters in the same units): the 2-rank
     step's adapter equals one rank's on the same 4 micro batches, and only the adapter (and its checksum) is written."""
     from prime_rl.configs.trainer import TrainerConfig
-    from prime_rl.trainer.model import build_training
+    from prime_rl.trainer.loading import build_training
     from prime_rl.trainer.rl.train import train_step
     from prime_rl.trainer.weights import adapter_state
 

@@ -1,6 +1,6 @@
 """The policy model of both trainers: an HF causal LM loaded so that the trainer reproduces the served policy.
 
-- float32 master weights on CPU (FSDP moves and shards them, `parallel.parallelize`);
+- float32 master weights (each rank reads only its shards: `loading.py`; loaded whole here where it cannot);
 - our packed attention (`attention.py`), each sample attending only to itself;
 - every dropout probability of the config set to 0: the trainer's logprobs must be the policy's, and with
   `attention_dropout = 0.1` two identical forwards differed by 0.09;
@@ -11,16 +11,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from prime_rl.configs import LoraConfig
-from prime_rl.configs.training import TrainingConfig
 from prime_rl.trainer.attention import attention_implementation, check_supported
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.optim import build_optimizer, build_scheduler
-from prime_rl.trainer.parallel import Dist, parallelize
 from prime_rl.trainer.weights import check_export_layout
 from prime_rl.utils.lora import ADAPTER
 
@@ -42,13 +39,19 @@ def build_model(name: str, device_type: str = "cpu", lora: LoraConfig | None = N
         )
     except (OSError, ValueError) as e:
         raise TrainerError(f"cannot load model {name!r}: {e}") from None
+    prepare(model, name, lora)
+    return model
+
+
+def prepare(model: torch.nn.Module, name: str, lora: LoraConfig | None) -> None:
+    """What every trainer model gets once built (loaded, or on the meta device): the packed-attention and
+    export-layout checks, no KV cache, LoRA adapters, train mode."""
     check_supported(model)
     check_export_layout(model, name)
     model.config.use_cache = False
     if lora is not None:
         apply_lora(model, lora)
     model.train()  # from_pretrained returns eval mode, which would also switch activation checkpointing off
-    return model
 
 
 def disable_dropout(config: PretrainedConfig) -> list[str]:
@@ -85,13 +88,3 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(f"LoRA rank {lora.rank} on {lora.target_modules}: {trainable:,} of {total:,} parameters train")
-
-
-def build_training(
-    config: TrainingConfig, dist: Dist, max_steps: int
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    """The model of a trainer config (RL or SFT) parallelized over `dist`, with its optimizer and lr schedule."""
-    model = build_model(config.model.name, dist.device.type, config.model.lora)
-    parallelize(model, dist, config)
-    optimizer = build_optimizer(model, config.optim)
-    return model, optimizer, build_scheduler(optimizer, config.optim, max_steps)

@@ -108,7 +108,8 @@ def apply_fsdp(model: torch.nn.Module, world: Dist, param_dtype: torch.dtype, cp
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if world.world_size == 1 and param_dtype == torch.float32 and not cpu_offload:
-        model.to(world.device)
+        if not next(model.parameters()).is_meta:  # a model built on meta gets its storage after (loading.py)
+            model.to(world.device)
         return
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

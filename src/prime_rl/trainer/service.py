@@ -30,7 +30,7 @@ from prime_rl.protocol import (
 )
 from prime_rl.trainer.ckpt import AsyncCheckpointer, Progress, load_checkpoint, save_checkpoint
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.model import build_training
+from prime_rl.trainer.loading import build_training
 from prime_rl.trainer.parallel import (
     Dist,
     all_reduce,

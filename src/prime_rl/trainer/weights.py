@@ -140,8 +140,14 @@ def check_export_layout(model: torch.nn.Module, name: str) -> None:
     if files is None:
         return  # no safetensors headers to compare with (e.g. a .bin checkpoint)
     stored = {k: shape for file in files for k, (shape, _) in header_specs(file).items()}
-    exported = drop_tied_head(exported, bool(getattr(model.config, "tie_word_embeddings", False)))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    exported = drop_tied_head(exported, tied)
     wrong = sorted(k for k, v in exported.items() if stored.get(k) != tuple(v.shape))
+    if wrong and exported.keys() == drop_tied_head(meta, tied).keys():
+        raise TrainerError(  # nothing converted: the checkpoint itself lacks or misshapes them
+            f"{arch}: the checkpoint {name!r} lacks {len(wrong)} of the model's tensors or holds them in another "
+            f"shape, e.g. {wrong[:3]}"
+        )
     if wrong:
         raise TrainerError(
             f"{arch}: transformers converts the weights of {name!r} at load and reverting that does not give "
