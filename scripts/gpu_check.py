@@ -13,7 +13,7 @@ still run, and the exit status is 1):
    FSDP2 trainer on the same GPU, `weight_transfer = broadcast` (nccl; gloo when both share one GPU);
 4. `trainer --bench` alone in upstream's shape: one 16,384-token sample a row, activation checkpointing;
 5. `rl` with `weight_transfer = filesystem`, fewer steps.
-`--quick`: 1, then the fork probe and a one-rank NCCL weight group (scripts/gpu_probes.py), 4, 4 with
+`--quick`: 1, then the fork probe, a one-rank NCCL weight group and sharded loading (scripts/gpu_probes.py), 4, 4 with
 `--compile` (TORCH_LOGS=recompiles: the recompilations are counted), and 3 for 6 steps.
 The rl runs are synchronous (async_level 0): every step samples from the weights the trainer has, so the
 mismatch KL is the two engines' numerics, not a policy lag.
@@ -130,11 +130,12 @@ def plan(out: Path, steps: int, fs_steps: int, backend: str, quick: bool = False
     build = [py, "-m", "prime_rl.utils.tiny_model", str(model), "--preset", PRESET]
     if quick:  # timeouts: 11 min in all
         probes = [py, str(ROOT / "scripts" / "gpu_probes.py")]
-        return [Step(f"build the {PRESET} model", build, 120),
+        return [Step(f"build the {PRESET} model", build, 90),
                 Step("fork probe: inference up to vLLM's engine start", [*probes, "fork", str(model)], 45),
-                Step("NCCL: one-rank weight group sends the model", [*probes, "nccl", str(model)], 60),
-                bench(compiled=False, timeout=120), bench(compiled=True, timeout=150),
-                rl_run("broadcast", steps, 165)]  # fmt: skip
+                Step("NCCL: one-rank weight group sends the model", [*probes, "nccl", str(model)], 45),
+                Step("sharded loading onto the GPU equals a whole load", [*probes, "loading", str(model)], 60),
+                bench(compiled=False, timeout=100), bench(compiled=True, timeout=130),
+                rl_run("broadcast", steps, 160)]  # fmt: skip
     build = Step(f"build the {PRESET} model", build, 300)
     return [build, Step("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600),
             rl_run("broadcast", steps, 720), bench(compiled=False), rl_run("filesystem", fs_steps, 480)]  # fmt: skip

@@ -1,7 +1,8 @@
-"""Two probes of `scripts/gpu_check.sh --quick` that need a CUDA GPU but not vLLM (the GPU machine has none).
+"""Probes of `scripts/gpu_check.sh --quick` that need a CUDA GPU but not vLLM (the GPU machine has none).
 
-    python scripts/gpu_probes.py fork MODEL_DIR   # the inference process, up to where vLLM starts its engine
-    python scripts/gpu_probes.py nccl MODEL_DIR   # a one-rank NCCL weight group sends MODEL_DIR's tensors
+    python scripts/gpu_probes.py fork MODEL_DIR      # the inference process, up to where vLLM starts its engine
+    python scripts/gpu_probes.py nccl MODEL_DIR      # a one-rank NCCL weight group sends MODEL_DIR's tensors
+    python scripts/gpu_probes.py loading MODEL_DIR   # the trainer reads its shards onto the GPU: = a whole load
 
 fork: `inference --backend vllm` runs as users start it, but where vLLM would start (serve_vllm) the probe forks
 instead: the child must not find CUDA initialised in its parent (`torch._C._cuda_isInBadFork()`: vLLM's
@@ -12,6 +13,10 @@ nccl: the weight broadcast's own group (protocol/broadcast.py) on NCCL with one 
 the model at its real size in bf16 through `send_step` (header, buckets, acknowledgement): NCCL initialises,
 the collectives complete, and the time per GiB is printed. One GPU cannot hold two NCCL ranks ("Duplicate GPU
 detected"), so nothing is received: what NCCL costs between GPUs is not measured here.
+
+loading: the trainer's sharded load (trainer/loading.py: meta, FSDP2 in bf16, each rank's shards read from the
+safetensors straight into CUDA memory) on one rank; every tensor and buffer must equal `build_model`'s whole
+load on the CPU. Prints the time and the peak GPU memory.
 """
 
 from __future__ import annotations
@@ -91,8 +96,35 @@ def nccl_probe(model: str) -> int:
     return 0
 
 
+def loading_probe(model: str) -> int:
+    import tempfile
+
+    import torch
+
+    from prime_rl.configs.trainer import TrainerConfig
+    from prime_rl.trainer.loading import build_sharded
+    from prime_rl.trainer.model import build_model
+    from prime_rl.trainer.parallel import close_distributed, init_distributed
+
+    world = init_distributed("cuda")
+    config = TrainerConfig(model={"name": model}, output_dir=tempfile.mkdtemp(), device="cuda", dtype="bfloat16")
+    start = time.perf_counter()
+    sharded = build_sharded(config, world)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    whole = build_model(model)
+    ours = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sharded.state_dict().items()}
+    differ = [k for k, v in whole.state_dict().items() if not torch.equal(ours[k].cpu(), v)]
+    differ += [k for k, b in whole.named_buffers() if not torch.equal(sharded.get_buffer(k).cpu(), b)]
+    devices = {str(p.device) for p in sharded.parameters()}
+    print(f"loading probe: {len(ours)} tensors read onto {devices} in {seconds:.2f} s, peak GPU memory "
+          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; differing from a whole load: {differ or 'none'}")  # fmt: skip
+    close_distributed()
+    return 1 if differ or devices != {"cuda:0"} else 0
+
+
 if __name__ == "__main__":
-    probes = {"fork": fork_probe, "nccl": nccl_probe}
+    probes = {"fork": fork_probe, "nccl": nccl_probe, "loading": loading_probe}
     if len(sys.argv) != 3 or sys.argv[1] not in probes:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(probes)}}} MODEL_DIR")
     sys.exit(probes[sys.argv[1]](sys.argv[2]))

@@ -74,11 +74,11 @@ def test_quick_plan_fits_eleven_minutes_and_benches_upstreams_shape(tmp_path):
     done = check("--quick", "--dry-run", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line[:1].isdigit() and "[timeout " in line]
-    assert len(steps) == 6
+    assert len(steps) == 7
     assert sum(int(line.split("[timeout ")[1].split()[0]) for line in steps) <= 11 * 60
     lines = done.stdout.splitlines()
     commands = [shlex.split(line) for line in lines if line.startswith("   ") and not line.startswith("   (")]
-    assert [c[-2] for c in commands if "gpu_probes.py" in c[1]] == ["fork", "nccl"]
+    assert [c[-2] for c in commands if "gpu_probes.py" in c[1]] == ["fork", "nccl", "loading"]
     benches = [
         c[c.index("prime_rl.entrypoints.trainer") + 1 :] for c in commands if "prime_rl.entrypoints.trainer" in c
     ]
