@@ -117,8 +117,9 @@ def loading_probe(model: str) -> int:
     differ = [k for k, v in whole.state_dict().items() if not torch.equal(ours[k].cpu(), v)]
     differ += [k for k, b in whole.named_buffers() if not torch.equal(sharded.get_buffer(k).cpu(), b)]
     devices = {str(p.device) for p in sharded.parameters()}
+    peak = torch.cuda.max_memory_allocated() / 2**30
     print(f"loading probe: {len(ours)} tensors read onto {devices} in {seconds:.2f} s, peak GPU memory "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; differing from a whole load: {differ or 'none'}")  # fmt: skip
+          f"{peak:.2f} GiB; differing from a whole load: {differ or 'none'}")  # fmt: skip
     close_distributed()
     return 1 if differ or devices != {"cuda:0"} else 0
 
