@@ -58,18 +58,23 @@ def tensor_key(name: str, dtype: torch.dtype, shape: Iterable[int]) -> int:
 def tensor_value(t: torch.Tensor, device: torch.device | None = None) -> int:
     """Σ_r (r + 1) · rowsum_r(words(t)) mod P, reduced in chunks of rows on `device` (default: `t`'s; a GPU
     server hashes the host tensors it reads from files there, a chunk at a time) (see the module doc)."""
+    return int(device_value(t, device))
+
+
+def device_value(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """`tensor_value` as a 0-d int64 tensor on the reducing device: reading it is the only host sync."""
     import torch
 
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     t = t.detach()
+    device = t.device if device is None else device
+    total = torch.zeros((), dtype=torch.int64, device=device)
     if t.numel() == 0:
-        return 0
+        return total
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     rows = t.reshape(t.shape[0] if t.dim() else 1, -1)  # 1-D: (n, 1); a scalar: one row
     per_chunk = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-    device = t.device if device is None else device
-    total = torch.zeros((), dtype=torch.int64, device=device)
     for start in range(0, rows.shape[0], per_chunk):
         chunk = rows[start : start + per_chunk].to(device).contiguous()
         if chunk.shape[1] * chunk.element_size() % 4 == 0:
@@ -80,26 +85,44 @@ def tensor_value(t: torch.Tensor, device: torch.device | None = None) -> int:
         sums = sums.remainder(P)  # times a weight <= 2^31: < 2^62
         weights = torch.arange(start + 1, start + 1 + chunk.shape[0], dtype=torch.int64, device=device)
         total = (total + (sums * weights.remainder(P)).remainder(P).sum()).remainder(P)
-    return int(total)
+    return total
 
 
 class Checksum:
     """An order-independent checksum of named tensors: `add` each one (any device), read `hex`.
 
+    Each tensor's term key · value mod 2^64 is kept on the device that reduced it, as two 32-bit limbs in
+    int64 (key = kh · 2^32 + kl, value < 2^31: kl · value and kh · value < 2^63), so adding a tensor never
+    waits for the device; `value` reads each device's limbs once.
+
     >>> c = Checksum(); c.add("w", torch.tensor([[1.0], [2.0]])); c.hex  # doctest: +SKIP
     """
 
     def __init__(self, value: int = 0, tensors: int = 0, device: torch.device | None = None):
-        self.value, self.tensors, self.device = value, tensors, device
+        self._value, self.tensors, self.device = value, tensors, device
+        self._limbs: dict = {}  # device -> int64 tensor [low 32-bit limbs, high limbs]: Σ of the pending terms
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        value = tensor_value(tensor, self.device)
-        self.value = (self.value + tensor_key(name, tensor.dtype, tensor.shape) * value) & MASK
+        import torch
+
+        value = device_value(tensor, self.device)
+        key = tensor_key(name, tensor.dtype, tensor.shape)
+        low = value * (key & 0xFFFFFFFF)
+        limbs = torch.stack([low & 0xFFFFFFFF, (low >> 32) + ((value * (key >> 32)) & 0xFFFFFFFF)])
+        pending = self._limbs.get(value.device)
+        self._limbs[value.device] = limbs if pending is None else pending + limbs
         self.tensors += 1
+
+    @property
+    def value(self) -> int:
+        for low, high in (limbs.tolist() for limbs in self._limbs.values()):
+            self._value = (self._value + low + (high << 32)) & MASK
+        self._limbs.clear()
+        return self._value
 
     def merge(self, other: Checksum) -> None:
         """Add another part's tensors (another FSDP rank's, another file's)."""
-        self.value = (self.value + other.value) & MASK
+        self._value = (self.value + other.value) & MASK
         self.tensors += other.tensors
 
     @property

@@ -155,7 +155,7 @@ class WeightSender:
     def _exported(self, state: dict, exported: dict, checksum: Checksum):
         """Each full tensor in its export dtype, added to `checksum` on rank 0 (on the trainer's device)."""
         for name, tensor in state.items():
-            tensor = full_tensor(tensor).detach().to(exported[name][0])
+            tensor = full_tensor(tensor, exported[name][0])
             if self.d.is_main:
                 checksum.add(name, tensor)
             yield tensor

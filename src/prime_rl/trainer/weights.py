@@ -309,7 +309,7 @@ def write_own_shards(
     for i, names in enumerate(plan):
         if i % world != rank:
             for name in names:
-                full_tensor(state[name])  # this rank's part of the gather
+                full_tensor(state[name], exported[name][0])  # this rank's part of the gather
                 stamp()
             continue
         specs = [(n, *exported[n]) for n in names]
@@ -317,7 +317,7 @@ def write_own_shards(
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
             for name in names:
-                tensor = full_tensor(state[name]).detach().to(exported[name][0])
+                tensor = full_tensor(state[name], exported[name][0])
                 checksum.add(name, tensor)  # on the tensor's device: no host pass over the bytes
                 f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                 stamp()  # a 70B export takes minutes: each tensor written is progress
@@ -351,10 +351,15 @@ def safetensors_header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) ->
     return struct.pack("<Q", len(raw)) + raw
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly FSDP-sharded) parameter: a collective over the trainer's ranks."""
+def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP-sharded) parameter: a collective over the trainer's ranks. With
+    `dtype`, each rank casts its shard first, so the gather moves the export's bytes (half of fp32's for bf16);
+    the cast is elementwise, so the result is the same."""
     from torch.distributed.tensor import DTensor
 
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 

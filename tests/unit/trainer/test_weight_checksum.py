@@ -38,6 +38,29 @@ def test_the_worked_example_and_what_changes_a_checksum(monkeypatch):
     assert checksum_of(tensors.items()).hex == base
 
 
+def test_the_device_side_sum_is_the_formula_and_waits_for_the_device_once(monkeypatch):
+    """Σ key · value mod 2^64 exactly (keys span all 64 bits), over many tensors, with one read of the device's
+    limbs at the end: adding a tensor converts nothing to a Python int."""
+    g = torch.Generator().manual_seed(1)
+    tensors = [
+        (f"layer.{i}.w", torch.randn(int(torch.randint(1, 50, (), generator=g)), 3, generator=g)) for i in range(200)
+    ]
+    expected = sum(tensor_key(n, t.dtype, t.shape) * tensor_value(t) for n, t in tensors) % 2**64
+    assert any(tensor_key(n, t.dtype, t.shape) >> 63 for n, t in tensors)
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.append("int") or original(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or original(t))
+    checksum = Checksum()
+    for name, t in tensors:
+        checksum.add(name, t)
+    assert reads == [] and checksum.tensors == 200
+    assert checksum.value == expected
+    half = checksum_of(tensors[:100])
+    half.merge(checksum_of(tensors[100:]))
+    assert half.value == expected
+
+
 def test_the_trainers_export_and_every_servers_load_give_one_checksum(tiny_model, tmp_path, one_rank):
     model = build_model(str(tiny_model))
     apply_fsdp(model, one_rank, torch.float32)
