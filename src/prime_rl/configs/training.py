@@ -60,6 +60,17 @@ class OptimConfig(Section):
         return self
 
 
+class TrainParallelConfig(Section):
+    replicate: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="HSDP: replicas of the sharded model; the ranks form replicate x (world / replicate), each "
+            "replica sharding over consecutive ranks (a node's GPUs), so only gradients cross between replicas",
+        ),
+    ] = 1
+
+
 class TrainingConfig(BaseConfig):
     """The fields every trainer (RL `trainer`, `sft`) has, from this one place: the model and how it is
     placed, parallelized and optimized, checkpoints and logging."""
@@ -80,6 +91,7 @@ class TrainingConfig(BaseConfig):
     cpu_offload: Annotated[
         bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
     ] = False
+    parallel: Annotated[TrainParallelConfig, Field(description="how the ranks shard the model")] = TrainParallelConfig()
     optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig()
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()

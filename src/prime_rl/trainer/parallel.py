@@ -6,6 +6,7 @@ the trainer is a one-process group held in an in-memory store, so no port is nee
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from prime_rl.configs.training import TrainingConfig
 from prime_rl.trainer.errors import TrainerError
+
+logger = logging.getLogger("prime_rl")
 
 
 @dataclass
@@ -60,7 +63,7 @@ def parallelize(model: torch.nn.Module, world: Dist, config: TrainingConfig) -> 
         apply_ac(model)
     if config.compile:
         apply_compile(model, world.device.type)
-    apply_fsdp(model, world, compute_dtype(config.dtype, world.device), config.cpu_offload)
+    apply_fsdp(model, world, compute_dtype(config.dtype, world.device), config.cpu_offload, config.parallel.replicate)
 
 
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -93,8 +96,12 @@ def apply_compile(model: torch.nn.Module, device_type: str) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def apply_fsdp(model: torch.nn.Module, world: Dist, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
-    """Shard every decoder layer, then the root (embeddings, final norm, head), over all ranks.
+def apply_fsdp(
+    model: torch.nn.Module, world: Dist, param_dtype: torch.dtype, cpu_offload: bool = False, replicate: int = 1
+) -> None:
+    """Shard every decoder layer, then the root (embeddings, final norm, head), over all ranks; with
+    `replicate` > 1 (HSDP) over each group of world / replicate consecutive ranks, the groups holding replicas
+    (gradients are reduce-scattered within a group, then all-reduced across groups).
 
     Master weights and optimizer state stay float32; with `param_dtype=bfloat16` the all-gathered
     weights used in forward/backward are bf16 while gradients are reduced in fp32. With `cpu_offload`
@@ -104,19 +111,35 @@ def apply_fsdp(model: torch.nn.Module, world: Dist, param_dtype: torch.dtype, cp
     plain module (FSDP's hooks and DTensor dispatch cost ~4% of a CPU step) and is moved to the device.
     Checkpoints and exported weights are the same either way.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if world.world_size % replicate:
+        raise TrainerError(
+            f"parallel.replicate = {replicate} does not divide the {world.world_size} trainer rank(s) into equal groups"
+        )
     if world.world_size == 1 and param_dtype == torch.float32 and not cpu_offload:
         if not next(model.parameters()).is_meta:  # a model built on meta gets its storage after (loading.py)
             model.to(world.device)
         return
-    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    mesh = device_mesh(world, replicate)
+    if replicate > 1:
+        logger.info(f"HSDP: {replicate} replicas x {world.world_size // replicate} shards ({world.world_size} ranks)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if cpu_offload and world.device.type == "cuda" else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+
+def device_mesh(world: Dist, replicate: int = 1):
+    """The ranks as one shard group, or as replicate x shard (HSDP: row r = ranks r * shard ... r * shard + shard
+    - 1, a node's ranks under torchrun)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicate == 1:
+        return init_device_mesh(world.device.type, (world.world_size,))
+    shape = (replicate, world.world_size // replicate)
+    return init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def set_micro_batch_sync(model: torch.nn.Module, world: Dist, last: bool) -> None:
