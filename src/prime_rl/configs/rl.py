@@ -54,6 +54,22 @@ class SharedModelConfig(Section):
     lora: Annotated[LoraConfig | None, Field(description="LoRA adapter training, for all three services")] = None
 
 
+class PlanConfig(Section):
+    """`rl --plan`: print what each process needs in memory on this cluster shape and whether it fits, then exit
+    (0: fits, 1: does not); nothing starts (docs/usage.md, memory plan)."""
+
+    nodes: Annotated[int, Field(ge=1, description="nodes of the cluster")] = 1
+    gpus_per_node: Annotated[int, Field(ge=1, description="GPUs per node")] = 8
+    gpu_memory_gib: Annotated[float, Field(gt=0, description="memory of one GPU (GiB)")] = 80.0
+    host_memory_gib: Annotated[
+        float | None, Field(gt=0, description="host memory per node (GiB); unset: not planned")
+    ] = None
+    inference_gpus: Annotated[
+        int | None,
+        Field(ge=1, description="GPUs serving inference; unset: half of one node's, or a whole node with 2+ nodes"),
+    ] = None
+
+
 class RLConfig(BaseConfig):
     """Runs inference, orchestrator and trainer together on one node."""
 
@@ -121,6 +137,9 @@ class RLConfig(BaseConfig):
     ] = None
     log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
+    plan: Annotated[
+        PlanConfig | None, Field(description="print the run's memory plan for a cluster shape and exit")
+    ] = None
 
     @classmethod
     def prepare_args(cls, values: dict, sources: dict) -> dict:

@@ -37,6 +37,16 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     config = parse_config(RLConfig, prog="rl")
+    if config.plan is not None:
+        from prime_rl.launch.plan import render
+
+        try:
+            text, fits = render(config)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"rl: cannot plan {config.trainer.model.name}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(text)
+        raise SystemExit(0 if fits else 1)
     if config.slurm is not None:
         raise SystemExit(submit(config, "rl"))
     try:  # devices this node lacks are a bad config: said at once, before the log of the dir's last run is opened
