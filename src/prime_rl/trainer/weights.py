@@ -11,8 +11,9 @@ The model's own parameter names are not always the checkpoint's: transformers 5 
 architectures at load (MoE models get their per-expert `mlp.experts.{i}.gate_proj/up_proj/down_proj`
 fused into 3-D `mlp.experts.gate_up_proj`/`down_proj`; Mixtral's `block_sparse_moe` also becomes `mlp`).
 The inference servers load by checkpoint names, so the export undoes that conversion exactly as
-`save_pretrained` does, and `check_export_layout` refuses at start-up a model where that would not
-give back its checkpoint's names and shapes.
+`save_pretrained` does, one gathered tensor at a time (`checkpoint_parts`: a fused expert tensor becomes its
+per-expert weights as it is written; no rank gathers the whole model), and `check_export_layout` refuses at
+start-up a model where that would not give back its checkpoint's names and shapes.
 
 With `[model.lora]` only the adapter is shipped: `weights/step_n` is then a peft adapter dir,
 `adapter_config.json` + `adapter_model.safetensors` (float32, peft's names
@@ -100,13 +101,6 @@ def saved_dtype(config: PretrainedConfig) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: rank 0 gets every parameter unsharded on CPU; other ranks get an empty dict."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def meta_model(config: PretrainedConfig) -> torch.nn.Module:
     """The causal LM of `config` without memory (meta device): enough to revert its weight conversion."""
     from transformers import AutoModelForCausalLM
@@ -184,13 +178,6 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
             checksum = Checksum()  # of the tensors this rank writes (docs/design.md §4)
             if files.lora is not None:
                 write_adapter(model, files, partial, rank, checksum)
-                written = []
-            elif converted_at_load(model):
-                state_dict = gather_full_state_dict(model)
-                if rank == 0:
-                    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-                    state_dict = checkpoint_state_dict(model, state_dict)
-                    write_safetensors(state_dict, partial, files.dtype, tied=tied, checksum=checksum)
                 written = []
             else:
                 written = write_own_shards(model, partial, files.dtype, rank, world, checksum)
@@ -295,15 +282,32 @@ def export_specs(model: torch.nn.Module, dtype: torch.dtype) -> tuple[dict, dict
     return state, specs
 
 
+def checkpoint_parts(model: torch.nn.Module, exported: dict) -> dict[str, list[tuple[str, torch.dtype, tuple]]]:
+    """Each exported tensor -> the checkpoint tensors it is written as, in order: itself, or, for an architecture
+    transformers converts at load, what reverting that conversion makes of it alone (e.g. a fused
+    `experts.gate_up_proj` [E, 2I, H] -> 2E per-expert `gate_proj`/`up_proj` weights; the same as reverting the
+    whole state dict, tested), so that one tensor at a time is gathered and written."""
+    if not converted_at_load(model):
+        return {n: [(n, dtype, shape)] for n, (dtype, shape) in exported.items()}
+    parts = {}
+    for name, (dtype, shape) in exported.items():
+        meta = {name: torch.empty(shape, dtype=dtype, device="meta")}
+        parts[name] = [(k, v.dtype, tuple(v.shape)) for k, v in checkpoint_state_dict(model, meta).items()]
+    return parts
+
+
 def write_own_shards(
     model: torch.nn.Module, path: Path, dtype: torch.dtype, rank: int, world: int, checksum: Checksum | None = None
 ) -> list[str]:
-    """Collective: every rank gathers each tensor in turn; each writes the files `shard_plan` gives it, as
-    the tensors arrive (its files' headers are known up front from the global shapes), adding each tensor it
-    writes to `checksum` on the tensor's device, in the export dtype. Returns its files."""
+    """Collective: every rank gathers each tensor in turn (its shard cast to `dtype` first); each writes the files
+    `shard_plan` gives it, as the tensors arrive (its files' headers are known up front from the global shapes),
+    in the checkpoint's layout (`checkpoint_parts`), adding each tensor it writes to `checksum` on the tensor's
+    device. No rank holds more than its shards and one gathered tensor. Returns its files."""
     checksum = Checksum() if checksum is None else checksum
     state, exported = export_specs(model, dtype)
-    nbytes = [(n, math.prod(shape) * d.itemsize) for n, (d, shape) in exported.items()]
+    parts = checkpoint_parts(model, exported)
+    converted = any(len(p) != 1 or p[0][0] != n for n, p in parts.items())
+    nbytes = [(n, sum(math.prod(shape) * d.itemsize for _, d, shape in parts[n])) for n in exported]
     plan = shard_plan(nbytes, world, MAX_SHARD_BYTES)
     mine = []
     for i, names in enumerate(plan):
@@ -312,20 +316,24 @@ def write_own_shards(
                 full_tensor(state[name], exported[name][0])  # this rank's part of the gather
                 stamp()
             continue
-        specs = [(n, *exported[n]) for n in names]
+        specs = [spec for n in names for spec in parts[n]]
 
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
             for name in names:
                 tensor = full_tensor(state[name], exported[name][0])
-                checksum.add(name, tensor)  # on the tensor's device: no host pass over the bytes
-                f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                pieces = checkpoint_state_dict(model, {name: tensor}) if converted else {name: tensor}
+                for key, piece in pieces.items():
+                    checksum.add(key, piece)  # on the tensor's device: no host pass over the bytes
+                    f.write(piece.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                 stamp()  # a 70B export takes minutes: each tensor written is progress
 
         atomic_write(path / shard_name(i, len(plan)), stream)
         mine.append(shard_name(i, len(plan)))
     if rank == 0 and len(plan) > 1:
-        weight_map = {n: shard_name(i, len(plan)) for i, names in enumerate(plan) for n in names}
+        weight_map = {
+            key: shard_name(i, len(plan)) for i, names in enumerate(plan) for n in names for key, *_ in parts[n]
+        }
         index = {"metadata": {"total_size": sum(n for _, n in nbytes)}, "weight_map": weight_map}
         atomic_write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
     return mine

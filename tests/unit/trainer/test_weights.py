@@ -191,3 +191,41 @@ def test_the_shard_plan_gives_every_rank_a_contiguous_file_of_about_equal_bytes(
         assert max(per_file) <= sum(per_file) / world + 400, (world, per_file)  # within one largest tensor
     assert len(shard_plan(sizes, 1, max_bytes=700)) == 3  # big models still split into files <= ~max_bytes
     assert len(shard_plan(sizes[:2], 4, max_bytes=10**9)) == 2  # never an empty file
+
+
+EXPORT_WORKER = """
+import sys, torch
+from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.trainer.loading import build_training
+from prime_rl.trainer.parallel import close_distributed, init_distributed
+from prime_rl.trainer.weights import build_model_files, save_weights
+model_dir, out = sys.argv[1], sys.argv[2]
+world = init_distributed("cpu")
+model = build_training(TrainerConfig(model={"name": model_dir}, output_dir=out), world, 1)[0]
+save_weights(model, build_model_files(model_dir), __import__("pathlib").Path(out), step=1)
+close_distributed()
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_two_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own_file(tiny_moes, tmp_path, arch):
+    """The fused experts are reverted one gathered tensor at a time as each rank writes its file (no full
+    state dict on any rank): the two files hold exactly the base checkpoint's tensors, and the index maps them."""
+    import subprocess
+    import sys
+
+    from prime_rl.utils.hf_layout import iter_safetensors
+
+    base = tiny_moes[arch]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+           sys.executable, "-c", EXPORT_WORKER, str(base), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = weights_dir(tmp_path, 1)
+    files = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    stored, saved = _tensors(base), dict(iter_safetensors(path))
+    assert saved.keys() == stored.keys() == index.keys() and set(index.values()) == set(files)
+    for name, tensor in stored.items():
+        assert torch.equal(saved[name], tensor), name
