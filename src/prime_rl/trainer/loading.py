@@ -8,8 +8,9 @@ float32 masters as it copies. A rank holds about 1/N of the model plus the slice
 load holds the whole fp32 model on every rank before FSDP shards it (eight copies on an 8-GPU node).
 
 LoRA adapters (not in the checkpoint) are initialised as peft initialises them; tied embeddings are checked to
-be tied still. Architectures transformers converts at load (e.g. fused MoE experts: the checkpoint's names
-are not the model's) and checkpoints without safetensors are loaded whole by `model.build_model`.
+be tied still. Architectures transformers converts at load (fused MoE experts: the checkpoint's names are not
+the model's) are read through transformers' own reverse conversion (`read_converted`); checkpoints without
+safetensors are loaded whole by `model.build_model`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import math
 import resource
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +103,7 @@ def build_sharded(config: TrainingConfig, world: Dist) -> nn.Module | None:
     if path is None:
         return None
     model = build_empty(name, world.device.type, config.model.lora)
-    if converted_at_load(model):
-        return None
+    converted = converted_at_load(model)
     buffers = {k: b.clone() for k, b in model.named_buffers()}  # to_empty drops their values
     aliases = ties(model)
     if getattr(model.config, "tie_word_embeddings", False) and not aliases:
@@ -113,7 +114,7 @@ def build_sharded(config: TrainingConfig, world: Dist) -> nn.Module | None:
     with torch.no_grad():
         for key, value in buffers.items():
             model.get_buffer(key).copy_(value)
-    read_shards(model, path, set(aliases))
+    (read_converted if converted else read_shards)(model, path, {k.replace(LORA_BASE, ".") for k in aliases})
     init_adapters(model)
     return model
 
@@ -128,11 +129,46 @@ def read_shards(model: nn.Module, path: Path, tied: set[str]) -> None:
     reader = HuggingFaceStorageReader(str(path))
     stored = reader.read_metadata().state_dict_metadata
     state = {key.replace(LORA_BASE, "."): value for key, value in model.state_dict().items()}
-    tied = {key.replace(LORA_BASE, ".") for key in tied}
     missing = sorted(k for k in state if k not in stored and k not in tied and ".lora_" not in k)
     if missing:
         raise TrainerError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
     dcp.load({k: v for k, v in state.items() if k in stored and k not in tied}, storage_reader=reader)
+
+
+def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
+    """`read_shards` for an architecture transformers converts at load (e.g. per-expert checkpoint weights fused
+    into one 3-D tensor per layer). Which element of a model tensor each checkpoint tensor holds is learnt from
+    transformers' own reverse conversion applied to the tensor's element indices; each rank then reads only the
+    checkpoint tensors that land in its rows (its experts), one at a time, and places them."""
+    from safetensors import safe_open
+
+    from prime_rl.utils.hf_layout import checkpoint_state_dict, header_specs
+
+    files = sorted(path.glob("*.safetensors"))
+    located = {key: file for file in files for key in header_specs(file)}
+    with ExitStack() as stack, torch.no_grad():
+        opened = {file: stack.enter_context(safe_open(file, framework="pt")) for file in files}
+        for key, param in model.state_dict().items():
+            key = key.replace(LORA_BASE, ".")
+            if key in tied or ".lora_" in key:
+                continue
+            index = torch.arange(param.numel()).view(param.shape)
+            parts = checkpoint_state_dict(model, {key: index})
+            if missing := sorted(k for k in parts if k not in located):
+                raise TrainerError(f"{path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+            local = param.to_local() if hasattr(param, "to_local") else param
+            rows = shard_like(torch.arange(param.shape[0]), param)
+            rows = rows.to_local() if hasattr(rows, "to_local") else rows
+            if local.numel() == 0:
+                continue
+            per_row, first = param.numel() // param.shape[0], int(rows[0])
+            for name, where in parts.items():
+                where = where.reshape(-1)
+                mine = (where // per_row >= first) & (where // per_row < first + len(rows))
+                if mine.any():
+                    tensor = opened[located[name]].get_tensor(name).reshape(-1)[mine]
+                    flat = local.view(-1)
+                    flat[(where[mine] - first * per_row).to(flat.device)] = tensor.to(flat.device, flat.dtype)
 
 
 def ties(model: nn.Module) -> dict[str, str]:
