@@ -18,6 +18,7 @@ from prime_rl.trainer.model import build_model
 from prime_rl.utils.lora import ADAPTER, PEFT_PREFIX
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port as another_free_port
+from prime_rl.utils.tiny_model import create_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -283,11 +284,19 @@ def assert_on_policy_over_broadcast(out) -> None:
     assert "now serving weights step 2" in (out / "logs" / "inference.log").read_text()
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_rl_with_broadcast_weight_transfer_is_on_policy_and_writes_only_the_last_weights(
-    tiny_model, tmp_path, free_port
+    tiny_model, tmp_path, free_port, kind
 ):
+    """moe: a Qwen3-MoE whose experts transformers fuses at load, trained on 2 ranks: each gathered tensor is sent
+    as its per-expert checkpoint tensors and the built-in engine fuses them again; the served policy is the
+    trainer's (mismatch KL < 1e-3, the servers' checksums the trainer's)."""
     out = tmp_path / "out"
-    result = run_rl(on_policy_broadcast_run(tiny_model, out, free_port))
+    if kind == "moe":
+        model, extra = create_tiny_model(tmp_path / "moe", "qwen3_moe"), ("--trainer-cpu-ranks", "2")
+    else:
+        model, extra = tiny_model, ()
+    result = run_rl(on_policy_broadcast_run(model, out, free_port, *extra))
     assert result.returncode == 0, result.stderr + show_logs(out)
     assert_on_policy_over_broadcast(out)
 

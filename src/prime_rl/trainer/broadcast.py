@@ -32,8 +32,7 @@ from prime_rl.protocol.broadcast import (
 )
 from prime_rl.protocol.parity import Checksum
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.weights import ModelFiles, export_specs, full_tensor
-from prime_rl.utils.hf_layout import broadcast_refusal
+from prime_rl.trainer.weights import ModelFiles, checkpoint_parts, export_specs, gathered
 
 logger = logging.getLogger("prime_rl")
 
@@ -62,9 +61,6 @@ class WeightSender:
         self.rdv = self._group()
         self.pg = None
         self.dtype = files.dtype
-        refusal = broadcast_refusal(model)
-        if refusal is not None:
-            raise TrainerError(refusal)
         if d.is_main:
             logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {self.rdv.group})")
 
@@ -123,9 +119,10 @@ class WeightSender:
             if self.d.is_main and self.pg is None:
                 self.pg = join_group(self.store, rdv, 0)
             state, exported = export_specs(model, self.dtype)
-            specs = [(n, *spec) for n, spec in exported.items()]
+            parts = checkpoint_parts(model, exported)
+            specs = [spec for name in exported for spec in parts[name]]
             checksum = Checksum()
-            full = self._exported(state, exported, checksum)
+            full = self._exported(model, state, exported, parts, checksum)
             send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d), rdv.timeout)
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
             return f"{e}{self._reported(step, ' (')}"
@@ -152,10 +149,10 @@ class WeightSender:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return problem if problem is not None or not int(flag.item()) else "another trainer rank's transfer failed"
 
-    def _exported(self, state: dict, exported: dict, checksum: Checksum):
-        """Each full tensor in its export dtype, added to `checksum` on rank 0 (on the trainer's device)."""
-        for name, tensor in state.items():
-            tensor = full_tensor(tensor, exported[name][0])
+    def _exported(self, model: torch.nn.Module, state: dict, exported: dict, parts: dict, checksum: Checksum):
+        """Each tensor in the checkpoint's layout and the export dtype, gathered one at a time, added to
+        `checksum` on rank 0 (on the trainer's device)."""
+        for name, tensor in gathered(model, state, exported, parts, list(exported)):
             if self.d.is_main:
                 checksum.add(name, tensor)
             yield tensor

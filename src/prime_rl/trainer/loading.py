@@ -137,12 +137,12 @@ def read_shards(model: nn.Module, path: Path, tied: set[str]) -> None:
 
 def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
     """`read_shards` for an architecture transformers converts at load (e.g. per-expert checkpoint weights fused
-    into one 3-D tensor per layer). Which element of a model tensor each checkpoint tensor holds is learnt from
-    transformers' own reverse conversion applied to the tensor's element indices; each rank then reads only the
-    checkpoint tensors that land in its rows (its experts), one at a time, and places them."""
+    into one 3-D tensor per layer): which elements of a model tensor each checkpoint tensor holds comes from
+    `hf_layout.element_map`; each rank reads only the checkpoint tensors that land in its rows (its experts),
+    one at a time, and places them."""
     from safetensors import safe_open
 
-    from prime_rl.utils.hf_layout import checkpoint_state_dict, header_specs
+    from prime_rl.utils.hf_layout import element_map, header_specs
 
     files = sorted(path.glob("*.safetensors"))
     located = {key: file for file in files for key in header_specs(file)}
@@ -152,8 +152,7 @@ def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
             key = key.replace(LORA_BASE, ".")
             if key in tied or ".lora_" in key:
                 continue
-            index = torch.arange(param.numel()).view(param.shape)
-            parts = checkpoint_state_dict(model, {key: index})
+            parts = element_map(model, key, tuple(param.shape))
             if missing := sorted(k for k in parts if k not in located):
                 raise TrainerError(f"{path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
             local = param.to_local() if hasattr(param, "to_local") else param
@@ -163,7 +162,6 @@ def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
                 continue
             per_row, first = param.numel() // param.shape[0], int(rows[0])
             for name, where in parts.items():
-                where = where.reshape(-1)
                 mine = (where // per_row >= first) & (where // per_row < first + len(rows))
                 if mine.any():
                     tensor = opened[located[name]].get_tensor(name).reshape(-1)[mine]

@@ -296,6 +296,17 @@ def checkpoint_parts(model: torch.nn.Module, exported: dict) -> dict[str, list[t
     return parts
 
 
+def gathered(model: torch.nn.Module, state: dict, exported: dict, parts: dict, names: list[str]):
+    """Collective: (checkpoint name, tensor) for each of `names` in turn, gathered in the export dtype and, for
+    a converted architecture, split into its checkpoint tensors (`checkpoint_parts`)."""
+    for name in names:
+        tensor = full_tensor(state[name], exported[name][0])
+        if len(parts[name]) == 1 and parts[name][0][0] == name:
+            yield name, tensor
+        else:
+            yield from checkpoint_state_dict(model, {name: tensor}).items()
+
+
 def write_own_shards(
     model: torch.nn.Module, path: Path, dtype: torch.dtype, rank: int, world: int, checksum: Checksum | None = None
 ) -> list[str]:
@@ -306,7 +317,6 @@ def write_own_shards(
     checksum = Checksum() if checksum is None else checksum
     state, exported = export_specs(model, dtype)
     parts = checkpoint_parts(model, exported)
-    converted = any(len(p) != 1 or p[0][0] != n for n, p in parts.items())
     nbytes = [(n, sum(math.prod(shape) * d.itemsize for _, d, shape in parts[n])) for n in exported]
     plan = shard_plan(nbytes, world, MAX_SHARD_BYTES)
     mine = []
@@ -320,12 +330,9 @@ def write_own_shards(
 
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
-            for name in names:
-                tensor = full_tensor(state[name], exported[name][0])
-                pieces = checkpoint_state_dict(model, {name: tensor}) if converted else {name: tensor}
-                for key, piece in pieces.items():
-                    checksum.add(key, piece)  # on the tensor's device: no host pass over the bytes
-                    f.write(piece.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for key, tensor in gathered(model, state, exported, parts, names):
+                checksum.add(key, tensor)  # on the tensor's device: no host pass over the bytes
+                f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                 stamp()  # a 70B export takes minutes: each tensor written is progress
 
         atomic_write(path / shard_name(i, len(plan)), stream)

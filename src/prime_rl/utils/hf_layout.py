@@ -9,6 +9,7 @@ checkpoint's names and shapes (vLLM's loader expects them).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,18 +41,33 @@ def converted_at_load(model: torch.nn.Module) -> bool:
     return set(checkpoint_state_dict(model, meta)) != set(meta)
 
 
-def broadcast_refusal(model: torch.nn.Module) -> str | None:
-    """Why `model` cannot send or take a weight broadcast, else None.
+def element_map(model: torch.nn.Module, key: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """For the model tensor `key` of `shape`: each checkpoint tensor it is stored as -> the flat indices, into
+    the model tensor, of that checkpoint tensor's elements. Learnt by reverting transformers' load-time
+    conversion on the model tensor's own element indices, so any rearranging conversion (stacking experts,
+    concatenating gate and up) is inverted exactly, with transformers the one owner of the layout."""
+    import torch
 
-    The broadcast moves checkpoint-layout tensors straight into the receiver's state dict; neither side
-    converts them, so an architecture transformers converts at load needs the filesystem transfer.
-    """
-    if not converted_at_load(model):
-        return None
-    return (
-        f"{type(model).__name__}: transformers converts this architecture's weights at load, which the weight "
-        "broadcast does not do; use weight_transfer = filesystem"
-    )
+    index = torch.arange(math.prod(shape)).view(shape)
+    return {name: where.reshape(-1) for name, where in checkpoint_state_dict(model, {key: index}).items()}
+
+
+def to_model_layout(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-layout `tensors` (a weight broadcast's) as the model's own state-dict tensors: the
+    conversion transformers applies at load, through `element_map`. Tensors already in the model's layout pass."""
+    import torch
+
+    out = {}
+    for key, param in model.state_dict().items():
+        parts = element_map(model, key, tuple(param.shape))
+        if not all(name in tensors for name in parts):
+            continue  # not sent (a tied head); the caller checks completeness against the checkpoint layout
+        first = tensors[next(iter(parts))]
+        flat = torch.empty(param.numel(), dtype=first.dtype, device=first.device)
+        for name, where in parts.items():
+            flat[where.to(first.device)] = tensors[name].reshape(-1)
+        out[key] = flat.view(param.shape)
+    return out
 
 
 def checkpoint_files(name: str) -> list[Path] | None:

@@ -13,7 +13,7 @@ from prime_rl.protocol.parity import Checksum, checksum_of, read_checksum, read_
 from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
-from prime_rl.trainer.weights import build_model_files, export_specs, save_weights
+from prime_rl.trainer.weights import build_model_files, checkpoint_parts, export_specs, save_weights
 from prime_rl.utils.hf_layout import iter_safetensors
 
 
@@ -77,7 +77,8 @@ def test_the_trainers_export_and_every_servers_load_give_one_checksum(tiny_model
     # ... and the broadcast's (what the trainer sends, in the export dtype).
     sent = Checksum()
     state, specs = export_specs(model, files.dtype)
-    list(WeightSender._exported(SimpleNamespace(d=SimpleNamespace(is_main=True)), state, specs, sent))
+    sender = SimpleNamespace(d=SimpleNamespace(is_main=True))
+    list(WeightSender._exported(sender, model, state, specs, checkpoint_parts(model, specs), sent))
     assert sent.hex == exported
 
     received = dict(iter_safetensors(path))

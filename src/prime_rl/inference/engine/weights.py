@@ -25,7 +25,7 @@ from prime_rl.configs import LoraConfig
 from prime_rl.inference.broadcast import BroadcastReceiver
 from prime_rl.inference.weights import WeightsError, check_weight_dir, read_adapter, targeted
 from prime_rl.protocol.parity import checksum_of
-from prime_rl.utils.hf_layout import TensorSpecs, broadcast_refusal, checkpoint_state_dict, iter_safetensors
+from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict, iter_safetensors, to_model_layout
 from prime_rl.utils.lora import merge_weight
 
 
@@ -122,14 +122,15 @@ def merge_adapter(
 
 
 def receive_weights(receiver: BroadcastReceiver, request, model: torch.nn.Module, specs: TensorSpecs) -> LoadedWeights:
-    """Receive a broadcast weight step (`request`: a BroadcastRequest) into tensors of `model`'s state dict."""
-    refusal = broadcast_refusal(model)
-    if refusal is not None:
-        raise WeightsError(refusal)
+    """Receive a broadcast weight step (`request`: a BroadcastRequest) into tensors of `model`'s state dict. It
+    arrives in the checkpoint's layout (`specs`); an architecture transformers converts at load (fused experts)
+    gets that conversion here (`to_model_layout`)."""
     params = model.state_dict()
     device = next(iter(params.values())).device
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     tensors = receiver.receive(request.rendezvous(), request.rank, request.step, device, specs, tied)
     source = f"weight broadcast of step {request.step}"
     checksum = checksum_of(tensors.items()).hex  # in the sender's dtypes, on the receiving device
+    if set(specs) != set(params):
+        tensors = to_model_layout(model, tensors)
     return LoadedWeights(request.step, None, servable(tensors, params, source), checksum)
