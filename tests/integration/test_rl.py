@@ -301,16 +301,19 @@ def test_rl_with_broadcast_weight_transfer_is_on_policy_and_writes_only_the_last
     assert_on_policy_over_broadcast(out)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
-    vllm_installed, tiny_qwen3_hd32, tmp_path, free_port, monkeypatch
+    vllm_installed, tiny_qwen3_hd32, tmp_path, free_port, monkeypatch, kind
 ):
     """`rl --inference.backend vllm` (vLLM's CPU build) with weight_transfer = broadcast: every step reaches
     vLLM's worker over the gloo group through vLLM's weight-transfer phases (the filesystem route to vLLM is
-    tested in test_inference_server). vLLM sizes its KV cache from the run, so it starts beside the trainer."""
+    tested in test_inference_server). vLLM sizes its KV cache from the run, so it starts beside the trainer.
+    moe: a Qwen3-MoE, its experts sent per expert as vLLM's loader takes them."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a share of host RAM would not fit beside a trainer
     out = tmp_path / "out"
+    model = create_tiny_model(tmp_path / "moe", "qwen3_moe", hidden_size=128) if kind == "moe" else tiny_qwen3_hd32
     extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512", "--inference.enforce-eager"]
-    result = run_rl(on_policy_broadcast_run(tiny_qwen3_hd32, out, free_port, *extra), timeout=900)
+    result = run_rl(on_policy_broadcast_run(model, out, free_port, *extra), timeout=900)
     assert result.returncode == 0, result.stderr + show_logs(out)
     assert_on_policy_over_broadcast(out)
     log = (out / "logs" / "inference.log").read_text()
