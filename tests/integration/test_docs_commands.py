@@ -83,6 +83,8 @@ RUN = {
     "uv run eval --model.name outputs/debug/weights/step_5 --serve --env-ids reverse-text": None,
     "uv run plot outputs/debug [outputs/other ...]": "outputs/debug/plots/run.png",
     "bash scripts/gpu_check.sh --dry-run": None,
+    "uv run rl --plan --model.name Qwen/Qwen3-32B --plan.nodes 2 --plan.inference-gpus 4 "
+    "--trainer.activation-checkpointing --plan.host-memory-gib 2048": None,  # a known shape: no hub needed
 }
 RUN_OUTPUT_DIRS = (
     "outputs/debug/",
