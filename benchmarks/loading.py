@@ -70,8 +70,9 @@ def worker(mode: str, model: Path) -> None:
     seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in built.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"rank": world.rank, "floor_gib": gib(floor), "peak_gib": gib(peak), "seconds": seconds,
-                      "local_params": local}), flush=True)  # fmt: skip
+    line = json.dumps({"rank": world.rank, "floor_gib": gib(floor), "peak_gib": gib(peak), "seconds": seconds,
+                       "local_params": local})  # fmt: skip
+    os.write(1, (line + "\n").encode())  # one write (< 4 KiB, atomic on a pipe): the ranks' lines never interleave
     close_distributed()
 
 

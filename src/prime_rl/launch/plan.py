@@ -147,9 +147,10 @@ class Line:
         return self.need_gib <= self.have_gib
 
 
-def plan(config: RLConfig) -> tuple[list[Line], list[str]]:
-    """The plan's lines (one per kind of process or node) and the knobs that would make what does not fit fit."""
-    p, shape = config.plan, Shape.of(model_config(config.trainer.model.name))
+def plan(config: RLConfig, shape: Shape) -> tuple[list[Line], list[str]]:
+    """The plan's lines (one per kind of process or node) for `config`'s model of `shape`, and the knobs that would
+    make what does not fit fit."""
+    p = config.plan
     params, gpus = shape.params(), p.nodes * p.gpus_per_node
     inference_gpus = p.inference_gpus if p.inference_gpus is not None else (
         p.gpus_per_node // 2 if p.nodes == 1 else p.gpus_per_node)  # fmt: skip
@@ -214,7 +215,7 @@ def knobs(lines: list[Line], params: int, shard: int, fixed: float, gpu_gib: flo
 def render(config: RLConfig) -> tuple[str, bool]:
     """The plan as text, and whether everything fits."""
     shape = Shape.of(model_config(config.trainer.model.name))
-    lines, fixes = plan(config)
+    lines, fixes = plan(config, shape)
     p = config.plan
     head = (f"plan: {config.trainer.model.name} ({shape.params() / 1e9:.2f} B parameters"
             f"{f', {shape.experts} experts' if shape.experts else ''}) on {p.nodes} node(s) x {p.gpus_per_node} GPUs "

@@ -61,6 +61,8 @@ class WeightSender:
         self.rdv = self._group()
         self.pg = None
         self.dtype = files.dtype
+        # The checkpoint tensors each exported one is sent as: the same every step, so worked out once.
+        self.parts = checkpoint_parts(model, export_specs(model, self.dtype)[1])
         if d.is_main:
             logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {self.rdv.group})")
 
@@ -119,10 +121,9 @@ class WeightSender:
             if self.d.is_main and self.pg is None:
                 self.pg = join_group(self.store, rdv, 0)
             state, exported = export_specs(model, self.dtype)
-            parts = checkpoint_parts(model, exported)
-            specs = [spec for name in exported for spec in parts[name]]
+            specs = [spec for name in exported for spec in self.parts[name]]
             checksum = Checksum()
-            full = self._exported(model, state, exported, parts, checksum)
+            full = self._exported(model, state, exported, self.parts, checksum)
             send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d), rdv.timeout)
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
             return f"{e}{self._reported(step, ' (')}"

@@ -139,7 +139,7 @@ def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
     """`read_shards` for an architecture transformers converts at load (e.g. per-expert checkpoint weights fused
     into one 3-D tensor per layer): which elements of a model tensor each checkpoint tensor holds comes from
     `hf_layout.element_map`; each rank reads only the checkpoint tensors that land in its rows (its experts),
-    one at a time, and places them."""
+    one at a time, and places them. A tensor stored as itself (attention, embeddings) is read as its rows."""
     from safetensors import safe_open
 
     from prime_rl.utils.hf_layout import element_map, header_specs
@@ -153,16 +153,21 @@ def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
             if key in tied or ".lora_" in key:
                 continue
             parts = element_map(model, key, tuple(param.shape))
-            if missing := sorted(k for k in parts if k not in located):
+            if missing := sorted(k for k in ([key] if parts is None else parts) if k not in located):
                 raise TrainerError(f"{path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
             local = param.to_local() if hasattr(param, "to_local") else param
-            rows = shard_like(torch.arange(param.shape[0]), param)
-            rows = rows.to_local() if hasattr(rows, "to_local") else rows
             if local.numel() == 0:
                 continue
-            per_row, first = param.numel() // param.shape[0], int(rows[0])
+            rows = shard_like(torch.arange(param.shape[0]), param)
+            rows = rows.to_local() if hasattr(rows, "to_local") else rows
+            first, count = int(rows[0]), len(rows)
+            if parts is None:  # stored as itself: this rank's rows only
+                local.copy_(opened[located[key]].get_slice(key)[first : first + count])
+                continue
+            per_row = param.numel() // param.shape[0]
             for name, where in parts.items():
-                mine = (where // per_row >= first) & (where // per_row < first + len(rows))
+                row = where // per_row
+                mine = (row >= first) & (row < first + count)
                 if mine.any():
                     tensor = opened[located[name]].get_tensor(name).reshape(-1)[mine]
                     flat = local.view(-1)

@@ -41,13 +41,17 @@ def converted_at_load(model: torch.nn.Module) -> bool:
     return set(checkpoint_state_dict(model, meta)) != set(meta)
 
 
-def element_map(model: torch.nn.Module, key: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def element_map(model: torch.nn.Module, key: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
     """For the model tensor `key` of `shape`: each checkpoint tensor it is stored as -> the flat indices, into
-    the model tensor, of that checkpoint tensor's elements. Learnt by reverting transformers' load-time
+    the model tensor, of that checkpoint tensor's elements; None where the checkpoint stores it as itself (no
+    conversion: most tensors, even of a converted architecture). Learnt by reverting transformers' load-time
     conversion on the model tensor's own element indices, so any rearranging conversion (stacking experts,
     concatenating gate and up) is inverted exactly, with transformers the one owner of the layout."""
     import torch
 
+    stored = checkpoint_state_dict(model, {key: torch.empty(shape, device="meta")})
+    if list(stored) == [key] and tuple(stored[key].shape) == tuple(shape):
+        return None  # decided on a meta tensor: no index tensor the size of the model tensor
     index = torch.arange(math.prod(shape)).view(shape)
     return {name: where.reshape(-1) for name, where in checkpoint_state_dict(model, {key: index}).items()}
 
@@ -60,6 +64,10 @@ def to_model_layout(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
     out = {}
     for key, param in model.state_dict().items():
         parts = element_map(model, key, tuple(param.shape))
+        if parts is None:
+            if key in tensors:
+                out[key] = tensors[key]
+            continue
         if not all(name in tensors for name in parts):
             continue  # not sent (a tied head); the caller checks completeness against the checkpoint layout
         first = tensors[next(iter(parts))]
