@@ -70,10 +70,12 @@ def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
         if config.ckpt is not None and config.ckpt.async_save:
             checkpointer = AsyncCheckpointer(dist.rank)
         yield Training(dist, model, optimizer, scheduler, files, checkpointer)
-    finally:
+    except BaseException:
         if checkpointer is not None:  # after an error (a normal end finished it): not torn down mid-write
             checkpointer.close()
-        close_distributed()
+        close_distributed(drain=False)
+        raise
+    close_distributed()
 
 
 def resume_step(config: TrainingConfig) -> int | None:
