@@ -71,14 +71,15 @@ VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": 
 
 
 class InferenceProcess:
-    """One real `inference` process on a free loopback port, started and awaited as `rl` does (rl.Service,
-    rl.wait_for_inference, rl.stop_all). `extra_args` go to its command line after the common ones."""
+    """One real `inference` process on a free loopback port (or `port`: a restart), started and awaited as `rl`
+    does (rl.Service, rl.wait_for_inference, rl.stop_all). `extra_args` go to its command line after the common
+    ones."""
 
     START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}  # vLLM's CPU build takes minutes to start on 2 cores
 
-    def __init__(self, backend: str, model: Path, output_dir: Path, *extra_args: str):
+    def __init__(self, backend: str, model: Path, output_dir: Path, *extra_args: str, port: int | None = None):
         self.backend, self.model, self.ready = backend, str(model), False
-        port = _free_port()
+        port = port or _free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "prime_rl.entrypoints.inference", "--model.name", self.model, "--backend", backend]
         cmd += ["--server.port", str(port), "--output-dir", str(output_dir), "--no-log.file", *extra_args]

@@ -352,7 +352,7 @@ def test_a_server_killed_mid_step_is_taken_out_and_rejoins_once_it_answers_again
     log = result.stderr
     down = f"inference server {victim.url} is down, taking it out of the pool"
     assert log.count(down) == 1
-    rejoined = f"inference server {victim.url} answers again; back in the pool"
+    rejoined = f"inference server {victim.url} answers /health; in the pool"
     assert log.count(rejoined) == 1 and log.index(down) < log.index(rejoined)
     # The rejoined server was brought to the pool's weights before it sampled, and it did sample.
     assert back.answered() > 0 and back.events[0] == "update" and back.updates[0] >= 1

@@ -45,7 +45,10 @@ def _http_url(url: str) -> str:
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
 
 
-class ClientConfig(Section):
+class FleetConfig(Section):
+    """Which servers the pool holds and their shares: `client.base_url` at the start, then `run/servers.json`
+    (the same two keys) while the run goes on (orchestrator/servers/fleet.py)."""
+
     base_url: Annotated[
         list[HttpUrl], Field(min_length=1, description="OpenAI-compatible base URL(s) of the inference server(s)")
     ] = ["http://localhost:8000/v1"]
@@ -53,6 +56,19 @@ class ClientConfig(Section):
         list[float] | None,
         Field(description="relative share of requests per base_url (e.g. 2,1,1 = 50/25/25%); unset = equal"),
     ] = None
+
+    @model_validator(mode="after")
+    def _shares_match(self) -> FleetConfig:
+        if self.traffic_share is not None:
+            share, n = self.traffic_share, len(self.base_url)
+            if len(share) != n:
+                raise ValueError(f"client.traffic_share has {len(share)} entries for {n} base_url(s)")
+            if any(w <= 0 for w in share):
+                raise ValueError(f"client.traffic_share must all be > 0, got {share}")
+        return self
+
+
+class ClientConfig(FleetConfig):
     api_key_var: Annotated[
         EnvVarName, Field(description="name of the env var holding the inference API key (unset var = no key)")
     ] = "INFERENCE_SERVER_API_KEY"
@@ -83,16 +99,6 @@ class ClientConfig(Section):
         if isinstance(data, dict) and "weights" in data:  # a name that read like model weights
             raise ValueError("client.weights is now client.traffic_share (the share of requests per base_url)")
         return data
-
-    @model_validator(mode="after")
-    def _shares_match(self) -> ClientConfig:
-        if self.traffic_share is not None:
-            share, n = self.traffic_share, len(self.base_url)
-            if len(share) != n:
-                raise ValueError(f"client.traffic_share has {len(share)} entries for {n} base_url(s)")
-            if any(w <= 0 for w in share):
-                raise ValueError(f"client.traffic_share must all be > 0, got {share}")
-        return self
 
 
 class SamplingConfig(Section):

@@ -39,6 +39,7 @@ class BroadcastReceiver:
         transfer fails, at whatever tensor it failed."""
         from prime_rl.protocol.broadcast import (
             BroadcastError,
+            GivenUp,
             ask_for,
             connect_store,
             join_group,
@@ -56,9 +57,10 @@ class BroadcastReceiver:
                 self.store = connect_store(rdv, master=False)
                 self.rdv = rdv
             ask_for(self.store, rdv, step)
+            given_up = GivenUp(rdv, step)  # the trainer forms a new group when the seats changed: no waiting it out
             if self.pg is None:
-                self.pg = join_group(self.store, rdv, rank)
-            stream = receive_step(self.pg, device, check, rdv.timeout)
+                self.pg = join_group(self.store, rdv, rank, given_up)
+            stream = receive_step(self.pg, device, check, rdv.timeout, given_up)
             next(stream)  # the checked header
             yield from stream
         except WeightsError as e:  # the header does not fit the served model: the transfer is abandoned

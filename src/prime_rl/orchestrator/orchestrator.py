@@ -37,6 +37,7 @@ from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
 from prime_rl.orchestrator.parity import ParityGate
 from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.servers.fleet import FleetFile
 from prime_rl.orchestrator.servers.metrics import ServerMetrics
 from prime_rl.orchestrator.servers.weights import inflight_ask
 from prime_rl.orchestrator.sinks import NoSink, ProgressLine, SinkError, WandbSink, build_wandb
@@ -151,13 +152,15 @@ async def open_loop(config: OrchestratorConfig, state: Progress, resumed: Progre
             rng = new_rng(config.seed, resumed)
             wandb = build_wandb(config, resumed is not None)
         progress = ProgressLine(config.progress, config.max_steps)
+        fleet = FleetFile(config.output_dir)  # the servers may change while the run goes on
         client = await stack.enter_async_context(
             InferenceClient(
-                config.client,
+                fleet.start(config.client, resumed is not None),
                 config.model.name,
                 adapter=config.model.adapter,
                 inflight=inflight_ask(config),
                 output_dir=config.output_dir,
+                fleet=fleet,
             )
         )
         teacher = await open_teacher(config, stack)

@@ -76,16 +76,20 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
     ask), and wait for announcements until the servers hold `need` or its weights are on disk (a resumed
     run: checkpoint steps are written there). Returns the step the servers hold.
 
-    An announcement is pending unless every server holds its step from its group: a restarted trainer
-    forms a new group and may announce a step older than the servers hold (it resumed from a checkpoint).
-    A broadcast that failed (a server died mid-transfer) leaves the survivors on their old step; the trainer
-    announces the step again in a new group, which is relayed to the live servers."""
+    An announcement is pending until it was sent (the trainer adds its checksum then), unless every server
+    holds its step from its group: a restarted trainer forms a new group and may announce a step older than
+    the servers hold (it resumed from a checkpoint). A broadcast that failed (a server died mid-transfer) leaves
+    the survivors on their old step; the trainer announces the step again in a new group, which is relayed to
+    the live servers. A server that joined after a step was sent (restarted, or added to the fleet) waits for
+    the next announcement, whose new seat count has the trainer form a new group."""
     out = config.output_dir
     b = config.weight_transfer
 
     def pending(marker: dict | None) -> bool:
         live = client.pool.live()
-        if marker is None or (marker["step"], marker["group"]) in client.weights.failed:
+        if marker is None or marker["checksum"] is not None:
+            return False  # sent: a server without it waits for the next one
+        if (marker["step"], marker["group"]) in client.weights.failed:
             return False  # failed in that group: the trainer sends it again in a new one
         return any(s.group != marker["group"] or s.step < marker["step"] for s in live)
 

@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from prime_rl.protocol.files import atomic_write_json
+from prime_rl.protocol.files import atomic_write_json, atomic_write_text
 from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.paths import broadcast_root, step_of
 
@@ -105,8 +105,27 @@ def read_marker(output_dir: Path) -> dict | None:
 
 
 def clear_markers(output_dir: Path) -> None:
-    for old in _markers(output_dir):
+    root = broadcast_root(output_dir)
+    for old in _markers(output_dir) + (list(root.glob("*.unreached")) if root.is_dir() else []):
         old.unlink(missing_ok=True)
+
+
+def unreached_file(output_dir: Path, step: int, group: str) -> Path:
+    """Written by the orchestrator when it could not reach a server to relay `step` in `group`: that seat will
+    never ask, so the trainer gives the group up at once rather than wait for it (and the other seats with it)."""
+    return broadcast_root(output_dir) / f"step_{step}.{group}.unreached"
+
+
+def report_unreached(output_dir: Path, step: int, group: str, reason: str) -> None:
+    atomic_write_text(unreached_file(output_dir, step, group), reason[:2000])
+
+
+def unreached(output_dir: Path, step: int, group: str) -> str | None:
+    """What the orchestrator reported of a server it could not reach for `step` in `group`, if anything."""
+    try:
+        return unreached_file(output_dir, step, group).read_text()
+    except OSError:
+        return None
 
 
 def _markers(output_dir: Path) -> list[Path]:
@@ -125,8 +144,9 @@ def connect_store(rdv: Rendezvous, master: bool):
         raise BroadcastError(f"cannot {what} the weight broadcast rendezvous at {rdv.where}: {e}") from None
 
 
-def join_group(store, rdv: Rendezvous, rank: int):
-    """This process's handle on group `rdv.group` (blocks until all `world_size` ranks joined, or timeout)."""
+def join_group(store, rdv: Rendezvous, rank: int, given_up: GivenUp | None = None):
+    """This process's handle on group `rdv.group` (blocks until all `world_size` ranks joined, or timeout, or
+    `given_up` says the group's transfer was given up)."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(f"{rdv.group}/pg", store)
@@ -134,15 +154,17 @@ def join_group(store, rdv: Rendezvous, rank: int):
     try:
         if rdv.backend == "nccl":
             return nccl_group(prefixed, rank, rdv.world_size, timeout)
-        return _bounded(lambda: dist.ProcessGroupGloo(prefixed, rank, rdv.world_size, timeout), rdv.timeout + 5)
+        make = lambda: dist.ProcessGroupGloo(prefixed, rank, rdv.world_size, timeout)  # noqa: E731
+        return _bounded(make, rdv.timeout + 5, given_up)
     except (RuntimeError, dist.DistError, TimeoutError) as e:
         raise BroadcastError(f"could not form the weight broadcast group at {rdv.where} as rank {rank}: {e}") from None
 
 
-def _bounded(make, seconds: float):
-    """`make()`, given up after `seconds`. gloo's connect to a seat that died while the mesh formed retries past
-    the group's timeout (104 s at 20 s, tests/integration/test_broadcast_failover.py); the constructor releases
-    the GIL, so it runs in a daemon thread, left to fail on its own when abandoned (its group is never used)."""
+def _bounded(make, seconds: float, given_up: GivenUp | None = None):
+    """`make()`, given up after `seconds` or once `given_up` says so. gloo's connect to a seat that died while the
+    mesh formed retries past the group's timeout (104 s at 20 s, tests/integration/test_broadcast_failover.py);
+    the constructor releases the GIL, so it runs in a daemon thread, left to fail on its own when abandoned (its
+    group is never used)."""
     done, box = threading.Event(), {}
 
     def run():
@@ -153,11 +175,40 @@ def _bounded(make, seconds: float):
         done.set()
 
     threading.Thread(target=run, name="weight-group-join", daemon=True).start()
-    if not done.wait(seconds):
-        raise TimeoutError(f"the group did not form within {seconds:.0f} s (a seat died while it formed?)")
+    deadline = time.monotonic() + seconds
+    while not done.wait(min(GIVEN_UP_POLL, max(0.0, deadline - time.monotonic()))):
+        if given_up is not None and (why := given_up()) is not None:
+            raise TimeoutError(f"the group was given up while it formed ({why})")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the group did not form within {seconds:.0f} s (a seat died while it formed?)")
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+GIVEN_UP_POLL = 0.5  # seconds between a waiting seat's looks at whether its group's transfer was given up
+
+
+class GivenUp:
+    """For a seat waiting on group `rdv` (while it forms, or for the trainer's first bytes): what the trainer or
+    another seat reported when it gave the group's transfer of `step` up (the trainer does when the seats
+    changed, or a seat failed), or None. One look per GIVEN_UP_POLL seconds, over a store client of its own
+    (the group's may sit in a blocking wait)."""
+
+    def __init__(self, rdv: Rendezvous, step: int):
+        self.rdv, self.step = rdv, step
+        self.store, self.last = None, -math.inf
+
+    def __call__(self) -> str | None:
+        if time.monotonic() - self.last < GIVEN_UP_POLL:
+            return None
+        self.last = time.monotonic()
+        key = failed_key(self.rdv, self.step)
+        try:
+            self.store = self.store or connect_store(self.rdv, master=False)
+            return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+        except (RuntimeError, OSError):  # the store went (BroadcastError is one): the group's own wait says so
+            return None
 
 
 # The watchdog's mode for the weight group (torch's ErrorHandlingMode): 2 = CleanUpOnly, abort the communicator
@@ -292,15 +343,15 @@ def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tens
 
 
 def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ...], Any]]], None],
-                 timeout: float) -> Iterator:  # fmt: skip
+                 timeout: float, given_up: GivenUp | None = None) -> Iterator:  # fmt: skip
     """Receiver side: yields (step, None) once the header is read and `check`ed, then (name, tensor) for
-    every tensor (views into the received buckets), each collective waited for at most `timeout` seconds. A
-    header `check` refuses (by raising) ends the transfer: the receiver leaves, which the sender sees at once
-    as a peer gone."""
+    every tensor (views into the received buckets), each collective waited for at most `timeout` seconds (the
+    first also until `given_up` says the transfer was given up). A header `check` refuses (by raising) ends the
+    transfer: the receiver leaves, which the sender sees at once as a peer gone."""
     import torch
 
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    _broadcast(pg, size, timeout, "the trainer's weight header size")
+    _broadcast(pg, size, timeout, "the trainer's weight header size", given_up)
     if not 0 < int(size.item()) <= 256 * 2**20:
         raise BroadcastError(f"a weight header of {int(size.item())} bytes")
     raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
@@ -332,26 +383,28 @@ def _acknowledge(pg, device, timeout: float, what: str) -> None:
     _run(pg, lambda: pg.allreduce([torch.zeros(1, device=device)]), timeout, what)
 
 
-def _broadcast(pg, tensor, timeout: float, what: str) -> None:
-    _run(pg, lambda: pg.broadcast(tensor, 0), timeout, what)
+def _broadcast(pg, tensor, timeout: float, what: str, given_up: GivenUp | None = None) -> None:
+    _run(pg, lambda: pg.broadcast(tensor, 0), timeout, what, given_up)
 
 
-def _run(pg, collective, timeout: float, what: str) -> None:
-    """Start a collective of the group and wait for it; a peer gone or a timeout is a BroadcastError."""
+def _run(pg, collective, timeout: float, what: str, given_up: GivenUp | None = None) -> None:
+    """Start a collective of the group and wait for it; a peer gone, a timeout or the transfer given up is a
+    BroadcastError."""
     import torch.distributed as dist
 
     try:
-        wait_for_work(collective(), pg, timeout, what)
+        wait_for_work(collective(), pg, timeout, what, given_up)
     except BroadcastTimeout:
         raise
     except (RuntimeError, dist.DistError) as e:
         raise BroadcastError(str(e).splitlines()[-1] if str(e) else type(e).__name__) from None
 
 
-def wait_for_work(work, pg, timeout: float, what: str) -> None:
+def wait_for_work(work, pg, timeout: float, what: str, given_up: GivenUp | None = None) -> None:
     """Block the host until `work` (a collective of `pg`) completes, at most `timeout` seconds; then
     `work.wait()` raises its error, if any (and, on nccl, orders the current stream after it). Past the
-    deadline the group is aborted, so that nothing stays hung on it, and BroadcastTimeout names `what`.
+    deadline the group is aborted, so that nothing stays hung on it, and BroadcastTimeout names `what`; once
+    `given_up` reports the transfer given up, it is aborted too (BroadcastError).
 
     On nccl `work.wait()` alone returns at once (the host is not blocked) and `is_completed()` asks CUDA
     events without blocking, so this poll is what bounds a transfer there; on gloo the collective's own
@@ -362,6 +415,9 @@ def wait_for_work(work, pg, timeout: float, what: str) -> None:
         if time.monotonic() >= deadline:
             abandon(pg)
             raise BroadcastTimeout(f"{what} did not complete within {timeout:g}s (weight group aborted)")
+        if given_up is not None and (why := given_up()) is not None:
+            abandon(pg)
+            raise BroadcastError(f"{what}: the transfer was given up ({why})")
         time.sleep(pause)
         pause = min(pause * 2, 0.01)  # a loopback bucket takes milliseconds: wake often at first
     work.wait()

@@ -29,6 +29,12 @@ def wandb_run_file(output_dir: Path) -> Path:
     return run_dir(output_dir) / "wandb.json"
 
 
+def servers_file(output_dir: Path) -> Path:
+    """{"base_url", "traffic_share"}: the orchestrator's inference servers, which an operator may rewrite while
+    the run goes on (orchestrator/servers/fleet.py)."""
+    return run_dir(output_dir) / "servers.json"
+
+
 def log_file(output_dir: Path, service: str) -> Path:
     return Path(output_dir) / "logs" / f"{service}.log"
 

@@ -26,8 +26,11 @@ from prime_rl.protocol.broadcast import (
     connect_store,
     failed_key,
     join_group,
+    report_failure,
     send_step,
     size_key,
+    unreached,
+    unreached_file,
     write_marker,
 )
 from prime_rl.protocol.parity import Checksum
@@ -40,6 +43,13 @@ logger = logging.getLogger("prime_rl")
 # Tries of one step before the trainer gives up: each failure drops the group's dead seats (the orchestrator
 # asks only live servers to rejoin), so a second try reaches the survivors; a third covers a failure during it.
 SEND_ATTEMPTS = 3
+# New groups for one step because the seats changed (servers that came back or were added): no failure, but bounded.
+MAX_RESEATS = 8
+
+
+class Reseat(str):
+    """Why a transfer was not tried: the servers now hold another number of seats than the group (a server came
+    back, or the fleet changed); a new group seats them. Not a failure."""
 
 
 class WeightSender:
@@ -71,33 +81,69 @@ class WeightSender:
         return Rendezvous(b.host, b.port, f"{self.nonce}.{self.generation}", 0, self.backend, b.timeout)
 
     def _asked(self, step: int) -> bool:
-        """Whether every seat of the group asked for `step` (the last one to ask says so), or one gave up."""
-        return self.store.check([all_ready_key(self.rdv, step)]) or self.store.check([failed_key(self.rdv, step)])
+        """Whether every seat of the group asked for `step` (the last one to ask says so), one gave up, or the
+        orchestrator could not reach a server to ask."""
+        return (
+            self.store.check([all_ready_key(self.rdv, step)])
+            or self.store.check([failed_key(self.rdv, step)])
+            or unreached_file(self.config.output_dir, step, self.rdv.group).exists()
+        )
 
     def send(self, model: torch.nn.Module, step: int) -> None:
         """Announce step `step`, wait until every receiver asked for it, send it. A transfer that fails (a
         server died, or timed out) gives the group up and sends the step again in a new one, to the seats that
         ask then: the orchestrator asks its live servers only. TrainerError after SEND_ATTEMPTS failures."""
-        problems = []
-        for _ in range(SEND_ATTEMPTS):
+        problems, reseats = [], 0
+        while True:
             problem = self._any_rank(self._try_send(model, step))
             if problem is None:
                 return
-            problems.append(problem)
-            abandon(self.pg)
-            self.pg, self.generation = None, self.generation + 1
-            gc.collect()  # the group's last references go now: gloo closes its sockets, so the other seats fail at once
-            self.rdv = self._group()
-            if self.d.is_main:
-                logger.warning(f"weight broadcast of step {step} failed: {problem}; sending it again in group "
-                               f"{self.rdv.group} to the inference workers that ask for it")  # fmt: skip
-        raise TrainerError(
-            f"weight broadcast of step {step} to the inference workers at {self.rdv.where} failed "
-            f"{SEND_ATTEMPTS} times: {'; '.join(problems)}"
-        )
+            if isinstance(problem, Reseat):
+                reseats += 1
+            else:
+                problems.append(problem)
+            if len(problems) == SEND_ATTEMPTS or reseats > MAX_RESEATS:
+                raise TrainerError(
+                    f"weight broadcast of step {step} to the inference workers at {self.rdv.where} failed "
+                    f"{len(problems)} times ({reseats} new groups for changed seats): {'; '.join(problems)}"
+                )
+            self._give_up(step, problem)
+
+    def _give_up(self, step: int, problem: str) -> None:
+        """Leave the group (its seats still waiting in it are told, and give up at once) for a new one."""
+        if self.d.is_main and not self.store.check([failed_key(self.rdv, step)]):
+            report_failure(self.store, self.rdv, step, f"the trainer gave group {self.rdv.group} up: {problem}")
+        abandon(self.pg)
+        self.pg, self.generation = None, self.generation + 1
+        gc.collect()  # the group's last references go now: gloo closes its sockets, so the other seats fail at once
+        self.rdv = self._group()
+        if self.d.is_main and isinstance(problem, Reseat):
+            logger.info(f"weight broadcast of step {step}: {problem}; seating them in group {self.rdv.group}")
+        elif self.d.is_main:
+            logger.warning(f"weight broadcast of step {step} failed: {problem}; sending it again in group "
+                           f"{self.rdv.group} to the inference workers that ask for it")  # fmt: skip
 
     def _try_send(self, model: torch.nn.Module, step: int) -> str | None:
-        """One transfer of step `step` in the current group; what went wrong, or None."""
+        """One transfer of step `step` in the current group; what went wrong, or None. Every rank agrees on the
+        group being ready before any gathers (a rank that stopped early would leave the others in a gather)."""
+        problem = self._any_rank(self._seat(step))
+        if problem is not None:
+            return problem
+        try:
+            state, exported = export_specs(model, self.dtype)
+            specs = [spec for name in exported for spec in self.parts[name]]
+            checksum = Checksum()
+            full = self._exported(model, state, exported, self.parts, checksum)
+            send_step(self.pg, step, specs, full, _send_device(self.rdv, self.d), self.rdv.timeout)
+        except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
+            return f"{e}{self._reported(step, ' (')}"
+        if self.d.is_main:  # what the servers check what they received against (docs/design.md §4)
+            write_marker(self.config.output_dir, step, self.rdv, checksum.hex)
+        return None
+
+    def _seat(self, step: int) -> str | None:
+        """Announce `step` and wait until every seat of the group asked for it (rank 0 then joins the group);
+        why the group cannot take it, or None."""
         c, rdv = self.config, self.rdv
         if self.d.is_main:
             write_marker(c.output_dir, step, rdv)
@@ -113,22 +159,17 @@ class WeightSender:
             )
             if self.store.check([failed_key(rdv, step)]):
                 return self._reported(step) or "a receiver gave up"
+            if (said := unreached(c.output_dir, step, rdv.group)) is not None:
+                return f"the orchestrator could not reach a server to ask for it ({said})"
             world = int(self.store.get(size_key(rdv)))
             if self.rdv.world_size == 0:
                 self.rdv = rdv = dataclasses.replace(rdv, world_size=world)
-            elif world != rdv.world_size:  # a server came back (or one more joined): a new group seats it
-                return f"the inference servers now hold {world - 1} seat(s), the group {rdv.world_size - 1}"
+            elif world != rdv.world_size:  # a server came back (or the fleet changed): a new group seats it
+                return Reseat(f"the inference servers now hold {world - 1} seat(s), the group {rdv.world_size - 1}")
             if self.d.is_main and self.pg is None:
                 self.pg = join_group(self.store, rdv, 0)
-            state, exported = export_specs(model, self.dtype)
-            specs = [spec for name in exported for spec in self.parts[name]]
-            checksum = Checksum()
-            full = self._exported(model, state, exported, self.parts, checksum)
-            send_step(self.pg if self.d.is_main else None, step, specs, full, _send_device(rdv, self.d), rdv.timeout)
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
             return f"{e}{self._reported(step, ' (')}"
-        if self.d.is_main:  # what the servers check what they received against (docs/design.md §4)
-            write_marker(c.output_dir, step, rdv, checksum.hex)
         return None
 
     def _reported(self, step: int, prefix: str = "") -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig
+from prime_rl.orchestrator.servers.fleet import FleetFile
 from prime_rl.orchestrator.servers.http import Http, InferenceError, ServerDown
 from prime_rl.orchestrator.servers.pool import PROBE_TIMEOUT, Server, ServerPool
 from prime_rl.orchestrator.servers.weights import WeightControl
@@ -60,11 +61,13 @@ class Servers:
         transport: httpx.AsyncBaseTransport | None = None,
         inflight: str | None = None,
         output_dir: Path | None = None,
+        fleet: FleetFile | None = None,
     ):
         self.config, self.model, self.adapter = config, model, adapter
         self.http = Http(config, transport)
         self.pool = ServerPool(config, self.http)
         self.weights = WeightControl(self.pool, self.http, inflight, output_dir)
+        self.fleet = fleet  # the run's run/servers.json: servers added and removed while it goes on
         self._revival = asyncio.Lock()
 
     async def close(self) -> None:
@@ -142,8 +145,10 @@ class Servers:
     # ---- pool health ------------------------------------------------------------------------------
 
     async def server_step(self) -> int:
-        """The oldest weight step any live server holds (every server is asked; removed ones are probed and may
-        rejoin)."""
+        """The oldest weight step any live server that gets requests holds (every server is asked; removed ones,
+        and ones the fleet file added, are probed and may join)."""
+        if self.fleet is not None and (fleet := self.fleet.changed()) is not None:
+            self.pool.resize(fleet)
 
         async def check(server: Server) -> None:
             if not server.alive:
@@ -156,7 +161,13 @@ class Servers:
         await asyncio.gather(*(check(s) for s in self.pool.servers))
         if not self.pool.live():
             await self.revive(f"all of {self.pool.base_urls} failed /health")
-        return min(s.step for s in self.pool.live())
+        return self._oldest()
+
+    def _oldest(self) -> int:
+        """The oldest weight step a live server holds; a benched one (it waits for the next update, gets no
+        requests) counts only when every live server is benched."""
+        live = self.pool.live()
+        return min(s.step for s in [s for s in live if s.benched is None] or live)
 
     async def revive(self, problem: str) -> None:
         """With no live server left, wait up to client.health_timeout for one to answer again (a server that
@@ -178,11 +189,15 @@ class Servers:
                     await asyncio.sleep(1.0)
 
     async def _probe(self, server: Server) -> None:
-        """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins."""
+        """One quick /health of a removed server; if it answers it gets the pool's weights and rejoins. Where the
+        pool has no weight dir (broadcasts; before the first update) and it holds weights older than the floor,
+        it gets the newest on disk, or joins benched until the next update or broadcast reaches it."""
         if await self.pool.probe_health(server, PROBE_TIMEOUT) is not None:
             return
         try:
             await self.weights.load(server)
+            if server.step < self.weights.floor:
+                await self.weights.restore(server, server.step)
         except (httpx.TransportError, ValueError, ServerDown):
             return
         self.pool.rejoin(server)
@@ -205,4 +220,4 @@ class Servers:
         await self.weights.broadcast(step, rendezvous)
         if not self.pool.live():
             await self.revive(f"every server failed to take weight step {step}")
-        return min(s.step for s in self.pool.live())
+        return self._oldest()

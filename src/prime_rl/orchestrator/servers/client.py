@@ -36,6 +36,7 @@ import httpx
 
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.servers import Servers
+from prime_rl.orchestrator.servers.fleet import FleetFile
 from prime_rl.orchestrator.servers.http import InferenceError
 from prime_rl.orchestrator.servers.pool import Server
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
@@ -193,13 +194,15 @@ class InferenceClient:
         adapter: str | None = None,
         inflight: str | None = None,
         output_dir: Path | None = None,
+        fleet: FleetFile | None = None,
     ):
         self.config = config
         self.model = model
         self.adapter = adapter  # the LoRA adapter's served name (model.lora.name); None: full weights
         # `inflight`: what weight updates ask of requests in flight (weights.inflight_ask); `output_dir`:
-        # the run's, whose weights/step_k restore a server that answered from below the floor
-        self.servers = Servers(config, model, adapter, transport, inflight, output_dir)
+        # the run's, whose weights/step_k restore a server that answered from below the floor; `fleet`: the
+        # run's list of servers, which may change while it goes on (fleet.py)
+        self.servers = Servers(config, model, adapter, transport, inflight, output_dir, fleet)
         self.pool, self.weights = self.servers.pool, self.servers.weights
 
     async def __aenter__(self) -> InferenceClient:

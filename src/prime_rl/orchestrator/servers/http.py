@@ -46,8 +46,9 @@ class Http:
             timeout=config.timeout,
             headers=headers,
             transport=transport,
-            # one connection per server beyond its requests: /metrics and /health reads never wait for a slot
-            limits=httpx.Limits(max_connections=(config.max_concurrency + 1) * len(config.base_url)),
+            # no cap of its own: each server's slots bound its requests, /metrics and /health reads never wait
+            # for one, and servers added mid-run (fleet.py) get connections too
+            limits=httpx.Limits(max_connections=None),
         )
 
     async def close(self) -> None:

@@ -8,7 +8,8 @@ c. The same rotation mixes environments by their `ratio` (batch.EnvMix).
 A server whose retries ran out is taken out (logged) and requests go to the live ones. The pool waits for
 every server at the start (`wait_for_servers`) and reads their /health; probing removed servers, and letting
 one that answers `rejoin` once it holds the pool's weights, is the facade's (servers.Servers: `server_step`,
-`revive`), which owns both the pool and the weight control.
+`revive`), which owns both the pool and the weight control. Servers added mid-run (`resize`, from fleet.py's
+file) come in as removed ones that have not answered yet.
 
 The HTTP goes through `http.Http`: `request` with retries (ServerDown when a server's run out), `client` for
 single quick tries.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from prime_rl.configs.orchestrator import ClientConfig
+from prime_rl.configs.orchestrator import ClientConfig, FleetConfig
 from prime_rl.orchestrator.servers.concurrency import AIMD, Limiter
 from prime_rl.orchestrator.servers.http import Http, InferenceError
 from prime_rl.orchestrator.servers.prometheus import parse_metrics
@@ -66,12 +67,30 @@ class Server:
 class ServerPool:
     def __init__(self, config: ClientConfig, http: Http):
         self.config = config
-        self.servers = [Server(url.rstrip("/"), Limiter(config.max_concurrency)) for url in config.base_url]
-        if config.concurrency == "adaptive":
-            for server in self.servers:
-                server.slots = self._adaptive(server)
+        self.servers = [self._new(url) for url in config.base_url]
         self._rotation = SmoothRoundRobin(config.traffic_share or [1.0] * len(config.base_url))
         self.http = http
+
+    def _new(self, url: str, alive: bool = True) -> Server:
+        server = Server(url.rstrip("/"), Limiter(self.config.max_concurrency), alive=alive)
+        if self.config.concurrency == "adaptive":
+            server.slots = self._adaptive(server)
+        return server
+
+    def resize(self, fleet: FleetConfig) -> None:
+        """The pool holds `fleet`'s servers from now on (fleet.py): one it did not hold comes in taken out, to
+        rejoin once it answers /health and holds the pool's weights (the facade's probe); one it no longer lists
+        gets no more requests (its requests in flight finish)."""
+        held = {s.base: s for s in self.servers}
+        urls = [url.rstrip("/") for url in fleet.base_url]
+        added = [url for url in urls if url not in held]
+        removed = [base for base in held if base not in urls]
+        for base in removed:
+            held[base].alive = False
+        self.servers = [held.get(url) or self._new(url, alive=False) for url in urls]
+        self._rotation = SmoothRoundRobin(fleet.traffic_share or [1.0] * len(urls))
+        if added or removed:
+            logger.info(f"inference servers added: {added or 'none'}, removed: {removed or 'none'}; pool: {urls}")
 
     @property
     def base_urls(self) -> list[str]:
@@ -137,18 +156,22 @@ class ServerPool:
     def rejoin(self, server: Server) -> None:
         server.alive = True
         self._rotation.reset(self.servers.index(server))
-        logger.info(f"inference server {server.base} answers again; back in the pool (step {server.step})")
+        logger.info(f"inference server {server.base} answers /health; in the pool (weight step {server.step})")
 
     # ---- health -----------------------------------------------------------------------------------
 
     async def health(self, server: Server) -> int:
         """A live server's /health (with retries): its weight step, broadcast seats and group."""
-        data = await self.http.request("GET", f"{server_root(server.base)}/health")
-        server.step = int(data.get("step", 0))
-        server.receivers = int(data.get("weight_receivers", 0))
-        server.group = data.get("weight_group")
-        server.checksum = data.get("checksum")
+        self._record(server, await self.http.request("GET", f"{server_root(server.base)}/health"))
         return server.step
+
+    @staticmethod
+    def _record(server: Server, health: dict) -> None:
+        """What a server's /health says: the weight step it holds, its broadcast seats and group, its checksum."""
+        server.step = int(health.get("step", 0))
+        server.receivers = int(health.get("weight_receivers", 0))
+        server.group = health.get("weight_group")
+        server.checksum = health.get("checksum")
 
     async def wait_for_servers(self, timeout: float) -> dict[str, int]:
         """Poll every server's /health until all answer 200; return the weight step each holds."""
@@ -183,8 +206,7 @@ class ServerPool:
             response = await self.http.client.get(f"{server_root(server.base)}/health", timeout=timeout)
             if response.status_code != 200:
                 return f"HTTP {response.status_code}"
-            server.step = int(response.json().get("step", 0))
-            server.checksum = response.json().get("checksum")
+            self._record(server, response.json())
         except (httpx.TransportError, ValueError) as e:
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return None

@@ -97,7 +97,7 @@ def test_a_removed_server_rejoins_at_the_next_health_check_once_it_answers_again
         out, still_out, back = asyncio.run(go())
     assert out == still_out == [True, False, True]
     assert back == [True, True, True]
-    assert f"inference server {victim.url} answers again; back in the pool" in caplog.text
+    assert f"inference server {victim.url} answers /health; in the pool" in caplog.text
     assert servers[-1].requests == 2  # its share of the next 6 requests
     assert servers[0].requests + servers[2].requests == 10
 
@@ -151,7 +151,7 @@ def test_requests_ride_through_a_restart_of_the_only_server_which_gets_the_weigh
             s.kill()
     assert len(results) == 8 and all(r[0].weight_step == 3 for r in results)
     assert restarted[0].updates == ["/w/step_3"] and restarted[0].requests == 8
-    assert "no inference server is up" in caplog.text and "answers again; back in the pool (step 3)" in caplog.text
+    assert "no inference server is up" in caplog.text and "answers /health; in the pool (weight step 3)" in caplog.text
 
 
 def test_traffic_share_must_match_base_urls():
