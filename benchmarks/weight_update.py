@@ -39,8 +39,9 @@ from common import add_json_argument, write_json
 
 from prime_rl.launch.supervise import Service, ServiceFailed, stop_all, wait_for_inference
 from prime_rl.protocol import mark_stable, weights_dir
-from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step
+from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key
 from prime_rl.protocol.parity import checksum_of
+from prime_rl.protocol.weight_stream import send_step
 from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import create_tiny_model

@@ -68,7 +68,8 @@ def nccl_probe(model: str) -> int:
     import torch
     from transformers import AutoConfig
 
-    from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, send_step
+    from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group
+    from prime_rl.protocol.weight_stream import send_step
     from prime_rl.utils.net import free_port
     from prime_rl.utils.tiny_model import meta_model
 

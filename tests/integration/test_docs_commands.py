@@ -192,6 +192,8 @@ def known_kind(command: str) -> str | None:
         return "bash-script"
     if w[0] in ("export", "cp"):
         return w[0]
+    if w[0] in ("echo", "mv") and "run/servers." in command:
+        return "fleet"
     if w[0] in ("sbatch", "squeue", "srun"):
         return "cluster"
     return None
@@ -204,6 +206,8 @@ def why_not_run(line: Line) -> str | None:
         return None
     if kind == "dev":
         return "development tooling: the suite, linters and CI script this test is part of"
+    if kind == "fleet":
+        return "rewrites a running run's servers: tests/unit/orchestrator/servers/test_fleet.py runs it verbatim"
     if kind in ("cluster", "export") or "--slurm" in c or "slurm_cluster.sh" in c:
         return "a Slurm cluster or several nodes (tests/integration/test_slurm.py runs a one-node cluster)"
     if (

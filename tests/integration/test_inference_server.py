@@ -266,7 +266,8 @@ class BroadcastingTrainer:
         """POST the server's request, wait for it to get ready, send; returns the server's answer."""
         import concurrent.futures
 
-        from prime_rl.protocol.broadcast import join_group, ready_key, send_step
+        from prime_rl.protocol.broadcast import join_group, ready_key
+        from prime_rl.protocol.weight_stream import send_step
 
         r = self.rdv
         body = {"broadcast": {"host": r.host, "port": r.port, "group": r.group, "world_size": 2, "rank": 1,
@@ -311,7 +312,8 @@ def test_a_broadcast_update_serves_exactly_what_a_filesystem_update_of_the_same_
 STALLING_TRAINER = """
 import sys, time, torch
 from safetensors.torch import load_file
-from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key, send_step
+from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group, ready_key
+from prime_rl.protocol.weight_stream import send_step
 port, step, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 rdv = Rendezvous("127.0.0.1", port, "g-stall", 2, "gloo", 30.0)
 store = connect_store(rdv, master=True)

@@ -362,7 +362,8 @@ def test_two_ranks_broadcast_step_1_and_the_server_serves_exactly_their_export_o
 
 RECEIVER = """
 import sys, time, torch
-from prime_rl.protocol.broadcast import Rendezvous, ask_for, connect_store, join_group, read_marker, receive_step
+from prime_rl.protocol.broadcast import Rendezvous, ask_for, connect_store, join_group, read_marker
+from prime_rl.protocol.weight_stream import receive_step
 port, out, stall = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "stall"
 marker = read_marker(out)
 while marker is None or marker["group"] == sys.argv[4]:  # a group other than the one given

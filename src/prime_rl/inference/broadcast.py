@@ -37,14 +37,8 @@ class BroadcastReceiver:
         """(name, tensor) of step `step` as the buckets arrive, once the header was checked against `served`
         (a mismatch raises before any tensor arrives). Raises WeightsError naming the trainer when the
         transfer fails, at whatever tensor it failed."""
-        from prime_rl.protocol.broadcast import (
-            BroadcastError,
-            GivenUp,
-            ask_for,
-            connect_store,
-            join_group,
-            receive_step,
-        )
+        from prime_rl.protocol.broadcast import BroadcastError, GivenUp, ask_for, connect_store, join_group
+        from prime_rl.protocol.weight_stream import receive_step
 
         def check(got_step: int, specs: dict) -> None:
             if got_step != step:
@@ -85,7 +79,7 @@ class BroadcastReceiver:
         gc.collect()  # an exception's frames may still hold the group: its sockets close now, not at some later GC
 
     def leave(self) -> None:
-        from prime_rl.protocol.broadcast import abandon
+        from prime_rl.protocol.weight_stream import abandon
 
         abandon(self.pg)  # nccl: no kernel stays stuck on the old communicator
         self.rdv = self.store = self.pg = None  # dropping the handles closes the connections

@@ -20,20 +20,19 @@ from prime_rl.protocol import wait_until
 from prime_rl.protocol.broadcast import (
     BroadcastError,
     Rendezvous,
-    abandon,
     all_ready_key,
     clear_markers,
     connect_store,
     failed_key,
     join_group,
     report_failure,
-    send_step,
     size_key,
     unreached,
     unreached_file,
     write_marker,
 )
 from prime_rl.protocol.parity import Checksum
+from prime_rl.protocol.weight_stream import abandon, send_step
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import ModelFiles, checkpoint_parts, export_specs, gathered
 

@@ -1,9 +1,9 @@
-"""The weight group's failure handling (protocol/broadcast.py): on nccl the group is created so that a dead peer
-is an error of this process, not its end, and every collective is waited for on the host for at most the transfer
-timeout; a failed send still walks every tensor (the trainer's ranks gather in lockstep).
+"""The weight group's failure handling (protocol/broadcast.py, protocol/weight_stream.py): on nccl the group is created
+so that a dead peer is an error of this process, not its end, and every collective is waited for on the host for at
+most the transfer timeout; a failed send still walks every tensor (the trainer's ranks gather in lockstep).
 
-NCCL needs a GPU: the nccl tests replace torch's ProcessGroupNCCL constructor (and, on a torch built without it,
-its Options) by a recorder, and a work that never completes by a stand-in; the gloo test runs real groups."""
+NCCL needs a GPU: the nccl tests replace torch's ProcessGroupNCCL constructor (and, on a torch built without it, its
+Options) by a recorder, and a work that never completes by a stand-in; the gloo test runs real groups."""
 
 import os
 import threading
@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prime_rl.protocol import broadcast
-from prime_rl.protocol.broadcast import BroadcastError, Rendezvous, join_group, receive_step, send_step, wait_for_work
+from prime_rl.protocol import broadcast, weight_stream
+from prime_rl.protocol.broadcast import BroadcastError, Rendezvous, join_group
+from prime_rl.protocol.weight_stream import receive_step, send_step, wait_for_work
 from prime_rl.utils.net import free_port
 
 
@@ -98,7 +99,7 @@ class StuckAbort(Group):
 
 
 def test_a_timeout_is_raised_within_the_abort_grace_even_when_the_abort_blocks(monkeypatch):
-    monkeypatch.setattr(broadcast, "ABORT_GRACE", 0.5)
+    monkeypatch.setattr(weight_stream, "ABORT_GRACE", 0.5)
     work, pg = NeverDone(), StuckAbort()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not complete within 0.2s"):
@@ -166,3 +167,32 @@ def test_environment_restores_what_was_there(monkeypatch):
     with broadcast.environment({"A_SET": "y", "A_UNSET": "z"}):
         assert os.environ["A_SET"] == "y" and os.environ["A_UNSET"] == "z"
     assert os.environ["A_SET"] == "x" and "A_UNSET" not in os.environ
+
+
+def test_a_step_in_many_buckets_arrives_exactly_while_the_next_bucket_is_on_the_wire(monkeypatch):
+    """Sender and receiver each keep one bucket in flight (gathering, or loading, the other): every tensor of
+    every dtype still arrives whole and in order, with a slow loader on the receiving side."""
+    monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 4096)
+    sender, receiver, stores = gloo_pair(timeout=20)
+    gen = torch.Generator().manual_seed(0)
+    sent = {f"t{i}": torch.randn(1 + 97 * i, generator=gen).to(dtype) for i, dtype in
+            enumerate([torch.float32, torch.bfloat16, torch.float32, torch.int64] * 6)}  # fmt: skip
+    sent["t3"] = torch.arange(300)  # int64: its own buckets
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in sent.items()]
+    assert len(weight_stream.buckets(specs)) > 12
+    got = {}
+
+    def receive():
+        for name, tensor in receive_step(receiver, torch.device("cpu"), lambda step, specs: None, 20):
+            if tensor is not None:
+                time.sleep(0.002)  # a server loading it
+                got[name] = tensor.clone()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    send_step(sender, 1, specs, iter(sent.values()), torch.device("cpu"), 20)
+    thread.join(30)
+    assert list(got) == list(sent)
+    for name, tensor in sent.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    del stores

@@ -22,7 +22,8 @@ PROBE = """
 import os, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from prime_rl.protocol.broadcast import BroadcastTimeout, Rendezvous, join_group, wait_for_work
+from prime_rl.protocol.broadcast import BroadcastTimeout, Rendezvous, join_group
+from prime_rl.protocol.weight_stream import wait_for_work
 mode, port = sys.argv[1], int(sys.argv[2])
 torch.cuda.set_device(0)
 store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
@@ -64,7 +65,7 @@ def probe(mode: str, port: int) -> tuple[int, str, float]:
 
 
 def test_a_stuck_nccl_weight_collective_times_out_on_the_host_and_the_process_survives():
-    from prime_rl.protocol.broadcast import ABORT_GRACE
+    from prime_rl.protocol.weight_stream import ABORT_GRACE
     from prime_rl.utils.net import free_port
 
     rc, output, _ = probe("ours", free_port())

@@ -222,7 +222,7 @@ def test_a_waiter_notices_a_rank_file_within_milliseconds(tmp_path, poll):
 
 
 def test_broadcast_buckets_are_runs_of_one_dtype_within_the_byte_limit():
-    from prime_rl.protocol.broadcast import buckets
+    from prime_rl.protocol.weight_stream import buckets
 
     f32, bf16 = torch.float32, torch.bfloat16
     specs = [("a", f32, (4,)), ("b", f32, (4,)), ("c", f32, (10,)), ("d", bf16, (2,)), ("e", bf16, (3, 2)),

@@ -3,6 +3,10 @@ servers, a trainer and an orchestrator in tests/integration/test_fleet.py."""
 
 import json
 import logging
+import os
+import re
+import subprocess
+from pathlib import Path
 
 from prime_rl.configs.orchestrator import ClientConfig
 from prime_rl.orchestrator.servers.fleet import FleetFile
@@ -63,3 +67,14 @@ def test_the_pool_takes_added_servers_in_as_removed_ones_and_gives_removed_ones_
     pool.rejoin(c)
     picks = [pool.pick() for _ in range(8)]
     assert picks.count(c) == 6 and picks.count(b) == 2  # the new shares
+
+
+def test_the_docs_lines_that_add_a_server_do(tmp_path):
+    """docs/orchestrator.md's example, run verbatim in bash: the pool reads the fleet it writes."""
+    doc = (Path(__file__).resolve().parents[4] / "docs" / "orchestrator.md").read_text()
+    lines = re.search(r"```bash\n(echo .*?run/servers\.json\"\n)```", doc, re.S).group(1)
+    fleet = FleetFile(tmp_path)
+    fleet.start(ClientConfig(base_url=["http://node1:8000/v1", "http://node2:8000/v1", "http://node3:8000/v1"]), False)
+    subprocess.run(["bash", "-euc", lines], env=os.environ | {"OUTPUT_DIR": str(tmp_path)}, check=True)
+    assert fleet.changed().base_url[-1] == "http://node4:8000/v1"
+    assert not servers_file(tmp_path).with_suffix(".tmp").exists()

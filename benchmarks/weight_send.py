@@ -1,0 +1,139 @@
+"""One weight broadcast from a sharded trainer at a real model size: 2 trainer ranks (FSDP2 over gloo) gather each
+tensor in the export dtype and rank 0 sends it to one receiving seat, which copies every tensor as it arrives (a
+server loading it). Times one step from the first gather to the receivers' acknowledgement (what "to served"
+holds beside the server's swap), and counts the bytes each trainer rank put on the weight group.
+
+    uv run python benchmarks/weight_send.py                                  # Qwen3-0.6B's shape, 8 layers
+    uv run python benchmarks/weight_send.py --src /tmp/before/src --src src  # another checkout beside this one
+
+Each `--src` (a checkout's `src/`) runs its own code in the same way, alternating, `--repeats` steps each after
+one warm-up; medians. The model is `tiny-model --preset` (random weights of the real shape) cut to `--layers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import add_json_argument, markdown_table, write_json
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-0.6b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--src", action="append", help="a checkout's src/ to run (default: this one's)")
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--role", choices=["trainer", "seat"], help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    add_json_argument(p, "weight_send")
+    return p.parse_args(argv)
+
+
+def stream_api():
+    try:  # where the bytes of a step live since the weight stream got its own module
+        from prime_rl.protocol import weight_stream as stream
+    except ImportError:
+        from prime_rl.protocol import broadcast as stream
+    return stream
+
+
+def trainer(args) -> None:
+    """One trainer rank under torchrun: the sharded model, then `repeats` + 1 sends (rank 0 sends)."""
+    import torch
+
+    from prime_rl.configs.trainer import TrainerConfig
+    from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group
+    from prime_rl.trainer.loading import build_training
+    from prime_rl.trainer.parallel import close_distributed, init_distributed
+    from prime_rl.trainer.weights import checkpoint_parts, export_specs, gathered
+
+    stream = stream_api()
+    world = init_distributed("cpu")
+    config = TrainerConfig(model={"name": str(args.model_dir)}, output_dir=tempfile.mkdtemp())
+    model = build_training(config, world, 1)[0]
+    dtype = torch.bfloat16
+    parts = checkpoint_parts(model, export_specs(model, dtype)[1])
+    rdv = Rendezvous("127.0.0.1", args.port, "bench", 2, "gloo", 600.0)
+    pg = join_group(connect_store(rdv, master=True), rdv, 0) if world.is_main else None
+    times, sent = [], 0
+    for step in range(args.repeats + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        state, exported = export_specs(model, dtype)
+        specs = [spec for name in exported for spec in parts[name]]
+        tensors = (tensor for _, tensor in gathered(model, state, exported, parts, list(exported)))
+        stream.send_step(pg, step, specs, tensors, torch.device("cpu"), 600.0)
+        times.append(time.perf_counter() - start)
+        sent = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in specs)
+    line = {"rank": world.rank, "seconds": times[1:], "sent_bytes": sent if world.is_main else 0}
+    os.write(1, (json.dumps(line) + "\n").encode())
+    close_distributed()
+
+
+def seat(args) -> None:
+    """The receiving seat: joins the group, copies every tensor of every step as it arrives."""
+    import torch
+
+    from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group
+
+    stream = stream_api()
+    rdv = Rendezvous("127.0.0.1", args.port, "bench", 2, "gloo", 600.0)
+    pg = join_group(connect_store(rdv, master=False), rdv, 1)
+    for _ in range(args.repeats + 1):
+        for _, tensor in stream.receive_step(pg, torch.device("cpu"), lambda step, specs: None, 600.0):
+            if tensor is not None:
+                tensor.clone()
+
+
+def run(src: str, args) -> dict:
+    from prime_rl.utils.net import free_port
+
+    port = free_port()
+    env = os.environ | {"PYTHONPATH": str(Path(src).resolve()), "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+    common = ["--model-dir", str(args.model_dir), "--port", str(port), "--repeats", str(args.repeats)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+           "--role", "trainer", *common]  # fmt: skip
+    trainers = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    receiver = subprocess.Popen([sys.executable, __file__, "--role", "seat", *common], env=env,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    out, err = trainers.communicate(timeout=1800)
+    receiver.wait(timeout=60)
+    if trainers.returncode != 0 or receiver.returncode != 0:
+        raise SystemExit(f"{src}: trainer rc {trainers.returncode}, seat rc {receiver.returncode}\n{err[-3000:]}")
+    return {r["rank"]: r for r in map(json.loads, filter(None, out.splitlines()))}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.role:
+        return trainer(args) if args.role == "trainer" else seat(args)
+    sources = args.src or [str(Path(__file__).resolve().parents[1] / "src")]
+    args.model_dir = args.model_dir or Path(tempfile.mkdtemp()) / args.preset
+    if not (args.model_dir / "config.json").is_file():
+        build = [sys.executable, "-m", "prime_rl.utils.tiny_model", str(args.model_dir), "--preset", args.preset]
+        subprocess.run([*build, "--num-layers", str(args.layers)], check=True, capture_output=True)
+    results: dict[str, list[dict]] = {src: [] for src in sources}
+    for _ in range(2):  # alternate: each source runs twice, interleaved
+        for src in sources:
+            results[src].append(run(src, args))
+            print(src, [round(s, 2) for s in results[src][-1][0]["seconds"]], file=sys.stderr)
+    rows = []
+    for src, runs in results.items():
+        seconds = [s for r in runs for s in r[0]["seconds"]]
+        sent = [runs[0][rank]["sent_bytes"] / 2**30 for rank in sorted(runs[0])]
+        rows.append([src, f"{statistics.median(seconds):.2f}", " / ".join(f"{g:.2f}" for g in sent)])
+    print(markdown_table(["src", "step to acknowledged, s (median)", "GiB sent per trainer rank"], rows))
+    write_json(args, "weight_send", {"preset": args.preset, "layers": args.layers, "runs": results})
+
+
+if __name__ == "__main__":
+    main()
