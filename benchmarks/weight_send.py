@@ -64,7 +64,7 @@ def trainer(args) -> None:
     parts = checkpoint_parts(model, export_specs(model, dtype)[1])
     rdv = Rendezvous("127.0.0.1", args.port, "bench", 2, "gloo", 600.0)
     pg = join_group(connect_store(rdv, master=True), rdv, 0) if world.is_main else None
-    times, sent = [], 0
+    times = []
     for step in range(args.repeats + 1):
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -73,7 +73,7 @@ def trainer(args) -> None:
         tensors = (tensor for _, tensor in gathered(model, state, exported, parts, list(exported)))
         stream.send_step(pg, step, specs, tensors, torch.device("cpu"), 600.0)
         times.append(time.perf_counter() - start)
-        sent = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in specs)
+    sent = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in specs)
     line = {"rank": world.rank, "seconds": times[1:], "sent_bytes": sent if world.is_main else 0}
     os.write(1, (json.dumps(line) + "\n").encode())
     close_distributed()

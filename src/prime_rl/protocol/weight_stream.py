@@ -122,9 +122,10 @@ def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ..
     check(step, {name: (shape, dtype) for name, dtype, shape in specs})
     yield step, None
     runs = buckets(specs)
+    numels = [[math.prod(specs[i][2]) for i in run] for run in runs]
 
     def receive(b: int) -> tuple:
-        flat = torch.empty(sum(math.prod(specs[i][2]) for i in runs[b]), dtype=specs[runs[b][0]][1], device=device)
+        flat = torch.empty(sum(numels[b]), dtype=specs[runs[b][0]][1], device=device)
         return flat, _start(lambda: pg.broadcast(flat, 0))
 
     coming = receive(0) if runs else None
@@ -132,7 +133,7 @@ def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ..
         flat, work = coming
         _settle(pg, work, timeout, f"bucket {b} of weight step {step}")
         coming = receive(b + 1) if b + 1 < len(runs) else None  # on the wire while the caller loads this one
-        for i, part in zip(run, flat.split([math.prod(specs[i][2]) for i in run]), strict=True):
+        for i, part in zip(run, flat.split(numels[b]), strict=True):
             yield specs[i][0], part.view(specs[i][2])
     _acknowledge(pg, device, timeout, f"the other seats' acknowledgement of weight step {step}")
 

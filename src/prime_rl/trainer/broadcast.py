@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
+import time
 import uuid
 
 import torch
@@ -42,6 +44,8 @@ logger = logging.getLogger("prime_rl")
 # Tries of one step before the trainer gives up: each failure drops the group's dead seats (the orchestrator
 # asks only live servers to rejoin), so a second try reaches the survivors; a third covers a failure during it.
 SEND_ATTEMPTS = 3
+# Seconds between looks for the orchestrator's report of a server it could not reach, while seats are awaited.
+UNREACHED_POLL = 0.5
 # New groups for one step because the seats changed (servers that came back or were added): no failure, but bounded.
 MAX_RESEATS = 8
 
@@ -69,6 +73,7 @@ class WeightSender:
         self.generation = 0  # groups given up so far (each failed transfer); every rank counts the same
         self.rdv = self._group()
         self.pg = None
+        self._looked = -math.inf  # when _asked last looked for the orchestrator's unreached file
         self.dtype = files.dtype
         # The checkpoint tensors each exported one is sent as: the same every step, so worked out once.
         self.parts = checkpoint_parts(model, export_specs(model, self.dtype)[1])
@@ -81,12 +86,14 @@ class WeightSender:
 
     def _asked(self, step: int) -> bool:
         """Whether every seat of the group asked for `step` (the last one to ask says so), one gave up, or the
-        orchestrator could not reach a server to ask."""
-        return (
-            self.store.check([all_ready_key(self.rdv, step)])
-            or self.store.check([failed_key(self.rdv, step)])
-            or unreached_file(self.config.output_dir, step, self.rdv.group).exists()
-        )
+        orchestrator could not reach a server to ask (a file on the shared filesystem: looked at every
+        UNREACHED_POLL seconds, not at the store's 2 ms poll)."""
+        if self.store.check([all_ready_key(self.rdv, step)]) or self.store.check([failed_key(self.rdv, step)]):
+            return True
+        if time.monotonic() - self._looked < UNREACHED_POLL:
+            return False
+        self._looked = time.monotonic()
+        return unreached_file(self.config.output_dir, step, self.rdv.group).exists()
 
     def send(self, model: torch.nn.Module, step: int) -> None:
         """Announce step `step`, wait until every receiver asked for it, send it. A transfer that fails (a

@@ -31,7 +31,7 @@ class FleetFile:
     def start(self, client: ClientConfig, resumed: bool) -> ClientConfig:
         """The client config the pool starts from: the file's fleet on a resume (where there is one), else the
         config's, which the file then holds."""
-        if resumed and self.path.exists() and (fleet := self.changed()) is not None:
+        if resumed and (fleet := self.changed()) is not None:
             logger.info(f"inference servers from {self.path} (the fleet the run had): {fleet.base_url}")
             return client.model_copy(update=fleet.model_dump())
         self.write(FleetConfig(base_url=client.base_url, traffic_share=client.traffic_share))

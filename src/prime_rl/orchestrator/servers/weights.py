@@ -36,10 +36,6 @@ from prime_rl.protocol.broadcast import report_unreached
 logger = logging.getLogger("prime_rl")
 
 
-class Unreachable(InferenceError):
-    """A server could not be asked to join a weight broadcast (it is down, or went down while it joined)."""
-
-
 def inflight_ask(config: OrchestratorConfig) -> str | None:
     """What weight updates ask of requests in flight: "continue" in continuous mode (`max_inflight` set) with
     inflight_updates = "continue"; None otherwise (barrier mode: the servers finish them, as by default)."""
@@ -186,23 +182,9 @@ class WeightControl:
             message = "take no weights over a process group; start them with --weight-transfer broadcast"
             raise InferenceError(f"{unable} {message}")
         world_size = 1 + sum(s.receivers for s in servers)
-        seat = [1 + sum(s.receivers for s in servers[:i]) for i in range(len(servers))]  # each server's first rank
-        joins = [
-            asyncio.ensure_future(self._join(s, step, rendezvous, world_size, seat[i])) for i, s in enumerate(servers)
-        ]
-        try:
-            for join in asyncio.as_completed(joins):
-                try:
-                    await join
-                except Unreachable as e:  # its seats never ask: the trainer gives the group up, the others leave
-                    if self.output_dir is not None:
-                        report_unreached(self.output_dir, step, rendezvous["group"], str(e))
-                except Exception:  # noqa: BLE001 - read from the task below
-                    pass
-        finally:
-            for join in joins:  # only where this was cancelled: none is left running behind it
-                join.cancel()
-        results = [join.exception() or join.result() for join in joins]
+        ranks = [1 + sum(s.receivers for s in servers[:i]) for i in range(len(servers))]
+        sends = (self._join(s, step, rendezvous, world_size, r) for s, r in zip(servers, ranks, strict=True))
+        results = await asyncio.gather(*sends, return_exceptions=True)
         failed = [(s, r) for s, r in zip(servers, results, strict=True) if isinstance(r, BaseException)]
         for server, error in failed:
             if not isinstance(error, InferenceError):
@@ -221,7 +203,10 @@ class WeightControl:
         try:
             response = await self.http.client.post(url, json=body, timeout=rendezvous["timeout"] + 30)
         except httpx.TransportError as e:
-            raise Unreachable(f"{server.base}: weight broadcast of step {step}: {type(e).__name__}: {e}") from None
+            message = f"{server.base}: weight broadcast of step {step}: {type(e).__name__}: {e}"
+            if self.output_dir is not None:  # its seats never ask: the trainer gives the group up, the others leave
+                report_unreached(self.output_dir, step, rendezvous["group"], message)
+            raise InferenceError(message) from None
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
