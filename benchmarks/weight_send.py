@@ -1,7 +1,9 @@
-"""One weight broadcast from a sharded trainer at a real model size: 2 trainer ranks (FSDP2 over gloo) gather each
-tensor in the export dtype and rank 0 sends it to one receiving seat, which copies every tensor as it arrives (a
-server loading it). Times one step from the first gather to the receivers' acknowledgement (what "to served"
-holds beside the server's swap), and counts the bytes each trainer rank put on the weight group.
+"""One weight broadcast from a sharded trainer at a real model size: 2 trainer ranks (FSDP2 over gloo) each send
+their own rows of every tensor in the export dtype (a checkout from before that: both gather each tensor and rank 0
+sends it) to one receiving seat, which copies every tensor as it arrives (a server loading it). Times one step
+from the first piece to the receivers' acknowledgement (what "to served" holds beside the server's swap), and
+counts the bytes of the rows each trainer rank is the source of (gloo's broadcast hands a sender's piece to every
+other member, the other trainer rank too; nccl's ring passes it along).
 
     uv run python benchmarks/weight_send.py                                  # Qwen3-0.6B's shape, 8 layers
     uv run python benchmarks/weight_send.py --src /tmp/before/src --src src  # another checkout beside this one
@@ -46,8 +48,18 @@ def stream_api():
     return stream
 
 
+def senders_api():
+    """The per-rank sender (each trainer rank sends its own rows), where the checkout has it; else None (rank 0
+    sends what all ranks gather)."""
+    try:
+        from prime_rl.trainer.broadcast import SendPlan
+    except ImportError:
+        return None
+    return SendPlan
+
+
 def trainer(args) -> None:
-    """One trainer rank under torchrun: the sharded model, then `repeats` + 1 sends (rank 0 sends)."""
+    """One trainer rank under torchrun: the sharded model, then `repeats` + 1 sends."""
     import torch
 
     from prime_rl.configs.trainer import TrainerConfig
@@ -56,38 +68,56 @@ def trainer(args) -> None:
     from prime_rl.trainer.parallel import close_distributed, init_distributed
     from prime_rl.trainer.weights import checkpoint_parts, export_specs, gathered
 
-    stream = stream_api()
+    stream, plan_of = stream_api(), senders_api()
     world = init_distributed("cpu")
     config = TrainerConfig(model={"name": str(args.model_dir)}, output_dir=tempfile.mkdtemp())
     model = build_training(config, world, 1)[0]
     dtype = torch.bfloat16
+    senders = world.world_size if plan_of else 1
+    rdv = Rendezvous("127.0.0.1", args.port, "bench", senders + 1, "gloo", 600.0)
+    store = connect_store(rdv, master=world.is_main)
+    pg = join_group(store, rdv, world.rank) if world.rank < senders else None
+    plan = plan_of.of(model, dtype, world) if plan_of else None
     parts = checkpoint_parts(model, export_specs(model, dtype)[1])
-    rdv = Rendezvous("127.0.0.1", args.port, "bench", 2, "gloo", 600.0)
-    pg = join_group(connect_store(rdv, master=True), rdv, 0) if world.is_main else None
     times = []
     for step in range(args.repeats + 1):
         torch.distributed.barrier()
         start = time.perf_counter()
-        state, exported = export_specs(model, dtype)
-        specs = [spec for name in exported for spec in parts[name]]
-        tensors = (tensor for _, tensor in gathered(model, state, exported, parts, list(exported)))
-        stream.send_step(pg, step, specs, tensors, torch.device("cpu"), 600.0)
+        if plan is not None:
+            from prime_rl.protocol.parity import RowSums
+
+            sums = RowSums(torch.device("cpu"))
+            pieces = plan.pieces(model, world.rank, sums)
+            stream.send_step(pg, step, plan.specs, pieces, torch.device("cpu"), 600.0, plan.rows, world.rank)
+            sums.checksum(lambda v: (torch.distributed.all_reduce(v), v)[1])
+            specs = plan.specs
+        else:
+            state, exported = export_specs(model, dtype)
+            specs = [spec for name in exported for spec in parts[name]]
+            tensors = (tensor for _, tensor in gathered(model, state, exported, parts, list(exported)))
+            stream.send_step(pg, step, specs, tensors, torch.device("cpu"), 600.0)
         times.append(time.perf_counter() - start)
-    sent = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in specs)
-    line = {"rank": world.rank, "seconds": times[1:], "sent_bytes": sent if world.is_main else 0}
+    if plan is not None:  # the bytes of the rows this rank is the source of
+        sent = sum(r[world.rank] * torch.Size(shape[1:]).numel() * d.itemsize
+                   for (_, d, shape), r in zip(plan.specs, plan.rows, strict=True))  # fmt: skip
+    else:
+        sent = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in specs) if world.is_main else 0
+    line = {"rank": world.rank, "seconds": times[1:], "sent_bytes": sent}
     os.write(1, (json.dumps(line) + "\n").encode())
     close_distributed()
 
 
 def seat(args) -> None:
-    """The receiving seat: joins the group, copies every tensor of every step as it arrives."""
+    """The receiving seat: joins the group (after the trainer's senders), copies every tensor of every step as
+    it arrives."""
     import torch
 
     from prime_rl.protocol.broadcast import Rendezvous, connect_store, join_group
 
     stream = stream_api()
-    rdv = Rendezvous("127.0.0.1", args.port, "bench", 2, "gloo", 600.0)
-    pg = join_group(connect_store(rdv, master=False), rdv, 1)
+    senders = 2 if senders_api() else 1
+    rdv = Rendezvous("127.0.0.1", args.port, "bench", senders + 1, "gloo", 600.0)
+    pg = join_group(connect_store(rdv, master=False), rdv, senders)
     for _ in range(args.repeats + 1):
         for _, tensor in stream.receive_step(pg, torch.device("cpu"), lambda step, specs: None, 600.0):
             if tensor is not None:

@@ -308,11 +308,13 @@ def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
     """`rl --inference.backend vllm` (vLLM's CPU build) with weight_transfer = broadcast: every step reaches
     vLLM's worker over the gloo group through vLLM's weight-transfer phases (the filesystem route to vLLM is
     tested in test_inference_server). vLLM sizes its KV cache from the run, so it starts beside the trainer.
-    moe: a Qwen3-MoE, its experts sent per expert as vLLM's loader takes them."""
+    moe: a Qwen3-MoE on 2 trainer ranks, each sending its own rows (the experts, fused in the trainer, gathered
+    and sent per expert as vLLM's loader takes them)."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a share of host RAM would not fit beside a trainer
     out = tmp_path / "out"
     model = create_tiny_model(tmp_path / "moe", "qwen3_moe", hidden_size=128) if kind == "moe" else tiny_qwen3_hd32
     extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512", "--inference.enforce-eager"]
+    extra += ["--trainer-cpu-ranks", "2"] if kind == "moe" else []
     result = run_rl(on_policy_broadcast_run(model, out, free_port, *extra), timeout=900)
     assert result.returncode == 0, result.stderr + show_logs(out)
     assert_on_policy_over_broadcast(out)

@@ -324,8 +324,8 @@ def _greedy(url: str) -> list[float]:
 
 
 def test_two_ranks_broadcast_step_1_and_the_server_serves_exactly_their_export_of_it(tiny_model, runs, tmp_path):
-    """The trainer's side of weight_transfer = broadcast, 2 FSDP ranks gathering one tensor at a time; the
-    test plays the orchestrator (relays the trainer's announcement to the server)."""
+    """The trainer's side of weight_transfer = broadcast, 2 FSDP ranks each sending its own rows; the test
+    plays the orchestrator (relays the trainer's announcement to the server)."""
     from prime_rl.protocol.broadcast import marker_file, read_marker
 
     (proc, out), port = runs["bcast"], runs["ports"]["bcast"]
@@ -339,8 +339,9 @@ def test_two_ranks_broadcast_step_1_and_the_server_serves_exactly_their_export_o
             time.sleep(0.05)
         marker = read_marker(out)
         assert marker["step"] == 1 and marker_file(out, 1).is_file() and not weights_dir(out, 1).exists()
-        body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": marker["group"], "world_size": 2,
-                              "rank": 1, "step": 1, "timeout": 20.0}}  # fmt: skip
+        assert marker["senders"] == 2  # each trainer rank sends its own rows: the server's seat follows theirs
+        body = {"broadcast": {"host": "127.0.0.1", "port": port, "group": marker["group"], "world_size": 3,
+                              "rank": 2, "senders": 2, "step": 1, "timeout": 20.0}}  # fmt: skip
         response = httpx.post(f"{url}/update_weights", json=body, timeout=60)
         assert response.status_code == 200, response.text
         broadcast = _greedy(url)
@@ -369,10 +370,11 @@ marker = read_marker(out)
 while marker is None or marker["group"] == sys.argv[4]:  # a group other than the one given
     time.sleep(0.05)
     marker = read_marker(out)
-rdv = Rendezvous("127.0.0.1", port, marker["group"], 2, "gloo", 20.0)
+senders = marker["senders"]
+rdv = Rendezvous("127.0.0.1", port, marker["group"], senders + 1, "gloo", 20.0, senders)
 store = connect_store(rdv, master=False)
 ask_for(store, rdv, marker["step"])
-stream = receive_step(join_group(store, rdv, 1), torch.device("cpu"), lambda step, specs: None, rdv.timeout)
+stream = receive_step(join_group(store, rdv, senders), torch.device("cpu"), lambda step, specs: None, rdv.timeout)
 next(stream)  # the header
 if stall:
     print(marker["group"], flush=True)
@@ -382,7 +384,7 @@ print(marker["group"], sum(1 for _ in stream), flush=True)
 
 
 def test_a_receiver_killed_mid_broadcast_has_the_trainer_send_the_step_again_in_a_new_group(runs):
-    """2 trainer ranks (which gather each tensor together); the receiver takes the header and stalls, and is
+    """2 trainer ranks (each sending its own rows); the receiver takes the header and stalls, and is
     killed: the trainer gives the group up, announces step 1 again in a new group at once (not at the 20 s
     transfer timeout), sends all of it to the receiver that asks there, and finishes."""
     from prime_rl.protocol.broadcast import read_marker

@@ -118,7 +118,7 @@ class ServedModel(Protocol):
 
 class BroadcastRequest(BaseModel):
     """Receive weight step `step` over the trainer's broadcast group (protocol.broadcast), as `rank` (the
-    server's first; its workers take rank, rank + 1, ...)."""
+    server's first; its workers take rank, rank + 1, ...; ranks below `senders` are the trainer's)."""
 
     model_config = ConfigDict(extra="forbid")
     host: Annotated[str, Field(min_length=1, max_length=253)]
@@ -129,11 +129,19 @@ class BroadcastRequest(BaseModel):
     step: Annotated[int, Field(ge=1)]
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout: Annotated[float, Field(gt=0, le=86400)] = 600.0
+    senders: Annotated[int, Field(ge=1, le=65535)] = 1
+
+    @model_validator(mode="after")
+    def _seated(self) -> BroadcastRequest:
+        if not self.senders <= self.rank < self.world_size:
+            group = f"a group of {self.world_size} with {self.senders} sender(s)"
+            raise ValueError(f"rank {self.rank} is no seat of {group}")
+        return self
 
     def rendezvous(self):
         from prime_rl.protocol.broadcast import Rendezvous
 
-        return Rendezvous(self.host, self.port, self.group, self.world_size, self.backend, self.timeout)
+        return Rendezvous(self.host, self.port, self.group, self.world_size, self.backend, self.timeout, self.senders)
 
 
 class UpdateWeightsRequest(BaseModel):

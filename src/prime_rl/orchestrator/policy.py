@@ -97,7 +97,7 @@ async def relay_broadcasts(client: InferenceClient, config: OrchestratorConfig, 
         announced = read_marker(out)
         if pending(announced):
             rendezvous = {"host": b.host, "port": b.port, "timeout": b.timeout}
-            rendezvous |= {"group": announced["group"], "backend": announced["backend"]}
+            rendezvous |= {k: announced[k] for k in ("group", "backend", "senders")}
             with timer(times, "update_weights"):
                 current = await client.broadcast_weights(announced["step"], rendezvous)
             times["served_at"] = time.time()

@@ -1,20 +1,25 @@
 """Weights over a process group (`weight_transfer = "broadcast"`, docs/design.md §4): trainer → every inference worker.
 
-The group is its own torch.distributed world, apart from the trainer's: rank 0 is trainer rank 0, the
-other ranks are the inference workers' seats (one per built-in server, one per vLLM worker), counted by the
-orchestrator from its servers' /health and passed on by the receivers through the rendezvous. Its rendezvous is a
+The group is its own torch.distributed world, apart from the trainer's: ranks 0 .. T-1 are the trainer's T
+ranks (the senders), the other ranks the inference workers' seats (one per built-in server, one per vLLM
+worker), counted by the orchestrator from its servers' /health and passed on by the receivers through the
+rendezvous. Its rendezvous is a
 TCPStore that trainer rank 0 hosts at `weight_transfer.host:port`; `group` (a fresh nonce per trainer
 start) prefixes every key, so a restarted trainer forms a new group and servers of the old one rejoin.
 
 One step n:
-1. the trainer writes `broadcast/step_n.json` {"step", "group", "backend"} (the hand-off, like `STABLE`), and
+1. the trainer writes `broadcast/step_n.json` {"step", "group", "backend", "senders"} (the hand-off, like
+   `STABLE`), and
    again with "checksum" (the step's weight checksum, protocol.parity) once the step was sent;
 2. the orchestrator asks every server to receive it (POST /update_weights {"broadcast": {...}});
 3. each receiver sets the store's `world_size`, adds itself to its `ready/n` count (`ask_for`), joins the
    group if it is not in this one, and waits for the header; the trainer's ranks wait until the count is
    complete, then send:
    a header (JSON in a uint8 tensor, never pickle: the store is unauthenticated) naming every tensor with
-   its dtype and shape, then each tensor in header order. Trainer ranks gather one full tensor at a time.
+   its dtype, shape and the rows (dim 0) each trainer rank holds of it, then the tensors in header order,
+   each trainer rank sending its own rows (its FSDP shard, cast to the export dtype): no rank gathers the
+   model (a tensor that is not sharded by rows, e.g. one written as several checkpoint tensors, is gathered
+   and sent by rank 0).
 4. receivers check the header against the served model before receiving any tensor (a mismatch ends the
    transfer, which the sender sees at once), and swap only once everything arrived. Tensors travel in
    buckets of up to 64 MiB: fewer, larger transfers (protocol/weight_stream.py: the bytes of a step).
@@ -66,6 +71,7 @@ class Rendezvous:
     world_size: int
     backend: str  # "gloo" | "nccl"
     timeout: float
+    senders: int = 1  # the trainer's ranks in the group (ranks 0 .. senders - 1); the seats follow
 
     @property
     def where(self) -> str:
@@ -79,7 +85,7 @@ def marker_file(output_dir: Path, step: int) -> Path:
 def write_marker(output_dir: Path, step: int, rdv: Rendezvous, checksum: str | None = None) -> None:
     """Announce that step `step` is about to be sent in group `rdv` (the previous announcement goes); written
     again with the step's weight `checksum` (protocol.parity) once it was sent."""
-    marker = {"step": step, "group": rdv.group, "backend": rdv.backend}
+    marker = {"step": step, "group": rdv.group, "backend": rdv.backend, "senders": rdv.senders}
     atomic_write_json(marker_file(output_dir, step), marker | ({"checksum": checksum} if checksum else {}))
     for old in _markers(output_dir):
         if step_of(old.with_suffix("")) != step:
@@ -87,12 +93,14 @@ def write_marker(output_dir: Path, step: int, rdv: Rendezvous, checksum: str | N
 
 
 def read_marker(output_dir: Path) -> dict | None:
-    """{"step", "group", "backend", "checksum"} of the newest announcement, if any (checksum: None until sent)."""
+    """{"step", "group", "backend", "senders", "checksum"} of the newest announcement, if any (checksum: None
+    until sent)."""
     best = None
     for path in _markers(output_dir):
         try:
             data = json.loads(path.read_text())
             marker = {"step": int(data["step"]), "group": str(data["group"]), "backend": str(data["backend"])}
+            marker["senders"] = int(data.get("senders", 1))
             marker["checksum"] = str(data["checksum"]) if data.get("checksum") else None
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being replaced
@@ -252,7 +260,7 @@ def all_ready_key(rdv: Rendezvous, step: int) -> str:
 def ask_for(store, rdv: Rendezvous, step: int) -> None:
     """A receiver's request for `step`: tells the trainer the group's size, counts itself in."""
     store.set(size_key(rdv), str(rdv.world_size))
-    if store.add(ready_key(rdv, step), 1) == rdv.world_size - 1:
+    if store.add(ready_key(rdv, step), 1) == rdv.world_size - rdv.senders:
         store.set(all_ready_key(rdv, step), "1")
 
 

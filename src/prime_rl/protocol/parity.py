@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,8 +61,10 @@ def tensor_value(t: torch.Tensor, device: torch.device | None = None) -> int:
     return int(device_value(t, device))
 
 
-def device_value(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """`tensor_value` as a 0-d int64 tensor on the reducing device: reading it is the only host sync."""
+def device_value(t: torch.Tensor, device: torch.device | None = None, first_row: int = 0) -> torch.Tensor:
+    """`tensor_value` as a 0-d int64 tensor on the reducing device: reading it is the only host sync. With
+    `first_row`, `t` is rows first_row, first_row + 1, ... of a larger tensor: its part of that tensor's value
+    (the parts' values summed mod P are the whole one's)."""
     import torch
 
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -83,7 +85,8 @@ def device_value(t: torch.Tensor, device: torch.device | None = None) -> torch.T
         else:  # 1- or 2-byte items, an odd count: |row sum| < row length · 2^15
             sums = chunk.view(ints).sum(dim=1, dtype=torch.int64)
         sums = sums.remainder(P)  # times a weight <= 2^31: < 2^62
-        weights = torch.arange(start + 1, start + 1 + chunk.shape[0], dtype=torch.int64, device=device)
+        first = first_row + start + 1
+        weights = torch.arange(first, first + chunk.shape[0], dtype=torch.int64, device=device)
         total = (total + (sums * weights.remainder(P)).remainder(P).sum()).remainder(P)
     return total
 
@@ -131,6 +134,26 @@ class Checksum:
 
     def record(self) -> dict:
         return {"checksum": self.hex, "tensors": self.tensors}
+
+
+class RowSums:
+    """A checksum of tensors whose rows (dim 0) are spread over ranks, each holding a contiguous run of some:
+    every rank `add`s its run of every tensor, in the same order (an empty run too), and `checksum` sums the
+    parts' values over the ranks (`reduce`: an all-reduce of an int64 tensor) before keying them, so the result
+    is the whole tensors' Checksum. One host sync, in `checksum`."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.keys, self.values = device, [], []
+
+    def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], rows: torch.Tensor, first_row: int) -> None:
+        self.keys.append(tensor_key(name, dtype, shape))
+        self.values.append(device_value(rows, self.device, first_row))
+
+    def checksum(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Checksum:
+        import torch
+
+        values = reduce(torch.stack(self.values)).remainder(P).tolist() if self.values else []
+        return Checksum(sum(k * v for k, v in zip(self.keys, values, strict=True)) & MASK, len(values))
 
 
 def checksum_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> Checksum:

@@ -1,7 +1,8 @@
 """The bytes of one weight step over the broadcast group (protocol/broadcast.py sets the group up): a header
-(JSON in a uint8 tensor, never pickle: the store is unauthenticated) naming every tensor with its dtype and
-shape, then the tensors in header order, in buckets of up to 64 MiB (fewer, larger transfers), one bucket on the
-wire while the next is gathered (sender) or loaded (receivers), and an acknowledgement. Every collective is
+(JSON in a uint8 tensor, never pickle: the store is unauthenticated) naming every tensor with its dtype, shape
+and the rows (dim 0) each sender holds of it, then the tensors in header order, in buckets of up to 64 MiB (fewer,
+larger transfers), each bucket one piece per sender holding rows of it (a broadcast from that sender), one bucket
+on the wire while the next is taken (senders) or loaded (receivers), and an acknowledgement. Every collective is
 waited for on the host with a bound (`wait_for_work`); a group that timed out or was given up is aborted
 (`abandon`) so nothing stays hung on it."""
 
@@ -37,51 +38,75 @@ def buckets(specs: list[tuple[str, Any, tuple[int, ...]]], limit: int | None = N
     return runs
 
 
-def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tensors: Iterable, device,
-              timeout: float) -> None:  # fmt: skip
-    """Root side: the header for `specs` [(name, dtype, shape)], then the tensors of `tensors` (same order) in
-    `buckets`, each collective waited for at most `timeout` seconds. `tensors` may be a generator that gathers
-    each one just in time; it runs on every trainer rank, and only rank 0 (pg is not None) sends: one bucket
-    is on the wire while the next is gathered (at most two held). A failed send still walks `tensors` to its
-    end (every trainer rank gathers in lockstep), then raises its BroadcastError."""
+def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor of `shape`: rows are along dim 0; a 0-d tensor is one row."""
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
+def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], pieces: Iterable, device, timeout: float,
+              rows: list[list[int]] | None = None, rank: int = 0) -> None:  # fmt: skip
+    """A sender's side: the header for `specs` [(name, dtype, shape)] (group rank 0 sends it), then the tensors in
+    `buckets`, each collective waited for at most `timeout` seconds.
+
+    The tensors' rows (dim 0) may be spread over several senders (group ranks 0 .. senders - 1; this one is
+    `rank`): `rows[i][r]` of tensor i come from sender r, in sender order (default: all from rank 0). Each bucket
+    then travels as one piece per sender holding some of its rows: every sender's own rows, never a whole
+    tensor gathered on one rank. `pieces` yields, for every tensor in order, this rank's rows of it (read only
+    where it holds some); it may be a generator that gathers just in time: it runs on every trainer rank, even
+    one with no `pg` (single sender: only rank 0 sends). One bucket is on the wire while the next is taken (at
+    most two held). A failed send still walks `pieces` to its end (trainer ranks take part in each other's
+    gathers), then raises its BroadcastError."""
     import torch
 
+    rows = rows or [[rows_of(shape)[0]] for _, _, shape in specs]
+    senders = len(rows[0]) if rows else 1
     failed: BroadcastError | None = None
-    on_wire: tuple | None = None  # (work, bucket, what): kept until its collective completed
+    on_wire: list = []  # the works of the bucket in flight, kept (with their tensors) until completed
 
     def settle() -> None:
-        nonlocal failed, on_wire
-        if on_wire is not None:
-            work, _, what = on_wire
-            on_wire = None
+        nonlocal failed
+        for work, _, what in on_wire:
             try:
                 _settle(pg, work, timeout, what)
             except BroadcastError as e:
                 failed = failed or e
+        on_wire.clear()
 
-    def send(tensor, what: str) -> None:
-        nonlocal failed, on_wire
+    def send(tensors: list, what: str) -> None:
+        """Start a bucket's broadcasts: (tensor, root) each."""
+        nonlocal failed
         settle()
-        if failed is None:
+        for tensor, root in tensors if failed is None else ():
             try:
-                on_wire = (_start(lambda: pg.broadcast(tensor, 0)), tensor, what)
+                on_wire.append((_start(lambda t=tensor, r=root: pg.broadcast(t, r)), tensor, what))
             except BroadcastError as e:
                 failed = e
+                return
 
-    header = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in specs]})
-    if pg is not None:
-        raw = header.encode()
-        send(torch.tensor([len(raw)], dtype=torch.int64, device=device), f"the header size of step {step}")
-        send(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), f"the header of step {step}")
-    tensors = iter(tensors)
+    entries = [[n, str(d).removeprefix("torch."), list(s)] + ([r] if senders > 1 else []) for (n, d, s), r in
+               zip(specs, rows, strict=True)]  # fmt: skip
+    raw = json.dumps({"step": step, "senders": senders, "tensors": entries}).encode()
+    if pg is not None:  # every sender has the same header: rank 0's is the one read
+        send([(torch.tensor([len(raw)], dtype=torch.int64, device=device), 0)], f"the header size of step {step}")
+        send([(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), 0)], f"the header of step {step}")
+    pieces = iter(pieces)
     for b, run in enumerate(buckets(specs)):
         stamp()  # sending 70B takes a while: each bucket is progress
+        mine = [next(pieces) for _ in run]
         if pg is None or failed is not None:  # a rank that only gathers, or a send that already failed
-            for _ in run:
-                next(tensors)
             continue
-        parts = [next(tensors).to(device=device, dtype=specs[i][1]).reshape(-1) for i in run]
-        send(parts[0] if len(parts) == 1 else torch.cat(parts), f"bucket {b} of step {step}")
+        dtype = specs[run[0]][1]
+        out = []
+        for r in range(senders):
+            count = sum(rows[i][r] * rows_of(specs[i][2])[1] for i in run)
+            if count == 0:
+                continue
+            if r != rank:  # another sender's piece reaches every member of the group: room for it
+                out.append((torch.empty(count, dtype=dtype, device=device), r))
+                continue
+            parts = [t.to(device=device, dtype=dtype).reshape(-1) for t, i in zip(mine, run, strict=True) if rows[i][r]]
+            out.append((parts[0] if len(parts) == 1 else torch.cat(parts), r))
+        send(out, f"bucket {b} of step {step}")
     if pg is not None:
         settle()
         if failed is None:
@@ -99,10 +124,10 @@ def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], tens
 def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ...], Any]]], None],
                  timeout: float, given_up: GivenUp | None = None) -> Iterator:  # fmt: skip
     """Receiver side: yields (step, None) once the header is read and `check`ed, then (name, tensor) for
-    every tensor (views into the received buckets, the next bucket arriving while the caller takes one), each
-    collective waited for at most `timeout` seconds (the first also until `given_up` says the transfer was
-    given up). A header `check` refuses (by raising) ends the transfer: the receiver leaves, which the sender
-    sees at once as a peer gone."""
+    every tensor (each bucket's senders' pieces put together, the next bucket arriving while the caller takes
+    one), each collective waited for at most `timeout` seconds (the first also until `given_up` says the
+    transfer was given up). A header `check` refuses (by raising) ends the transfer: the receiver leaves,
+    which the senders see at once as a peer gone."""
     import torch
 
     size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -111,31 +136,59 @@ def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ..
         raise BroadcastError(f"a weight header of {int(size.item())} bytes")
     raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     _broadcast(pg, raw, timeout, "the trainer's weight header")
-    try:
-        header = json.loads(raw.cpu().numpy().tobytes())
-        step = int(header["step"])
-        specs = [(str(n), getattr(torch, d), tuple(int(x) for x in s)) for n, d, s in header["tensors"] if d in DTYPES]
-        if len(specs) != len(header["tensors"]) or any(x < 0 for _, _, s in specs for x in s):
-            raise ValueError("unknown dtype or negative size")
-    except (ValueError, KeyError, TypeError) as e:
-        raise BroadcastError(f"malformed weight header: {e}") from None
+    step, specs, rows = _header(raw.cpu().numpy().tobytes())
     check(step, {name: (shape, dtype) for name, dtype, shape in specs})
     yield step, None
     runs = buckets(specs)
-    numels = [[math.prod(specs[i][2]) for i in run] for run in runs]
+    senders = range(len(rows[0]) if rows else 1)
+    # per bucket, per sender: the numel of each of its tensors' rows it sends
+    numels = [[[rows[i][r] * rows_of(specs[i][2])[1] for i in run] for r in senders] for run in runs]
 
-    def receive(b: int) -> tuple:
-        flat = torch.empty(sum(numels[b]), dtype=specs[runs[b][0]][1], device=device)
-        return flat, _start(lambda: pg.broadcast(flat, 0))
+    def receive(b: int) -> list:
+        dtype = specs[runs[b][0]][1]
+        flats = {r: torch.empty(sum(numels[b][r]), dtype=dtype, device=device) for r in senders if sum(numels[b][r])}
+        return [(r, flat, _start(lambda f=flat, r=r: pg.broadcast(f, r))) for r, flat in flats.items()]
 
     coming = receive(0) if runs else None
     for b, run in enumerate(runs):
-        flat, work = coming
-        _settle(pg, work, timeout, f"bucket {b} of weight step {step}")
+        pieces = {}
+        for r, flat, work in coming:
+            _settle(pg, work, timeout, f"bucket {b} of weight step {step} from trainer rank {r}")
+            pieces[r] = flat.split(numels[b][r])
         coming = receive(b + 1) if b + 1 < len(runs) else None  # on the wire while the caller loads this one
-        for i, part in zip(run, flat.split(numels[b]), strict=True):
-            yield specs[i][0], part.view(specs[i][2])
+        for k, i in enumerate(run):
+            name, dtype, shape = specs[i]
+            parts = [(pieces[r][k], rows[i][r]) for r in pieces if rows[i][r]]
+            if len(parts) == 1:
+                yield name, parts[0][0].view(shape)
+            elif not parts:  # no rows at all
+                yield name, torch.empty(shape, dtype=dtype, device=device)
+            else:
+                yield name, torch.cat([p.view(n, *shape[1:]) for p, n in parts])
     _acknowledge(pg, device, timeout, f"the other seats' acknowledgement of weight step {step}")
+
+
+def _header(raw: bytes) -> tuple[int, list, list[list[int]]]:
+    """(step, specs [(name, dtype, shape)], rows [per tensor: rows per sender]) of a received header, checked:
+    known dtypes, no negative size, each tensor's rows adding up to its shape."""
+    import torch
+
+    try:
+        header = json.loads(raw)
+        step, senders = int(header["step"]), int(header.get("senders", 1))
+        specs, rows = [], []
+        for entry in header["tensors"]:
+            name, dtype, shape = str(entry[0]), entry[1], tuple(int(x) for x in entry[2])
+            if dtype not in DTYPES or any(x < 0 for x in shape):
+                raise ValueError(f"{name}: unknown dtype or negative size")
+            split = [int(x) for x in entry[3]] if len(entry) > 3 else [rows_of(shape)[0]]
+            if not 1 <= senders <= 65536 or len(split) != senders or min(split) < 0 or sum(split) != rows_of(shape)[0]:
+                raise ValueError(f"{name}: rows {split} of {senders} sender(s) do not make shape {list(shape)}")
+            specs.append((name, getattr(torch, dtype), shape))
+            rows.append(split)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise BroadcastError(f"malformed weight header: {e}") from None
+    return step, specs, rows
 
 
 def _acknowledge(pg, device, timeout: float, what: str) -> None:

@@ -1,10 +1,12 @@
 """The trainer's side of `weight_transfer = "broadcast"` (protocol.broadcast): send each step's weights to
 every inference worker over a process group instead of writing `weights/step_n`.
 
-Every trainer rank walks the state dict in the same order and gathers one full tensor at a time (an FSDP
-collective), so no rank ever holds more than its shard plus one tensor; rank 0 casts it to the saved dtype
-(what the filesystem export writes, so both transfers serve the same numbers), adds it to the step's weight
-checksum and sends it; the checksum goes into the step's announcement once the step was sent.
+Every trainer rank is a sender: it sends its own rows of each tensor (its FSDP shard, cast to the saved dtype:
+what the filesystem export writes, so both transfers serve the same numbers), so no rank gathers the model and
+the ranks' links all carry it. A tensor whose shard is not a run of rows (another placement, or one written
+as several checkpoint tensors: a fused MoE expert tensor) is gathered, one at a time, and sent by rank 0
+(`SendPlan`). Each rank adds its rows to the step's weight checksum on its device; the ranks' parts are summed
+once the step was sent, and the checksum goes into the step's announcement.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -33,8 +36,8 @@ from prime_rl.protocol.broadcast import (
     unreached_file,
     write_marker,
 )
-from prime_rl.protocol.parity import Checksum
-from prime_rl.protocol.weight_stream import abandon, send_step
+from prime_rl.protocol.parity import RowSums
+from prime_rl.protocol.weight_stream import abandon, rows_of, send_step
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import ModelFiles, checkpoint_parts, export_specs, gathered
 
@@ -75,14 +78,15 @@ class WeightSender:
         self.pg = None
         self._looked = -math.inf  # when _asked last looked for the orchestrator's unreached file
         self.dtype = files.dtype
-        # The checkpoint tensors each exported one is sent as: the same every step, so worked out once.
-        self.parts = checkpoint_parts(model, export_specs(model, self.dtype)[1])
+        self.plan = SendPlan.of(model, self.dtype, d)  # the same every step: worked out once
+        self.sums: RowSums | None = None  # this rank's part of the checksum of the step being sent
         if d.is_main:
             logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {self.rdv.group})")
 
     def _group(self) -> Rendezvous:
         b = self.config.weight_transfer
-        return Rendezvous(b.host, b.port, f"{self.nonce}.{self.generation}", 0, self.backend, b.timeout)
+        group = f"{self.nonce}.{self.generation}"
+        return Rendezvous(b.host, b.port, group, 0, self.backend, b.timeout, senders=self.d.world_size)
 
     def _asked(self, step: int) -> bool:
         """Whether every seat of the group asked for `step` (the last one to ask says so), one gave up, or the
@@ -103,6 +107,9 @@ class WeightSender:
         while True:
             problem = self._any_rank(self._try_send(model, step))
             if problem is None:
+                checksum = self.sums.checksum(self._sum)  # what the servers check what they received against
+                if self.d.is_main:  # (docs/design.md §4)
+                    write_marker(self.config.output_dir, step, self.rdv, checksum.hex)
                 return
             if isinstance(problem, Reseat):
                 reseats += 1
@@ -135,16 +142,13 @@ class WeightSender:
         problem = self._any_rank(self._seat(step))
         if problem is not None:
             return problem
+        device = _send_device(self.rdv, self.d)
+        self.sums = RowSums(self.d.device)
         try:
-            state, exported = export_specs(model, self.dtype)
-            specs = [spec for name in exported for spec in self.parts[name]]
-            checksum = Checksum()
-            full = self._exported(model, state, exported, self.parts, checksum)
-            send_step(self.pg, step, specs, full, _send_device(self.rdv, self.d), self.rdv.timeout)
+            pieces = self.plan.pieces(model, self.d.rank, self.sums)
+            send_step(self.pg, step, self.plan.specs, pieces, device, self.rdv.timeout, self.plan.rows, self.d.rank)
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
             return f"{e}{self._reported(step, ' (')}"
-        if self.d.is_main:  # what the servers check what they received against (docs/design.md §4)
-            write_marker(self.config.output_dir, step, self.rdv, checksum.hex)
         return None
 
     def _seat(self, step: int) -> str | None:
@@ -171,9 +175,10 @@ class WeightSender:
             if self.rdv.world_size == 0:
                 self.rdv = rdv = dataclasses.replace(rdv, world_size=world)
             elif world != rdv.world_size:  # a server came back (or the fleet changed): a new group seats it
-                return Reseat(f"the inference servers now hold {world - 1} seat(s), the group {rdv.world_size - 1}")
-            if self.d.is_main and self.pg is None:
-                self.pg = join_group(self.store, rdv, 0)
+                seats, was = world - rdv.senders, rdv.world_size - rdv.senders
+                return Reseat(f"the inference servers now hold {seats} seat(s), the group {was}")
+            if self.pg is None:
+                self.pg = join_group(self.store, rdv, self.d.rank)
         except (BroadcastError, torch.distributed.DistError) as e:  # a receiver died or timed out, or the store went
             return f"{e}{self._reported(step, ' (')}"
         return None
@@ -190,21 +195,101 @@ class WeightSender:
 
     def _any_rank(self, problem: str | None) -> str | None:
         """Every trainer rank's verdict on a transfer, so that all of them try again or none does (rank 0
-        sends; the others gather with it): rank 0's problem, or a stand-in for another rank's."""
+        sends what it gathers): rank 0's problem, or a stand-in for another rank's."""
         if self.d.world_size == 1:
             return problem
         flag = torch.tensor([0 if problem is None else 1], device=self.d.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return problem if problem is not None or not int(flag.item()) else "another trainer rank's transfer failed"
 
-    def _exported(self, model: torch.nn.Module, state: dict, exported: dict, parts: dict, checksum: Checksum):
-        """Each tensor in the checkpoint's layout and the export dtype, gathered one at a time, added to
-        `checksum` on rank 0 (on the trainer's device)."""
-        for name, tensor in gathered(model, state, exported, parts, list(exported)):
-            if self.d.is_main:
-                checksum.add(name, tensor)
-            yield tensor
+    def _sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.d.world_size > 1:
+            torch.distributed.all_reduce(values)
+        return values
 
 
 def _send_device(rdv: Rendezvous, d) -> torch.device:
     return d.device if rdv.backend == "nccl" else torch.device("cpu")
+
+
+def _row_run(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(first row, rows) of the run of dim-0 rows this rank sends of an FSDP-sharded tensor (none: (0, 0), a
+    replica after the first), or None when its shard is not a run of rows."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor) or tensor.dim() == 0:
+        return None
+    if not all(p == Shard(0) or isinstance(p, Replicate) for p in tensor.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    coordinate = tensor.device_mesh.get_coordinate()
+    first_replica = all(c == 0 for c, p in zip(coordinate, tensor.placements, strict=True) if isinstance(p, Replicate))
+    return (offset[0], shape[0]) if first_replica else (0, 0)
+
+
+def _counts(runs: list[tuple[int, int] | None], total: int) -> list[int] | None:
+    """Rows per rank when the ranks' runs tile rows 0..total in rank order, else None."""
+    if any(r is None for r in runs):
+        return None
+    at = 0
+    for first, n in runs:
+        if n and first != at:
+            return None
+        at += n
+    return [n for _, n in runs] if at == total else None
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """What each trainer rank sends of a step: the checkpoint tensors in order (`specs`), how many of each one's
+    rows (dim 0) every rank sends (`rows`, per tensor: one count per rank), and, for the exported tensors each
+    rank sends its rows of (`first`: their first row on this rank), where those rows start."""
+
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    rows: list[list[int]]
+    parts: dict[str, list]  # exported name -> its checkpoint tensors (weights.checkpoint_parts)
+    first: dict[str, int]
+    dtype: torch.dtype  # of the exported floating tensors
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, dtype: torch.dtype, d) -> SendPlan:
+        """A tensor is sent where its rows are when it is its own checkpoint tensor and every rank's shard is a
+        run of its rows (FSDP's Shard(0); a replica other than the first sends none), the runs in rank order;
+        otherwise rank 0 sends it whole (gathered first when sharded). Collective: every rank tells its runs."""
+        state, exported = export_specs(model, dtype)
+        parts = checkpoint_parts(model, exported)
+        mine = {n: run for n, t in state.items() if parts[n] == [(n, *exported[n])] and (run := _row_run(t))}
+        runs = [mine]
+        if d.world_size > 1:
+            runs = [None] * d.world_size
+            torch.distributed.all_gather_object(runs, mine)
+        specs, rows, first = [], [], {}
+        for name in exported:
+            counts = _counts([r.get(name) for r in runs], rows_of(exported[name][1])[0])
+            if counts is not None:
+                first[name] = mine[name][0]
+            for spec in parts[name]:
+                specs.append(spec)
+                rows.append(counts or [rows_of(spec[2])[0]] + [0] * (d.world_size - 1))
+        return cls(specs, rows, parts, first, dtype)
+
+    def pieces(self, model: torch.nn.Module, rank: int, sums: RowSums):
+        """Collective (the gathers): this rank's rows of every checkpoint tensor in `specs` order, each added to
+        `sums` (an empty run where it sends none, so that every rank adds the same tensors)."""
+        state, exported = export_specs(model, self.dtype)
+        k = 0
+        for name in exported:
+            dtype, shape = exported[name]
+            if name in self.first:
+                local = state[name].detach().to_local()
+                local = local.to(dtype) if local.is_floating_point() else local
+                local = local if self.rows[k][rank] else local[:0]
+                sums.add(name, dtype, shape, local, self.first[name])
+                k += 1
+                yield local
+                continue
+            for key, tensor in gathered(model, state, exported, self.parts, [name]):
+                sums.add(key, tensor.dtype, tuple(tensor.shape), tensor if rank == 0 else tensor[:0], 0)
+                k += 1
+                yield tensor

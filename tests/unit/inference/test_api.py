@@ -133,6 +133,11 @@ def test_chat_uses_the_chat_template_and_fills_the_context_when_max_tokens_is_un
             {"broadcast": {"host": "10.0.0.1", "port": 1, "group": "g", "world_size": 2, "rank": 1, "step": 1}},
             "takes no weights over a process group",
         ),  # fmt: skip
+        (
+            "/update_weights",
+            {"broadcast": {"host": "h", "port": 1, "group": "g", "world_size": 3, "rank": 1, "senders": 2, "step": 1}},
+            "rank 1 is no seat of a group of 3 with 2 sender(s)",
+        ),  # fmt: skip
         # Each of these was a 500 (issue: no 5xx): a lone surrogate, a path longer than any the OS takes,
         # a request-supplied chat template (code the server would run) without the opt-in.
         ("/v1/completions", b'{"prompt": "hi \\ud800"}', "lone UTF-16 surrogate"),

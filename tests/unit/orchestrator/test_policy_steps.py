@@ -218,12 +218,13 @@ def test_a_broadcast_that_fails_drops_the_dead_server_and_keeps_the_one_that_ans
 
     async def failed_then_again():
         first = await client.broadcast_weights(8, rendezvous)
-        return first, await client.broadcast_weights(8, rendezvous | {"group": "g2"})
+        return first, await client.broadcast_weights(8, rendezvous | {"group": "g2", "senders": 2})
 
     with caplog.at_level(logging.WARNING, logger="prime_rl"):
         assert asyncio.run(failed_then_again()) == (3, 8)  # a kept step 3, then took 8 in the new group
     assert not b.alive and a.alive and a.step == 8 and a.group == "g2"
     assert client.weights.failed == {(8, "g")}  # never asked again in that group
-    assert servers.asked == [("g", 3, 1), ("g2", 2, 1)]  # the new group seats the live server alone
+    # The new group seats the live server alone, after the trainer's 2 senders (a 2-rank trainer's group).
+    assert servers.asked == [("g", 3, 1), ("g2", 3, 2)]
     said = " ".join(r.message for r in caplog.records)
     assert "http://b:2/v1 is down, taking it out of the pool" in said and "keeps serving weight step 3" in said

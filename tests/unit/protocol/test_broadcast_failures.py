@@ -108,19 +108,25 @@ def test_a_timeout_is_raised_within_the_abort_grace_even_when_the_abort_blocks(m
     pg.release.set()
 
 
-def gloo_pair(timeout: float):
+def gloo_group(size: int, timeout: float) -> tuple[list, list]:
+    """`size` gloo ranks of one group in this process (threads): their groups, and the stores to keep alive."""
     port = free_port()
-    rdv = Rendezvous("127.0.0.1", port, "g", 2, "gloo", timeout)
-    master = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+    rdv = Rendezvous("127.0.0.1", port, "g", size, "gloo", timeout)
+    stores = [dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)]
+    stores += [dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10)) for _ in range(size - 1)]
     groups = {}
     threads = [threading.Thread(target=lambda r, s: groups.update({r: join_group(s, rdv, r)}), args=(r, s))
-               for r, s in ((0, master), (1, client))]  # fmt: skip
+               for r, s in enumerate(stores)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    return groups[0], groups[1], (master, client)
+    return [groups[r] for r in range(size)], stores
+
+
+def gloo_pair(timeout: float):
+    (sender, receiver), stores = gloo_group(2, timeout)
+    return sender, receiver, stores
 
 
 def test_a_send_whose_receiver_left_raises_at_once_after_walking_every_tensor():
@@ -195,4 +201,63 @@ def test_a_step_in_many_buckets_arrives_exactly_while_the_next_bucket_is_on_the_
     assert list(got) == list(sent)
     for name, tensor in sent.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    del stores
+
+
+def test_three_senders_each_send_their_own_rows_and_two_seats_get_every_tensor_whole(monkeypatch):
+    """Every trainer rank sends its rows of each tensor (uneven, some none, a scalar and a tensor of rank 0 alone)
+    in buckets small enough that pieces of several senders make up each; both seats get every tensor exactly,
+    and the senders' row checksums summed are the whole tensors' checksum."""
+    from prime_rl.protocol.parity import RowSums, checksum_of
+
+    monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 256)
+    groups, stores = gloo_group(5, timeout=20)
+    gen = torch.Generator().manual_seed(1)
+    sent = {
+        "a": (torch.randn(7, 3, generator=gen), [3, 3, 1]),
+        "b": (torch.randn(5, generator=gen), [0, 0, 5]),
+        "c": (torch.tensor(2.5), [1, 0, 0]),
+        "d": (torch.arange(40).reshape(10, 4), [4, 4, 2]),  # int64: buckets of its own
+        "e": (torch.randn(64, 2, generator=gen).to(torch.bfloat16), [22, 22, 20]),
+        "f": (torch.randn(0, 3, generator=gen), [0, 0, 0]),
+    }
+    specs = [(n, t.dtype, tuple(t.shape)) for n, (t, _) in sent.items()]
+    rows = [split for _, split in sent.values()]
+    got, sums, errors = {3: {}, 4: {}}, [], []
+
+    def sender(rank: int) -> None:
+        s = RowSums(torch.device("cpu"))
+        pieces = []
+        for (name, (t, split)), (_, dtype, shape) in zip(sent.items(), specs, strict=True):
+            first = sum(split[:rank])
+            mine = t[first : first + split[rank]] if t.dim() else t if rank == 0 else t[None][:0]
+            s.add(name, dtype, shape, mine, first)
+            pieces.append(mine)
+        try:
+            send_step(groups[rank], 3, specs, pieces, torch.device("cpu"), 20, rows, rank)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+        sums.append(s)
+
+    def seat(rank: int) -> None:
+        for name, tensor in receive_step(groups[rank], torch.device("cpu"), lambda step, specs: None, 20):
+            if tensor is not None:
+                got[rank][name] = tensor.clone()
+
+    threads = [threading.Thread(target=sender, args=(r,)) for r in range(3)]
+    threads += [threading.Thread(target=seat, args=(r,)) for r in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    for seat_rank in (3, 4):
+        assert list(got[seat_rank]) == list(sent)
+        for name, (tensor, _) in sent.items():
+            received = got[seat_rank][name]
+            assert received.dtype == tensor.dtype and received.shape == tensor.shape, name
+            assert torch.equal(received, tensor), name
+    summed = torch.stack([torch.stack(s.values) for s in sums]).sum(dim=0)  # the trainer's all-reduce
+    combined = sums[0].checksum(lambda values: summed)
+    assert combined.hex == checksum_of((n, t) for n, (t, _) in sent.items()).hex and combined.tensors == len(sent)
     del stores

@@ -1,19 +1,25 @@
 """Weight checksums (protocol.parity): the trainer's export and every server's load of the same weights give
 the same one; another step, a missing tensor, another dtype do not."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import prime_rl.protocol.parity as parity
 from prime_rl.inference.engine.weights import checkpoint_specs, load_weight_dir
-from prime_rl.protocol.parity import Checksum, checksum_of, read_checksum, read_checksums, tensor_key, tensor_value
-from prime_rl.trainer.broadcast import WeightSender
+from prime_rl.protocol.parity import (
+    Checksum,
+    RowSums,
+    checksum_of,
+    read_checksum,
+    read_checksums,
+    tensor_key,
+    tensor_value,
+)
+from prime_rl.trainer.broadcast import SendPlan
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
-from prime_rl.trainer.weights import build_model_files, checkpoint_parts, export_specs, save_weights
+from prime_rl.trainer.weights import build_model_files, save_weights
 from prime_rl.utils.hf_layout import iter_safetensors
 
 
@@ -75,11 +81,10 @@ def test_the_trainers_export_and_every_servers_load_give_one_checksum(tiny_model
     # ... vLLM's (the pairs fed to load_weights) ...
     assert checksum_of(iter_safetensors(path)).hex == exported
     # ... and the broadcast's (what the trainer sends, in the export dtype).
-    sent = Checksum()
-    state, specs = export_specs(model, files.dtype)
-    sender = SimpleNamespace(d=SimpleNamespace(is_main=True))
-    list(WeightSender._exported(sender, model, state, specs, checkpoint_parts(model, specs), sent))
-    assert sent.hex == exported
+    plan = SendPlan.of(model, files.dtype, one_rank)
+    sums = RowSums(torch.device("cpu"))
+    list(plan.pieces(model, 0, sums))
+    assert sums.checksum(lambda values: values).hex == exported
 
     received = dict(iter_safetensors(path))
     missing = dict(received)

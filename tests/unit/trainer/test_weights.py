@@ -194,38 +194,66 @@ def test_the_shard_plan_gives_every_rank_a_contiguous_file_of_about_equal_bytes(
 
 
 EXPORT_WORKER = """
-import sys, torch
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
 from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.protocol.parity import RowSums
+from prime_rl.trainer.broadcast import SendPlan
 from prime_rl.trainer.loading import build_training
 from prime_rl.trainer.parallel import close_distributed, init_distributed
 from prime_rl.trainer.weights import build_model_files, save_weights
-model_dir, out = sys.argv[1], sys.argv[2]
+model_dir, out = sys.argv[1], Path(sys.argv[2])
 world = init_distributed("cpu")
-model = build_training(TrainerConfig(model={"name": model_dir}, output_dir=out), world, 1)[0]
-save_weights(model, build_model_files(model_dir), __import__("pathlib").Path(out), step=1)
+model = build_training(TrainerConfig(model={"name": model_dir}, output_dir=str(out)), world, 1)[0]
+files = build_model_files(model_dir)
+save_weights(model, files, out, step=1)
+# What this rank would send over the broadcast: its rows of every tensor, and its part of the checksum.
+plan, sums = SendPlan.of(model, files.dtype, world), RowSums(torch.device("cpu"))
+pieces = {name: t.contiguous() for (name, _, _), t in zip(plan.specs, plan.pieces(model, world.rank, sums))}
+checksum = sums.checksum(lambda v: (torch.distributed.all_reduce(v), v)[1]).hex
+save_file(pieces, str(out / f"rows_{world.rank}.safetensors"))
+names = [name for name, _, _ in plan.specs]
+(out / f"plan_{world.rank}.json").write_text(json.dumps({"names": names, "rows": plan.rows, "checksum": checksum}))
 close_distributed()
 """
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_two_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own_file(tiny_moes, tmp_path, arch):
+def test_three_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own_file(tiny_moes, tmp_path, arch):
     """The fused experts are reverted one gathered tensor at a time as each rank writes its file (no full
-    state dict on any rank): the two files hold exactly the base checkpoint's tensors, and the index maps them."""
+    state dict on any rank): the three files hold exactly the base checkpoint's tensors, and the index maps them.
+    What each rank would broadcast of the same weights: its own rows of every sharded tensor (uneven over 3 ranks),
+    the experts whole from rank 0; put together in rank order they are the files' tensors, and the ranks' summed
+    row checksums are the files' checksum."""
     import subprocess
     import sys
 
+    from prime_rl.protocol.parity import read_checksum
     from prime_rl.utils.hf_layout import iter_safetensors
 
     base = tiny_moes[arch]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--no-python",
            sys.executable, "-c", EXPORT_WORKER, str(base), str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     path = weights_dir(tmp_path, 1)
     files = sorted(p.name for p in path.glob("model-*.safetensors"))
-    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     stored, saved = _tensors(base), dict(iter_safetensors(path))
     assert saved.keys() == stored.keys() == index.keys() and set(index.values()) == set(files)
+    plans = [json.loads((tmp_path / f"plan_{r}.json").read_text()) for r in range(3)]
+    rows = [load_file(tmp_path / f"rows_{r}.safetensors") for r in range(3)]
+    assert plans[0]["rows"] == plans[1]["rows"] == plans[2]["rows"]
+    assert plans[0]["checksum"] == plans[2]["checksum"] == read_checksum(path)
+    assert sorted(plans[0]["names"]) == sorted(saved)  # every checkpoint tensor, once
+    split = {name: counts for name, counts in zip(plans[0]["names"], plans[0]["rows"], strict=True)}
+    assert any(len(set(c)) > 1 and min(c) > 0 for c in split.values())  # uneven rows, all three sending
+    assert any(c[1:] == [0, 0] for name, c in split.items() if ".experts." in name)  # gathered: rank 0 sends
+    for name, counts in split.items():
+        parts = [rows[r][name] for r in range(3) if counts[r]]
+        whole = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else saved[name][:0]
+        assert torch.equal(whole.reshape(saved[name].shape), saved[name]), name
     for name, tensor in stored.items():
         assert torch.equal(saved[name], tensor), name

@@ -173,16 +173,17 @@ class WeightControl:
         answers is taken out of the pool; one that answers (a 400: a peer died or timed out, its old weights
         keep serving) stays. The trainer then sends the step again in a new group (protocol.broadcast), which
         the caller relays to the live servers; `failed` keeps this (step, group) from being asked again.
-        `rendezvous`: host, port, group, backend, timeout (protocol.broadcast.Rendezvous); the world size is 1 +
-        the live servers' seats (their /health `weight_receivers`)."""
+        `rendezvous`: host, port, group, backend, timeout, senders (protocol.broadcast.Rendezvous); the world size
+        is the trainer's senders + the live servers' seats (their /health `weight_receivers`), which follow them."""
         # The servers' state is the caller's last server_step() (their /health): no extra round trip here.
         servers = self.pool.live()
         unable = [s.base for s in servers if s.receivers == 0]
         if unable:
             message = "take no weights over a process group; start them with --weight-transfer broadcast"
             raise InferenceError(f"{unable} {message}")
-        world_size = 1 + sum(s.receivers for s in servers)
-        ranks = [1 + sum(s.receivers for s in servers[:i]) for i in range(len(servers))]
+        senders = rendezvous.get("senders", 1)
+        world_size = senders + sum(s.receivers for s in servers)
+        ranks = [senders + sum(s.receivers for s in servers[:i]) for i in range(len(servers))]
         sends = (self._join(s, step, rendezvous, world_size, r) for s, r in zip(servers, ranks, strict=True))
         results = await asyncio.gather(*sends, return_exceptions=True)
         failed = [(s, r) for s, r in zip(servers, results, strict=True) if isinstance(r, BaseException)]
