@@ -290,6 +290,6 @@ class SendPlan:
                 yield local
                 continue
             for key, tensor in gathered(model, state, exported, self.parts, [name]):
-                sums.add(key, tensor.dtype, tuple(tensor.shape), tensor if rank == 0 else tensor[:0], 0)
+                sums.add(key, tensor.dtype, tuple(tensor.shape), tensor if rank == 0 else tensor.reshape(-1)[:0], 0)
                 k += 1
                 yield tensor

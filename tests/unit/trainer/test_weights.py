@@ -257,3 +257,14 @@ def test_three_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own
         assert torch.equal(whole.reshape(saved[name].shape), saved[name]), name
     for name, tensor in stored.items():
         assert torch.equal(saved[name], tensor), name
+
+
+def test_rows_are_sent_where_they_are_only_when_the_ranks_runs_tile_the_tensor_in_rank_order():
+    from prime_rl.trainer.broadcast import _counts
+
+    assert _counts([(0, 4), (4, 4), (8, 2)], 10) == [4, 4, 2]  # FSDP's uneven chunks
+    assert _counts([(0, 5), (5, 5), (0, 0), (0, 0)], 10) == [5, 5, 0, 0]  # HSDP: the second replica sends none
+    assert _counts([(0, 3), (0, 0), (3, 0), (3, 7)], 10) == [3, 0, 0, 7]  # an empty chunk anywhere
+    assert _counts([(5, 5), (0, 5)], 10) is None  # not in rank order: rank 0 sends it whole
+    assert _counts([(0, 4), (5, 5)], 10) is None  # a gap
+    assert _counts([(0, 5), None], 10) is None  # a rank whose shard is no run of rows
