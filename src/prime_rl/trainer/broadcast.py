@@ -122,6 +122,12 @@ class WeightSender:
                 )
             self._give_up(step, problem)
 
+    def close(self) -> None:
+        """Leave the weight group now, while the trainer's ranks still run: its gloo threads end here, not during
+        interpreter shutdown, where a thread that wants the GIL aborts the process (trainer/parallel.py)."""
+        self.pg = None
+        gc.collect()
+
     def _give_up(self, step: int, problem: str) -> None:
         """Leave the group (its seats still waiting in it are told, and give up at once) for a new one."""
         if self.d.is_main and not self.store.check([failed_key(self.rdv, step)]):
