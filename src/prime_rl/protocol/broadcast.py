@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -192,13 +192,16 @@ def _bounded(make, seconds: float, given_up: GivenUp | None = None):
 
 
 GIVEN_UP_POLL = 0.5  # seconds between a waiting seat's looks at whether its group's transfer was given up
+# The timeout of that look's own store client. A client that connects while the trainer dies retries for its whole
+# timeout, twice (seen: a seat's update answered after > 60 s at a 30 s transfer timeout, instead of at once).
+GIVEN_UP_STORE_TIMEOUT = 1.0
 
 
 class GivenUp:
     """For a seat waiting on group `rdv` (while it forms, or for the trainer's first bytes): what the trainer or
     another seat reported when it gave the group's transfer of `step` up (the trainer does when the seats
     changed, or a seat failed), or None. One look per GIVEN_UP_POLL seconds, over a store client of its own
-    (the group's may sit in a blocking wait)."""
+    (the group's may sit in a blocking wait) whose every wait is short: a look never holds up the caller's."""
 
     def __init__(self, rdv: Rendezvous, step: int):
         self.rdv, self.step = rdv, step
@@ -210,7 +213,7 @@ class GivenUp:
         self.last = time.monotonic()
         key = failed_key(self.rdv, self.step)
         try:
-            self.store = self.store or connect_store(self.rdv, master=False)
+            self.store = self.store or connect_store(replace(self.rdv, timeout=GIVEN_UP_STORE_TIMEOUT), master=False)
             return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
         except (RuntimeError, OSError):  # the store went (BroadcastError is one): the group's own wait says so
             return None

@@ -261,3 +261,31 @@ def test_three_senders_each_send_their_own_rows_and_two_seats_get_every_tensor_w
     combined = sums[0].checksum(lambda values: summed)
     assert combined.hex == checksum_of((n, t) for n, (t, _) in sent.items()).hex and combined.tensors == len(sent)
     del stores
+
+
+def test_a_look_for_a_given_up_group_at_a_dying_trainers_store_returns_within_seconds():
+    """A seat's look (GivenUp) that connects while the trainer's store dies: the port accepts, then resets each
+    connection (a killed process's listening socket). Its store client retries for its own timeout, not the
+    transfer's: before, 67 s at a 30 s transfer timeout (a seat's update answered a minute late, seen in CI)."""
+    import socket
+    import struct
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def reset_each():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=reset_each, daemon=True).start()
+    look = broadcast.GivenUp(Rendezvous("127.0.0.1", listener.getsockname()[1], "g", 2, "gloo", 30.0), 1)
+    start = time.monotonic()
+    assert look() is None  # the store went: the group's own wait says so
+    assert time.monotonic() - start < 6
+    listener.close()
