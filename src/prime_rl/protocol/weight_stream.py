@@ -43,6 +43,14 @@ def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
+def piece_numels(specs: list[tuple[str, Any, tuple[int, ...]]], rows: list[list[int]],
+                 run: list[int]) -> list[list[int]]:  # fmt: skip
+    """How a bucket (`run`, indices of `specs`) travels, both sides computing it from the header: per sender, the
+    elements of each of the bucket's tensors it sends (its rows of it)."""
+    senders = len(rows[run[0]]) if run else 1
+    return [[rows[i][r] * rows_of(specs[i][2])[1] for i in run] for r in range(senders)]
+
+
 def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], pieces: Iterable, device, timeout: float,
               rows: list[list[int]] | None = None, rank: int = 0) -> None:  # fmt: skip
     """A sender's side: the header for `specs` [(name, dtype, shape)] (group rank 0 sends it), then the tensors in
@@ -97,8 +105,8 @@ def send_step(pg, step: int, specs: list[tuple[str, Any, tuple[int, ...]]], piec
             continue
         dtype = specs[run[0]][1]
         out = []
-        for r in range(senders):
-            count = sum(rows[i][r] * rows_of(specs[i][2])[1] for i in run)
+        for r, numels in enumerate(piece_numels(specs, rows, run)):
+            count = sum(numels)
             if count == 0:
                 continue
             if r != rank:  # another sender's piece reaches every member of the group: room for it
@@ -140,13 +148,11 @@ def receive_step(pg, device, check: Callable[[int, dict[str, tuple[tuple[int, ..
     check(step, {name: (shape, dtype) for name, dtype, shape in specs})
     yield step, None
     runs = buckets(specs)
-    senders = range(len(rows[0]) if rows else 1)
-    # per bucket, per sender: the numel of each of its tensors' rows it sends
-    numels = [[[rows[i][r] * rows_of(specs[i][2])[1] for i in run] for r in senders] for run in runs]
+    numels = [piece_numels(specs, rows, run) for run in runs]
 
     def receive(b: int) -> list:
         dtype = specs[runs[b][0]][1]
-        flats = {r: torch.empty(sum(numels[b][r]), dtype=dtype, device=device) for r in senders if sum(numels[b][r])}
+        flats = {r: torch.empty(sum(n), dtype=dtype, device=device) for r, n in enumerate(numels[b]) if sum(n)}
         return [(r, flat, _start(lambda f=flat, r=r: pg.broadcast(f, r))) for r, flat in flats.items()]
 
     coming = receive(0) if runs else None
@@ -176,13 +182,15 @@ def _header(raw: bytes) -> tuple[int, list, list[list[int]]]:
     try:
         header = json.loads(raw)
         step, senders = int(header["step"]), int(header.get("senders", 1))
+        if not 1 <= senders <= 65536:
+            raise ValueError(f"{senders} senders")
         specs, rows = [], []
         for entry in header["tensors"]:
             name, dtype, shape = str(entry[0]), entry[1], tuple(int(x) for x in entry[2])
             if dtype not in DTYPES or any(x < 0 for x in shape):
                 raise ValueError(f"{name}: unknown dtype or negative size")
             split = [int(x) for x in entry[3]] if len(entry) > 3 else [rows_of(shape)[0]]
-            if not 1 <= senders <= 65536 or len(split) != senders or min(split) < 0 or sum(split) != rows_of(shape)[0]:
+            if len(split) != senders or min(split) < 0 or sum(split) != rows_of(shape)[0]:
                 raise ValueError(f"{name}: rows {split} of {senders} sender(s) do not make shape {list(shape)}")
             specs.append((name, getattr(torch, dtype), shape))
             rows.append(split)

@@ -77,8 +77,7 @@ class WeightSender:
         self.rdv = self._group()
         self.pg = None
         self._looked = -math.inf  # when _asked last looked for the orchestrator's unreached file
-        self.dtype = files.dtype
-        self.plan = SendPlan.of(model, self.dtype, d)  # the same every step: worked out once
+        self.plan = SendPlan.of(model, files.dtype, d)  # the same every step: worked out once
         self.sums: RowSums | None = None  # this rank's part of the checksum of the step being sent
         if d.is_main:
             logger.info(f"weight broadcast: hosting the rendezvous on port {b.port} (group {self.rdv.group})")
