@@ -429,7 +429,9 @@ def test_a_trainer_nobody_asks_for_its_broadcast_times_out_naming_what_it_waited
 
 def test_each_rank_writes_only_its_shards_holding_at_most_its_shard_plus_one_tensor(runs):
     """No rank gathers the whole model to export it: per rank, the peak memory above its resident set before
-    the export (the kernel's VmHWM) stays within its own files' bytes plus the largest tensor."""
+    the export (the kernel's VmHWM) stays within its own files' bytes plus the largest tensor, and it receives
+    only the other rank's rows of the tensors it writes (an all-gather brought every rank the other's half of
+    every tensor)."""
     import json
     import re
 
@@ -444,9 +446,11 @@ def test_each_rank_writes_only_its_shards_holding_at_most_its_shard_plus_one_ten
     total = sum(mib.values())
     assert set(index["weight_map"].values()) == set(mib) and len(mib) == 2
     log = (out / "logs" / "trainer.log").read_text()
-    report = json.loads(re.search(r"weights/step_1: per rank \[files, peak extra memory MiB\]: (.*)", log).group(1))
-    print(f"model {total:.1f} MiB, largest tensor {largest:.1f} MiB, per rank (files, peak extra MiB): {report}")
-    for files, peak in report:
+    report = json.loads(re.search(r"weights/step_1: per rank \[files, peak extra MiB, MiB received\]: (.*)", log).group(1))
+    print(f"model {total:.1f} MiB, largest tensor {largest:.1f} MiB, per rank (files, peak extra MiB, MiB "
+          f"received): {report}")  # fmt: skip
+    for files, peak, received in report:
         assert len(files) == 1  # its own file, and only that
         assert peak is not None and peak <= mib[files[0]] + largest, (report, mib, largest)
-    assert max(peak for _, peak in report) < total / 2  # far from a full gather (which holds the whole model)
+        assert 0 < received <= mib[files[0]] * 0.6, (report, mib)  # about half its file: the other rank's rows
+    assert max(peak for _, peak, _ in report) < total / 2  # far from a full gather (which holds the whole model)

@@ -39,6 +39,7 @@ from prime_rl.protocol.broadcast import (
 from prime_rl.protocol.parity import RowSums
 from prime_rl.protocol.weight_stream import abandon, rows_of, send_step
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.gather import row_counts, row_run
 from prime_rl.trainer.weights import ModelFiles, checkpoint_parts, export_specs, gathered
 
 logger = logging.getLogger("prime_rl")
@@ -217,34 +218,6 @@ def _send_device(rdv: Rendezvous, d) -> torch.device:
     return d.device if rdv.backend == "nccl" else torch.device("cpu")
 
 
-def _row_run(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(first row, rows) of the run of dim-0 rows this rank sends of an FSDP-sharded tensor (none: (0, 0), a
-    replica after the first), or None when its shard is not a run of rows."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(tensor, DTensor) or tensor.dim() == 0:
-        return None
-    if not all(p == Shard(0) or isinstance(p, Replicate) for p in tensor.placements):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    coordinate = tensor.device_mesh.get_coordinate()
-    first_replica = all(c == 0 for c, p in zip(coordinate, tensor.placements, strict=True) if isinstance(p, Replicate))
-    return (offset[0], shape[0]) if first_replica else (0, 0)
-
-
-def _counts(runs: list[tuple[int, int] | None], total: int) -> list[int] | None:
-    """Rows per rank when the ranks' runs tile rows 0..total in rank order, else None."""
-    if any(r is None for r in runs):
-        return None
-    at = 0
-    for first, n in runs:
-        if n and first != at:
-            return None
-        at += n
-    return [n for _, n in runs] if at == total else None
-
-
 @dataclass(frozen=True)
 class SendPlan:
     """What each trainer rank sends of a step: the checkpoint tensors in order (`specs`), how many of each one's
@@ -264,16 +237,12 @@ class SendPlan:
         otherwise rank 0 sends it whole (gathered first when sharded). Collective: every rank tells its runs."""
         state, exported = export_specs(model, dtype)
         parts = checkpoint_parts(model, exported)
-        mine = {n: run for n, t in state.items() if parts[n] == [(n, *exported[n])] and (run := _row_run(t))}
-        runs = [mine]
-        if d.world_size > 1:
-            runs = [None] * d.world_size
-            torch.distributed.all_gather_object(runs, mine)
+        held = row_counts(state, exported, d.world_size)
         specs, rows, first = [], [], {}
         for name in exported:
-            counts = _counts([r.get(name) for r in runs], rows_of(exported[name][1])[0])
+            counts = held[name] if parts[name] == [(name, *exported[name])] else None
             if counts is not None:
-                first[name] = mine[name][0]
+                first[name] = row_run(state[name])[0]
             for spec in parts[name]:
                 specs.append(spec)
                 rows.append(counts or [rows_of(spec[2])[0]] + [0] * (d.world_size - 1))

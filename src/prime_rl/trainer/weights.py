@@ -51,6 +51,7 @@ from prime_rl.protocol import (
 )
 from prime_rl.protocol.parity import Checksum, read_checksums, write_checksum
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.gather import full_tensor, gather_to, received_bytes, row_counts
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, converted_at_load, header_specs
 from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
 from prime_rl.utils.memory import PeakMemory
@@ -178,16 +179,17 @@ def save_weights(model: torch.nn.Module, files: ModelFiles, output_dir: Path, st
             checksum = Checksum()  # of the tensors this rank writes (docs/design.md §4)
             if files.lora is not None:
                 write_adapter(model, files, partial, rank, checksum)
-                written = []
+                written, received = [], 0
             else:
-                written = write_own_shards(model, partial, files.dtype, rank, world, checksum)
+                written, received = write_own_shards(model, partial, files.dtype, rank, world, checksum)
+            mib = round(received / 2**20, 1)
             report = [None] * world
-            dist.all_gather_object(report, (written, peak.extra_mib(), checksum.value, checksum.tensors))
+            dist.all_gather_object(report, (written, peak.extra_mib(), mib, checksum.value, checksum.tensors))
             if rank == 0:
                 if world > 1 or any(r[0] for r in report):
-                    per_rank = json.dumps([r[:2] for r in report])
-                    logger.debug(f"weights/step_{step}: per rank [files, peak extra memory MiB]: {per_rank}")
-                for _, _, value, tensors in report[1:]:
+                    per_rank = json.dumps([r[:3] for r in report])
+                    logger.debug(f"weights/step_{step}: per rank [files, peak extra MiB, MiB received]: {per_rank}")
+                for *_, value, tensors in report[1:]:
                     checksum.merge(Checksum(value, tensors))
                 write_checksum(partial, checksum, earlier=read_checksums(path))  # a redone step keeps the old
                 for f in partial.iterdir():
@@ -296,11 +298,16 @@ def checkpoint_parts(model: torch.nn.Module, exported: dict) -> dict[str, list[t
     return parts
 
 
-def gathered(model: torch.nn.Module, state: dict, exported: dict, parts: dict, names: list[str]):
+def gathered(model: torch.nn.Module, state: dict, exported: dict, parts: dict, names: list[str],
+             to: tuple[int, dict] | None = None):  # fmt: skip
     """Collective: (checkpoint name, tensor) for each of `names` in turn, gathered in the export dtype and, for
-    a converted architecture, split into its checkpoint tensors (`checkpoint_parts`)."""
+    a converted architecture, split into its checkpoint tensors (`checkpoint_parts`). `to` = (this rank, the
+    `row_counts`): gathered to this rank alone, which must be the owner (the other ranks call `gather_to`)."""
     for name in names:
-        tensor = full_tensor(state[name], exported[name][0])
+        if to is None:
+            tensor = full_tensor(state[name], exported[name][0])
+        else:
+            tensor = gather_to(state[name], exported[name][0], to[0], to[1][name], to[0])
         if len(parts[name]) == 1 and parts[name][0][0] == name:
             yield name, tensor
         else:
@@ -309,28 +316,34 @@ def gathered(model: torch.nn.Module, state: dict, exported: dict, parts: dict, n
 
 def write_own_shards(
     model: torch.nn.Module, path: Path, dtype: torch.dtype, rank: int, world: int, checksum: Checksum | None = None
-) -> list[str]:
-    """Collective: every rank gathers each tensor in turn (its shard cast to `dtype` first); each writes the files
+) -> tuple[list[str], int]:
+    """Collective: each tensor in turn goes to the rank that writes it (`gather_to`: its shard cast to `dtype`
+    first; where the ranks hold runs of its rows, only that rank receives it); each rank writes the files
     `shard_plan` gives it, as the tensors arrive (its files' headers are known up front from the global shapes),
     in the checkpoint's layout (`checkpoint_parts`), adding each tensor it writes to `checksum` on the tensor's
-    device. No rank holds more than its shards and one gathered tensor. Returns its files."""
+    device. No rank holds more than its shards and one gathered tensor. Returns its files and the bytes of
+    other ranks' rows it received."""
     checksum = Checksum() if checksum is None else checksum
     state, exported = export_specs(model, dtype)
     parts = checkpoint_parts(model, exported)
+    held = row_counts(state, exported, world)
     nbytes = [(n, sum(math.prod(shape) * d.itemsize for _, d, shape in parts[n])) for n in exported]
-    plan = shard_plan(nbytes, world, MAX_SHARD_BYTES)
-    mine = []
+    plan, sizes = shard_plan(nbytes, world, MAX_SHARD_BYTES), dict(nbytes)
+    mine, received = [], 0
     for i, names in enumerate(plan):
-        if i % world != rank:
+        owner = i % world
+        if owner != rank:
             for name in names:
-                full_tensor(state[name], exported[name][0])  # this rank's part of the gather
+                gather_to(state[name], exported[name][0], owner, held[name], rank)  # sends this rank's rows
+                received += received_bytes(sizes[name], held[name], rank, owner)
                 stamp()
             continue
         specs = [spec for n in names for spec in parts[n]]
+        received += sum(received_bytes(sizes[n], held[n], rank, owner) for n in names)
 
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
-            for key, tensor in gathered(model, state, exported, parts, names):
+            for key, tensor in gathered(model, state, exported, parts, names, to=(rank, held)):
                 checksum.add(key, tensor)  # on the tensor's device: no host pass over the bytes
                 f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                 stamp()  # a 70B export takes minutes: each tensor written is progress
@@ -343,7 +356,7 @@ def write_own_shards(
         }
         index = {"metadata": {"total_size": sum(n for _, n in nbytes)}, "weight_map": weight_map}
         atomic_write_text(path / "model.safetensors.index.json", json.dumps(index, indent=2))
-    return mine
+    return mine, received
 
 
 _SAFETENSORS_DTYPES = {
@@ -364,18 +377,6 @@ def safetensors_header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) ->
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     return struct.pack("<Q", len(raw)) + raw
-
-
-def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole tensor of a (possibly FSDP-sharded) parameter: a collective over the trainer's ranks. With
-    `dtype`, each rank casts its shard first, so the gather moves the export's bytes (half of fp32's for bf16);
-    the cast is elementwise, so the result is the same."""
-    from torch.distributed.tensor import DTensor
-
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def write_safetensors(

@@ -202,11 +202,22 @@ from prime_rl.protocol.parity import RowSums
 from prime_rl.trainer.broadcast import SendPlan
 from prime_rl.trainer.loading import build_training
 from prime_rl.trainer.parallel import close_distributed, init_distributed
+import prime_rl.trainer.weights as weights
 from prime_rl.trainer.weights import build_model_files, save_weights
 model_dir, out = sys.argv[1], Path(sys.argv[2])
 world = init_distributed("cpu")
 model = build_training(TrainerConfig(model={"name": model_dir}, output_dir=str(out)), world, 1)[0]
 files = build_model_files(model_dir)
+write = weights.write_own_shards
+
+
+def counted(*args, **kwargs):  # the bytes of other ranks' rows this rank received while writing its files
+    mine, received = write(*args, **kwargs)
+    (out / f"received_{world.rank}.json").write_text(json.dumps(received))
+    return mine, received
+
+
+weights.write_own_shards = counted
 save_weights(model, files, out, step=1)
 # What this rank would send over the broadcast: its rows of every tensor, and its part of the checksum.
 plan, sums = SendPlan.of(model, files.dtype, world), RowSums(torch.device("cpu"))
@@ -222,7 +233,8 @@ close_distributed()
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_three_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own_file(tiny_moes, tmp_path, arch):
     """The fused experts are reverted one gathered tensor at a time as each rank writes its file (no full
-    state dict on any rank): the three files hold exactly the base checkpoint's tensors, and the index maps them.
+    state dict on any rank, and each tensor's rows go to the rank writing it alone): the three files hold exactly
+    the base checkpoint's tensors, and the index maps them.
     What each rank would broadcast of the same weights: its own rows of every sharded tensor (uneven over 3 ranks),
     the experts whole from rank 0; put together in rank order they are the files' tensors, and the ranks' summed
     row checksums are the files' checksum."""
@@ -243,6 +255,10 @@ def test_three_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     stored, saved = _tensors(base), dict(iter_safetensors(path))
     assert saved.keys() == stored.keys() == index.keys() and set(index.values()) == set(files)
+    total = sum(t.numel() * t.element_size() for t in saved.values())
+    received = [json.loads((tmp_path / f"received_{r}.json").read_text()) for r in range(3)]
+    # Each tensor's rows went to the rank writing it alone (an all-gather gave every rank ~2/3 of the model).
+    assert min(received) > 0 and sum(received) < total, (received, total)
     plans = [json.loads((tmp_path / f"plan_{r}.json").read_text()) for r in range(3)]
     rows = [load_file(tmp_path / f"rows_{r}.safetensors") for r in range(3)]
     assert plans[0]["rows"] == plans[1]["rows"] == plans[2]["rows"]
@@ -260,11 +276,11 @@ def test_three_ranks_export_a_moe_in_its_checkpoints_layout_each_writing_its_own
 
 
 def test_rows_are_sent_where_they_are_only_when_the_ranks_runs_tile_the_tensor_in_rank_order():
-    from prime_rl.trainer.broadcast import _counts
+    from prime_rl.trainer.gather import tiling_counts
 
-    assert _counts([(0, 4), (4, 4), (8, 2)], 10) == [4, 4, 2]  # FSDP's uneven chunks
-    assert _counts([(0, 5), (5, 5), (0, 0), (0, 0)], 10) == [5, 5, 0, 0]  # HSDP: the second replica sends none
-    assert _counts([(0, 3), (0, 0), (3, 0), (3, 7)], 10) == [3, 0, 0, 7]  # an empty chunk anywhere
-    assert _counts([(5, 5), (0, 5)], 10) is None  # not in rank order: rank 0 sends it whole
-    assert _counts([(0, 4), (5, 5)], 10) is None  # a gap
-    assert _counts([(0, 5), None], 10) is None  # a rank whose shard is no run of rows
+    assert tiling_counts([(0, 4), (4, 4), (8, 2)], 10) == [4, 4, 2]  # FSDP's uneven chunks
+    assert tiling_counts([(0, 5), (5, 5), (0, 0), (0, 0)], 10) == [5, 5, 0, 0]  # HSDP: the second replica sends none
+    assert tiling_counts([(0, 3), (0, 0), (3, 0), (3, 7)], 10) == [3, 0, 0, 7]  # an empty chunk anywhere
+    assert tiling_counts([(5, 5), (0, 5)], 10) is None  # not in rank order: rank 0 sends it whole
+    assert tiling_counts([(0, 4), (5, 5)], 10) is None  # a gap
+    assert tiling_counts([(0, 5), None], 10) is None  # a rank whose shard is no run of rows
