@@ -7,6 +7,10 @@ other member, the other trainer rank too; nccl's ring passes it along).
 
     uv run python benchmarks/weight_send.py                                  # Qwen3-0.6B's shape, 8 layers
     uv run python benchmarks/weight_send.py --src /tmp/before/src --src src  # another checkout beside this one
+    uv run python benchmarks/weight_send.py --transfer filesystem            # the file export instead
+
+With `--transfer filesystem` the 2 ranks write `weights/step_n` (each its own file) instead, and the table gives
+the export's time and the bytes the ranks moved between them over loopback (gloo's TCP: /proc/net/dev).
 
 Each `--src` (a checkout's `src/`) runs its own code in the same way, alternating, `--repeats` steps each after
 one warm-up; medians. The model is `tiny-model --preset` (random weights of the real shape) cut to `--layers`.
@@ -33,8 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--src", action="append", help="a checkout's src/ to run (default: this one's)")
+    p.add_argument("--transfer", choices=["broadcast", "filesystem"], default="broadcast")
     p.add_argument("--model-dir", type=Path)
-    p.add_argument("--role", choices=["trainer", "seat"], help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=["trainer", "exporter", "seat"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     add_json_argument(p, "weight_send")
     return p.parse_args(argv)
@@ -107,6 +112,44 @@ def trainer(args) -> None:
     close_distributed()
 
 
+def exporter(args) -> None:
+    """One trainer rank under torchrun writing `weights/step_n`, `repeats` + 1 times; rank 0 counts the bytes
+    that crossed loopback during each (the ranks' gathers, both ways)."""
+    import torch
+
+    from prime_rl.configs.trainer import TrainerConfig
+    from prime_rl.trainer.loading import build_training
+    from prime_rl.trainer.parallel import close_distributed, init_distributed
+    from prime_rl.trainer.weights import build_model_files, save_weights
+
+    world = init_distributed("cpu")
+    out = Path(tempfile.mkdtemp()) if world.is_main else None
+    box = [str(out)]
+    torch.distributed.broadcast_object_list(box)
+    config = TrainerConfig(model={"name": str(args.model_dir)}, output_dir=box[0])
+    model = build_training(config, world, 1)[0]
+    files = build_model_files(str(args.model_dir))
+    times, moved = [], []
+    for step in range(args.repeats + 1):
+        torch.distributed.barrier()
+        start, before = time.perf_counter(), loopback_bytes()
+        save_weights(model, files, Path(box[0]), step + 1)
+        torch.distributed.barrier()
+        times.append(time.perf_counter() - start)
+        moved.append(loopback_bytes() - before)
+    line = {"rank": world.rank, "seconds": times[1:], "loopback_bytes": moved[1:]}
+    os.write(1, (json.dumps(line) + "\n").encode())
+    close_distributed()
+
+
+def loopback_bytes() -> int:
+    """Bytes received on loopback so far (this machine's, all processes)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        if line.strip().startswith("lo:"):
+            return int(line.split(":", 1)[1].split()[0])
+    raise SystemExit("no loopback interface in /proc/net/dev")
+
+
 def seat(args) -> None:
     """The receiving seat: joins the group (after the trainer's senders), copies every tensor of every step as
     it arrives."""
@@ -130,22 +173,25 @@ def run(src: str, args) -> dict:
     port = free_port()
     env = os.environ | {"PYTHONPATH": str(Path(src).resolve()), "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
     common = ["--model-dir", str(args.model_dir), "--port", str(port), "--repeats", str(args.repeats)]
+    role = "trainer" if args.transfer == "broadcast" else "exporter"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           "--role", "trainer", *common]  # fmt: skip
+           "--role", role, *common]  # fmt: skip
     trainers = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    receiver = subprocess.Popen([sys.executable, __file__, "--role", "seat", *common], env=env,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    receiver = None
+    if args.transfer == "broadcast":
+        receiver = subprocess.Popen([sys.executable, __file__, "--role", "seat", *common], env=env,
+                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
     out, err = trainers.communicate(timeout=1800)
-    receiver.wait(timeout=60)
-    if trainers.returncode != 0 or receiver.returncode != 0:
-        raise SystemExit(f"{src}: trainer rc {trainers.returncode}, seat rc {receiver.returncode}\n{err[-3000:]}")
+    seat_rc = receiver.wait(timeout=60) if receiver else 0
+    if trainers.returncode != 0 or seat_rc != 0:
+        raise SystemExit(f"{src}: trainer rc {trainers.returncode}, seat rc {seat_rc}\n{err[-3000:]}")
     return {r["rank"]: r for r in map(json.loads, filter(None, out.splitlines()))}
 
 
 def main() -> None:
     args = parse_args()
     if args.role:
-        return trainer(args) if args.role == "trainer" else seat(args)
+        return {"trainer": trainer, "exporter": exporter, "seat": seat}[args.role](args)
     sources = args.src or [str(Path(__file__).resolve().parents[1] / "src")]
     args.model_dir = args.model_dir or Path(tempfile.mkdtemp()) / args.preset
     if not (args.model_dir / "config.json").is_file():
@@ -159,10 +205,18 @@ def main() -> None:
     rows = []
     for src, runs in results.items():
         seconds = [s for r in runs for s in r[0]["seconds"]]
+        if args.transfer == "filesystem":
+            moved = [b / 2**30 for r in runs for b in r[0]["loopback_bytes"]]
+            rows.append([src, f"{statistics.median(seconds):.2f}", f"{statistics.median(moved):.2f}"])
+            continue
         sent = [runs[0][rank]["sent_bytes"] / 2**30 for rank in sorted(runs[0])]
         rows.append([src, f"{statistics.median(seconds):.2f}", " / ".join(f"{g:.2f}" for g in sent)])
-    print(markdown_table(["src", "step to acknowledged, s (median)", "GiB sent per trainer rank"], rows))
-    write_json(args, "weight_send", {"preset": args.preset, "layers": args.layers, "runs": results})
+    if args.transfer == "filesystem":
+        header = ["src", "export, s (median)", "GiB between the ranks over loopback per export (median)"]
+    else:
+        header = ["src", "step to acknowledged, s (median)", "GiB sent per trainer rank"]
+    print(markdown_table(header, rows))
+    write_json(args, "weight_send", {"preset": args.preset, "layers": args.layers, "transfer": args.transfer, "runs": results})
 
 
 if __name__ == "__main__":
