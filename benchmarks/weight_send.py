@@ -216,7 +216,8 @@ def main() -> None:
     else:
         header = ["src", "step to acknowledged, s (median)", "GiB sent per trainer rank"]
     print(markdown_table(header, rows))
-    write_json(args, "weight_send", {"preset": args.preset, "layers": args.layers, "transfer": args.transfer, "runs": results})
+    record = {"preset": args.preset, "layers": args.layers, "transfer": args.transfer, "runs": results}
+    write_json(args, "weight_send", record)
 
 
 if __name__ == "__main__":

@@ -446,7 +446,8 @@ def test_each_rank_writes_only_its_shards_holding_at_most_its_shard_plus_one_ten
     total = sum(mib.values())
     assert set(index["weight_map"].values()) == set(mib) and len(mib) == 2
     log = (out / "logs" / "trainer.log").read_text()
-    report = json.loads(re.search(r"weights/step_1: per rank \[files, peak extra MiB, MiB received\]: (.*)", log).group(1))
+    line = re.search(r"weights/step_1: per rank \[files, peak extra MiB, MiB received\]: (.*)", log)
+    report = json.loads(line.group(1))
     print(f"model {total:.1f} MiB, largest tensor {largest:.1f} MiB, per rank (files, peak extra MiB, MiB "
           f"received): {report}")  # fmt: skip
     for files, peak, received in report:

@@ -3,9 +3,9 @@
 Every rank writes its own safetensors files, one full tensor at a time (the other ranks send it their
 rows: trainer/gather.py); rank 0 writes config.json, generation_config.json, the tokenizer, the index and
 checksum.json (the weight checksum of every tensor written, each rank's summed: protocol.parity), which the
-orchestrator compares with what each server says it loaded. The parameter names are exactly the base model's; once all files are
-fsynced rank 0 marks the dir `STABLE`. A dir without `STABLE` (e.g. left by a crash) is never read and is
-replaced on the next write.
+orchestrator compares with what each server says it loaded. The parameter names are exactly the base
+model's; once all files are fsynced rank 0 marks the dir `STABLE`. A dir without `STABLE` (e.g. left by a
+crash) is never read and is replaced on the next write.
 
 The model's own parameter names are not always the checkpoint's: transformers 5 converts some
 architectures at load (MoE models get their per-expert `mlp.experts.{i}.gate_proj/up_proj/down_proj`
