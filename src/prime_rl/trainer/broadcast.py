@@ -4,8 +4,8 @@ every inference worker over a process group instead of writing `weights/step_n`.
 Every trainer rank is a sender: it sends its own rows of each tensor (its FSDP shard, cast to the saved dtype:
 what the filesystem export writes, so both transfers serve the same numbers), so no rank gathers the model and
 the ranks' links all carry it. A tensor whose shard is not a run of rows (another placement, or one written
-as several checkpoint tensors: a fused MoE expert tensor) is gathered, one at a time, and sent by rank 0
-(`SendPlan`). Each rank adds its rows to the step's weight checksum on its device; the ranks' parts are summed
+as several checkpoint tensors: a fused MoE expert tensor) goes to rank 0 alone, one at a time, and rank 0 sends
+it (`SendPlan`). Each rank adds its rows to the step's weight checksum on its device; the ranks' parts are summed
 once the step was sent, and the checksum goes into the step's announcement.
 """
 
@@ -39,7 +39,7 @@ from prime_rl.protocol.broadcast import (
 from prime_rl.protocol.parity import RowSums
 from prime_rl.protocol.weight_stream import abandon, rows_of, send_step
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.gather import row_counts, row_run
+from prime_rl.trainer.gather import gather_to, row_counts, row_run
 from prime_rl.trainer.weights import ModelFiles, checkpoint_parts, export_specs, gathered
 
 logger = logging.getLogger("prime_rl")
@@ -228,13 +228,15 @@ class SendPlan:
     rows: list[list[int]]
     parts: dict[str, list]  # exported name -> its checkpoint tensors (weights.checkpoint_parts)
     first: dict[str, int]
+    held: dict[str, list[int] | None]  # exported name -> the rows each rank holds of it (gather.row_counts)
     dtype: torch.dtype  # of the exported floating tensors
 
     @classmethod
     def of(cls, model: torch.nn.Module, dtype: torch.dtype, d) -> SendPlan:
         """A tensor is sent where its rows are when it is its own checkpoint tensor and every rank's shard is a
         run of its rows (FSDP's Shard(0); a replica other than the first sends none), the runs in rank order;
-        otherwise rank 0 sends it whole (gathered first when sharded). Collective: every rank tells its runs."""
+        otherwise rank 0 sends it whole (its rows sent to rank 0 first when sharded). Collective: every rank tells
+        its runs."""
         state, exported = export_specs(model, dtype)
         parts = checkpoint_parts(model, exported)
         held = row_counts(state, exported, d.world_size)
@@ -246,11 +248,12 @@ class SendPlan:
             for spec in parts[name]:
                 specs.append(spec)
                 rows.append(counts or [rows_of(spec[2])[0]] + [0] * (d.world_size - 1))
-        return cls(specs, rows, parts, first, dtype)
+        return cls(specs, rows, parts, first, held, dtype)
 
     def pieces(self, model: torch.nn.Module, rank: int, sums: RowSums):
-        """Collective (the gathers): this rank's rows of every checkpoint tensor in `specs` order, each added to
-        `sums` (an empty run where it sends none, so that every rank adds the same tensors)."""
+        """Collective (a tensor rank 0 sends whole goes to rank 0 alone first): this rank's rows of every
+        checkpoint tensor in `specs` order, each added to `sums` (an empty run where it sends none, so that every
+        rank adds the same tensors)."""
         state, exported = export_specs(model, self.dtype)
         k = 0
         for name in exported:
@@ -262,8 +265,15 @@ class SendPlan:
                 sums.add(name, dtype, shape, local, self.first[name])
                 k += 1
                 yield local
-                continue
-            for key, tensor in gathered(model, state, exported, self.parts, [name]):
-                sums.add(key, tensor.dtype, tuple(tensor.shape), tensor if rank == 0 else tensor.reshape(-1)[:0], 0)
-                k += 1
-                yield tensor
+            elif rank == 0:
+                for key, tensor in gathered(model, state, exported, self.parts, [name], to=(0, self.held)):
+                    sums.add(key, tensor.dtype, tuple(tensor.shape), tensor, 0)
+                    k += 1
+                    yield tensor
+            else:
+                gather_to(state[name], dtype, 0, self.held[name], rank)  # sends its rows to rank 0
+                for key, part_dtype, part_shape in self.parts[name]:
+                    empty = torch.empty(0, dtype=part_dtype, device=sums.device)
+                    sums.add(key, part_dtype, part_shape, empty, 0)
+                    k += 1
+                    yield empty
