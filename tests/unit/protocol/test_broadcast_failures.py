@@ -289,3 +289,34 @@ def test_a_look_for_a_given_up_group_at_a_dying_trainers_store_returns_within_se
     assert look() is None  # the store went: the group's own wait says so
     assert time.monotonic() - start < 6
     listener.close()
+
+
+@pytest.mark.parametrize(
+    ("tensors", "senders", "said"),
+    [
+        ([["w", "float32", [4, 2], [3, 0]]], 2, "rows [3, 0] of 2 sender(s) do not make shape [4, 2]"),
+        ([["w", "float32", [4, 2], [2, 2, 0]]], 2, "rows [2, 2, 0] of 2 sender(s)"),
+        ([["w", "float32", [4, 2], [5, -1]]], 2, "rows [5, -1] of 2 sender(s)"),
+        ([["w", "complex64", [4]]], 1, "w: unknown dtype or negative size"),
+        ([["w", "float32", [-4]]], 1, "w: unknown dtype or negative size"),
+        ([["w", "float32"]], 1, "malformed weight header"),
+        ([], 0, "0 senders"),
+    ],
+)
+def test_a_malformed_weight_header_is_refused_naming_the_fault_before_any_tensor_is_awaited(tensors, senders, said):
+    """A header whose rows do not make its shapes (or any other fault) ends the receive at once with the reason:
+    never a wait for bytes no sender will send, nor tensors put together wrong."""
+    import json
+
+    sender, receiver, stores = gloo_pair(timeout=20)
+    raw = json.dumps({"step": 3, "senders": senders, "tensors": tensors}).encode()
+    size, body = torch.tensor([len(raw)], dtype=torch.int64), torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    sent = threading.Thread(target=lambda pg=sender: [pg.broadcast(t, 0).wait() for t in (size, body)])
+    sent.start()
+    start = time.monotonic()
+    with pytest.raises(BroadcastError, match="malformed weight header") as refused:
+        next(receive_step(receiver, torch.device("cpu"), lambda step, specs: None, 20))
+    sent.join(10)
+    assert said in str(refused.value)
+    assert time.monotonic() - start < 5  # at once, not at the 20 s timeout
+    del sender, receiver, stores
