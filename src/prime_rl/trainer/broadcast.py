@@ -266,7 +266,7 @@ class SendPlan:
                 k += 1
                 yield local
             elif rank == 0:
-                for key, tensor in gathered(model, state, exported, self.parts, [name], to=(0, self.held)):
+                for key, tensor in gathered(model, state, exported, self.parts, [name], 0, self.held):
                     sums.add(key, tensor.dtype, tuple(tensor.shape), tensor, 0)
                     k += 1
                     yield tensor

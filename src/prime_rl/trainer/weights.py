@@ -298,16 +298,13 @@ def checkpoint_parts(model: torch.nn.Module, exported: dict) -> dict[str, list[t
     return parts
 
 
-def gathered(model: torch.nn.Module, state: dict, exported: dict, parts: dict, names: list[str],
-             to: tuple[int, dict] | None = None):  # fmt: skip
-    """Collective: (checkpoint name, tensor) for each of `names` in turn, gathered in the export dtype and, for
-    a converted architecture, split into its checkpoint tensors (`checkpoint_parts`). `to` = (this rank, the
-    `row_counts`): gathered to this rank alone, which must be the owner (the other ranks call `gather_to`)."""
+def gathered(model: torch.nn.Module, state: dict, exported: dict, parts: dict, names: list[str], rank: int,
+             held: dict):  # fmt: skip
+    """Collective: (checkpoint name, tensor) for each of `names` in turn, in the export dtype, brought to this rank
+    alone (`gather_to` with `held`, the `row_counts`: the other ranks call it at the same time) and, for a
+    converted architecture, split into its checkpoint tensors (`checkpoint_parts`)."""
     for name in names:
-        if to is None:
-            tensor = full_tensor(state[name], exported[name][0])
-        else:
-            tensor = gather_to(state[name], exported[name][0], to[0], to[1][name], to[0])
+        tensor = gather_to(state[name], exported[name][0], rank, held[name], rank)
         if len(parts[name]) == 1 and parts[name][0][0] == name:
             yield name, tensor
         else:
@@ -343,7 +340,7 @@ def write_own_shards(
 
         def stream(f, names=names, specs=specs) -> None:
             f.write(safetensors_header(specs))
-            for key, tensor in gathered(model, state, exported, parts, names, to=(rank, held)):
+            for key, tensor in gathered(model, state, exported, parts, names, rank, held):
                 checksum.add(key, tensor)  # on the tensor's device: no host pass over the bytes
                 f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                 stamp()  # a 70B export takes minutes: each tensor written is progress
