@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from prime_rl.orchestrator.rollout import Rollout
@@ -26,6 +28,27 @@ def sample(
     mask = [False] * prompt + [True] * (n - prompt) if loss_mask is None else [bool(m) for m in loss_mask]
     advantages = list(advantage) if isinstance(advantage, list) else [float(advantage)] * n
     return Sample(list(ids), mask, advantages, [0.0] * n if logprobs is None else list(logprobs), **extras)
+
+
+def trainer_logprobs(
+    model: Path | torch.nn.Module,
+    prompt: list[int],
+    completion: list[int],
+    temperature: float,
+    kept: list[list[int]] | None = None,
+) -> list[float]:
+    """The trainer's logprobs of `completion` after `prompt`: its model (a dir, or one it built), its packed
+    forward at `temperature`; with `kept` (per completion token its kept set) renormalised over those sets."""
+    from prime_rl.trainer.model import build_model
+
+    n = len(prompt) + len(completion)
+    kept = None if kept is None else [[]] * len(prompt) + [list(k) for k in kept]
+    mb = MicroBatch.pack([sample(prompt + completion, len(prompt), kept=kept)], temperature)
+    if isinstance(model, Path):
+        model = build_model(str(model))
+    with torch.no_grad():
+        out = forward_logprobs(model, mb, torch.device("cpu"), where=mb.loss_mask)
+    return out.logprobs[0, len(prompt) : n].tolist()
 
 
 def on_policy_sample(

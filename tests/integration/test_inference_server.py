@@ -31,6 +31,7 @@ from prime_rl.protocol import mark_stable, weights_dir
 from prime_rl.protocol.parity import checksum_of
 from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import create_tiny_model, write_perturbed_weights
+from tests.samples import trainer_logprobs
 
 START_TIMEOUT = {"builtin": 120.0, "vllm": 600.0}  # vLLM on 2 cores: imports, then a compiled warm-up pass
 PROMPT = [74, 71, 331, 81, 521, 71, 586]
@@ -645,37 +646,6 @@ def test_a_cancelled_request_ahead_of_others_in_the_batch_leaves_them_decoding(s
     second.join(timeout=120)
     assert results and results[0].status_code == 200, results and results[0].text
     assert results[0].json()["usage"]["completion_tokens"] == 200
-
-
-def trainer_logprobs(
-    model, prompt: list[int], completion: list[int], temperature: float, kept: list[list[int]] | None = None
-) -> list[float]:
-    """The trainer's logprobs of `completion` after `prompt`: its model (a dir, or one it built), its packed
-    forward, its loss positions; with `kept` (per completion token its kept set) renormalised over those sets."""
-    from prime_rl.protocol.records import MicroBatch
-    from prime_rl.trainer.logprobs import forward_logprobs
-    from prime_rl.trainer.model import build_model
-
-    ids = torch.tensor([prompt + completion])
-    mask = torch.tensor([[False] * len(prompt) + [True] * len(completion)])
-    mb = MicroBatch(
-        input_ids=ids,
-        position_ids=torch.arange(ids.shape[1])[None],
-        cu_seqlens=torch.tensor([0, ids.shape[1]], dtype=torch.int32),
-        loss_mask=mask,
-        advantages=torch.zeros(ids.shape),
-        inference_logprobs=torch.zeros(ids.shape),
-        temperature=temperature,
-    )
-    if kept is not None:
-        sizes = [0] * len(prompt) + [len(k) for k in kept]
-        mb.kept_offsets = torch.tensor([0, *sizes]).cumsum(0)
-        mb.kept_ids = torch.tensor([i for k in kept for i in k], dtype=torch.int32)
-    if isinstance(model, Path):
-        model = build_model(str(model))
-    with torch.no_grad():
-        out = forward_logprobs(model, mb, torch.device("cpu"), where=mask)
-    return out.logprobs[0, len(prompt) :].tolist()
 
 
 def engine_logprobs(model_dir: Path, prompt: list[int], completion: list[int], temperature: float) -> list[float]:

@@ -58,6 +58,7 @@ OWNED = {
     "generation-config": "no sampling defaults come from the checkpoint",
     "disable-uvicorn-access-log": "its own logging",
     "disable-fastapi-docs": "its own routes",
+    "enable-scale-out": "its token-in/token-out route (/inference/v1/generate) is always served",
     "config": "a vLLM config file could set any flag: put its flags in this table",
     "help": "not a serving flag",
 }

@@ -1,6 +1,6 @@
 """HTTP routes of the built-in engine (docs/design.md §4): OpenAI completions and chat (plain or streamed; chat
-with tools, whose `<tool_call>` blocks come back as `tool_calls`, parsed by utils/tool_calls.py) and
-Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body
+with tools, whose `<tool_call>` blocks come back as `tool_calls`, parsed by utils/tool_calls.py), vLLM's
+token-in/token-out route (`/inference/v1/generate`, openai/tokens.py) and Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body
 limit, weight updates); `BuiltinModel` is the engine as that control plane sees it.
 
 The handlers are module-level and read the engine and config from `request.app.state`; the work is in
@@ -28,7 +28,13 @@ from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
 from prime_rl.inference.engine import Engine, LoadedWeights
 from prime_rl.inference.metrics import CONTENT_TYPE, prometheus_text
-from prime_rl.inference.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, describe
+from prime_rl.inference.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    describe,
+)
 from prime_rl.inference.openai.serving import (
     chat_prompt_ids,
     chat_response,
@@ -39,11 +45,13 @@ from prime_rl.inference.openai.serving import (
     guarded,
     open_stream,
     parses_tool_calls,
+    prompt_token_ids,
     request_id,
     sampling_params,
     with_prompt_scoring,
 )
 from prime_rl.inference.openai.stream import chat_chunks, completion_chunks, merge, sse
+from prime_rl.inference.openai.tokens import generate_response
 
 logger = logging.getLogger("prime_rl")
 
@@ -66,6 +74,7 @@ def build_app(engine: Engine, config: InferenceConfig) -> ControlPlane:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/inference/v1/generate", generate, methods=["POST"])
     served, broadcast = BuiltinModel(engine), config.weight_transfer.type == "broadcast"
     return ControlPlane(app, served, config.api_key, config.max_body_bytes, app.state.http_counts, broadcast=broadcast)
 
@@ -137,6 +146,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return sse(chat_chunks(meta, body, ids, stream, engine.tokenizer, parse_calls), config.request_timeout)
     samples = await guarded(request, engine.generate(ids, params), config.request_timeout)
     return JSONResponse(chat_response(meta, body, ids, samples, engine.tokenizer, parse_calls))
+
+
+async def generate(body: GenerateRequest, request: Request):
+    """vLLM's token-in/token-out route (openai/tokens.py): token ids in, token ids and logprobs out."""
+    engine, config = request.app.state.engine, request.app.state.config
+    name = check_model(body.model, config.model.name, engine.adapter)
+    ids = prompt_token_ids(body.token_ids, engine.tokenizer, engine.vocab_size)
+    top = body.sampling_params.logprobs or 0
+    params = sampling_params(body.sampling_params, len(ids), None, top, config, engine)
+    samples = await guarded(request, engine.generate(ids, params), config.request_timeout)
+    return JSONResponse(generate_response(body, name, ids, samples))
 
 
 class BuiltinModel:

@@ -42,7 +42,7 @@ from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 
 logger = logging.getLogger("prime_rl")
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, "/update_weights", "/reload_weights")
 
 

@@ -77,6 +77,7 @@ def retire(batch: NativeBatch | TransformersBatch, candidates: range) -> None:
             row.steps[0],
             spans_of(row.steps),
             sampling_mask=row.sampling_mask,
+            stop_reason=row.stop_reason,
         )
         if all(s is not None for s in request.samples):
             post(request.loop, resolve, request.future, request.samples)

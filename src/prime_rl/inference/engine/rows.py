@@ -31,6 +31,7 @@ class Row:
     steps: list[int] = field(default_factory=list)  # per token, the weight step that sampled it
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as vLLM's: the stop token id or string that ended it; None on EOS
     streamed: int = 0  # tokens already sent as deltas
     streamed_chars: int = 0
 
@@ -63,16 +64,18 @@ class Row:
             self.sampling_mask.append(kept or [])
         if token in params.stop_token_ids and token not in eos_ids:
             # Like vLLM: a stop token ends the sample and stays in token_ids, but not in the text.
-            self.text, self.finish_reason = decode(self.token_ids[:-1]), "stop"
-        elif (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            self.text, self.finish_reason, self.stop_reason = decode(self.token_ids[:-1]), "stop", token
+        elif token in eos_ids and not params.ignore_eos:
             self.finish_reason = "stop"
+        elif token in params.stop_token_ids:  # an EOS id named a stop token while EOS is ignored
+            self.finish_reason, self.stop_reason = "stop", token
         elif (
             params.stop
             and len(self.token_ids) >= params.min_tokens
-            and (cut := _stop_at(text := decode(self.token_ids), params.stop)) is not None
+            and (found := _stop_at(text := decode(self.token_ids), params.stop)) is not None
         ):
             # Like vLLM: the text ends before the stop string; the token that completed it stays.
-            self.text, self.finish_reason = text[:cut], "stop"
+            self.text, self.finish_reason, self.stop_reason = text[: found[0]], "stop", found[1]
         elif len(self.token_ids) >= params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None and self.text is None:
@@ -108,6 +111,7 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _stop_at(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the first stop string in `text` starts, and which it is."""
+    found = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
     return min(found) if found else None

@@ -37,6 +37,7 @@ class Sample:
     weight_steps: list[list[int]] = field(default_factory=list)  # [[step, start, end], ...] (protocol.spans)
     sampling_mask: list[list[int]] = field(default_factory=list)  # per token its kept set, with return_sampling_mask
     prompt_logprobs: list | None = None  # scoring.PromptToken per prompt position (None at 0), when asked
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (vLLM's); None on EOS
 
 
 @dataclass

@@ -44,12 +44,11 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type
 
 
-class SamplingRequest(BaseModel):
-    """What completions and chat requests share: the model name, sampling and the vLLM extras."""
+class SamplingFields(BaseModel):
+    """The sampling parameters every generation route takes (vLLM's names and ranges)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str | None = None
     n: Annotated[int, Field(ge=1)] = 1
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
@@ -62,20 +61,26 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = False
-    # Each logprob entry also carries its token's kept set (`sampling_mask`: sorted ids, [] = nothing filtered)
-    # and a logprob renormalised over it: what RL with top-p / top-k replays in the trainer.
+    # Each token also carries its kept set (`sampling_mask`: sorted ids, [] = nothing filtered) and a logprob
+    # renormalised over it: what RL with top-p / top-k replays in the trainer.
     return_sampling_mask: bool = False
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> SamplingRequest:
+    def _refuse_unsupported(self) -> SamplingFields:
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in (None, UNSUPPORTED[name]):
                 raise ValueError(f"{name}={value!r} is not supported by the built-in engine")
         return self
+
+
+class SamplingRequest(SamplingFields):
+    """What completions and chat requests share: the model name, sampling and the vLLM extras."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
 
 
 class CompletionRequest(SamplingRequest):
@@ -173,6 +178,61 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Annotated[list[Tool] | None, Field(min_length=1)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # unset = auto with tools
     parallel_tool_calls: bool | None = None  # False keeps only the first call of a turn (as vLLM)
+
+
+class GenerateSampling(SamplingFields):
+    """`sampling_params` of a token-in/token-out request, as vLLM's SamplingParams names them. Decoding
+    options are accepted and have no effect: the route answers with token ids only."""
+
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None  # None: none; k: the sampled + top k
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class GenerateRequest(BaseModel):
+    """A body of `POST /inference/v1/generate` (vLLM's token-in/token-out route, its text-only subset): the
+    prompt as token ids, answered with token ids. Multimodal fields, text output and streaming are refused
+    by name: the built-in engine has none of them."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    request_id: str | None = None
+    token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    sampling_params: GenerateSampling  # required, as by vLLM
+    model: str | None = None
+    output_mode: Literal["tokens"] = "tokens"
+    stream: bool | None = False
+    return_token_ids: bool | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> GenerateRequest:
+        if self.stream:
+            raise ValueError("stream=true: the built-in engine answers this route whole (stream /v1/completions)")
+        for name in ("features", "content_parts", "kv_transfer_params", "ec_transfer_params"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise ValueError(f"{name} is not supported by the built-in engine (text token ids only)")
+        return self
+
+
+def context_overflow(max_model_len: int, prompt_len: int, max_tokens: int) -> str | None:
+    """Why a prompt and the tokens asked for do not fit the context (vLLM's words), else None."""
+    if prompt_len + max_tokens <= max_model_len and prompt_len < max_model_len:
+        return None
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion)."
+    )
+
+
+def generate_problem(body: dict[str, Any], max_model_len: int) -> str | None:
+    """What the built-in engine would refuse in a /inference/v1/generate body that vLLM serves anyway: more
+    tokens asked for than the context holds (vLLM stops at its end instead). Other fields are left to vLLM."""
+    ids, params = body.get("token_ids"), body.get("sampling_params")
+    max_tokens = params.get("max_tokens") if isinstance(params, dict) else None
+    if not isinstance(ids, list) or not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        return None
+    return context_overflow(max_model_len, len(ids), max_tokens)
 
 
 def describe(error: RequestValidationError | ValidationError, where: tuple = ()) -> str:

@@ -31,7 +31,8 @@ from prime_rl.inference.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     NamedToolChoice,
-    SamplingRequest,
+    SamplingFields,
+    context_overflow,
 )
 from prime_rl.utils.tool_calls import parse_tool_calls
 
@@ -54,8 +55,10 @@ async def completion_prompts(body: CompletionRequest, engine: Engine) -> list[li
     split = _split_prompts(body.prompt)
     if any(isinstance(p, str) for p in split):
         # Text prompts are tokenized off the event loop (an 8 MB prompt took ~6 s of it).
-        return await asyncio.to_thread(lambda: [_prompt_ids(p, engine.tokenizer, engine.vocab_size) for p in split])
-    return [_prompt_ids(p, engine.tokenizer, engine.vocab_size) for p in split]
+        return await asyncio.to_thread(
+            lambda: [prompt_token_ids(p, engine.tokenizer, engine.vocab_size) for p in split]
+        )
+    return [prompt_token_ids(p, engine.tokenizer, engine.vocab_size) for p in split]
 
 
 def _split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -67,7 +70,7 @@ def _split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> lis
     return list(prompt)
 
 
-def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+def prompt_token_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
     bad = [i for i in prompt if not 0 <= i < vocab_size]
@@ -158,7 +161,7 @@ def parses_tool_calls(request: ChatCompletionRequest, parser: str | None) -> boo
 
 
 def sampling_params(
-    request: SamplingRequest,
+    request: SamplingFields,
     prompt_len: int,
     default_max_tokens: int | None,
     top_logprobs: int,
@@ -174,12 +177,8 @@ def sampling_params(
     # Only chat declares max_completion_tokens; on a completion it is an unknown field (ignored, as vLLM does).
     chat_max = request.max_completion_tokens if isinstance(request, ChatCompletionRequest) else None
     max_tokens = chat_max or request.max_tokens or default_max_tokens or room
-    if room < 1 or max_tokens > room:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {config.max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).",
-        )
+    if (overflow := context_overflow(config.max_model_len, prompt_len, max_tokens)) is not None:
+        raise APIError(400, overflow)
     stop_ids = request.stop_token_ids or []
     if any(not 0 <= i < engine.vocab_size for i in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {engine.vocab_size})")

@@ -99,6 +99,9 @@ def vllm_serve_args(config: InferenceConfig, host: str, cuda: bool = True, parse
     else:
         # One API server, in this process: the control plane's state (step, gate) lives in it.
         args += ["--api-server-count", "1", "--middleware", CONTROL_PLANE]
+        # vLLM's token-in/token-out route, /inference/v1/generate (with /render and /derender), which training
+        # clients that render their own prompts call (verifiers' TrainClient): off unless asked for.
+        args.append("--enable-scale-out")
     args += kv_cache_args(config, cuda)
     if not cuda and not {"enable-chunked-prefill", "enable_chunked_prefill"} & set(config.vllm):
         # vLLM's CPU build rewinds a seeded request's generator after a partial prefill chunk (`set_offset`), which

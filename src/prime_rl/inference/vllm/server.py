@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse
 
 from prime_rl.configs.inference import InferenceConfig, StartupError
 from prime_rl.inference.control import BroadcastRequest, ControlPlane, error
-from prime_rl.inference.openai.protocol import chat_messages_problem
+from prime_rl.inference.openai.protocol import chat_messages_problem, generate_problem
 from prime_rl.inference.vllm.args import apply_vllm_env, vllm_cli_args, vllm_parser, vllm_serve_args, weight_receivers
 from prime_rl.inference.vllm.spans import record_outputs, recording, with_weight_steps
 from prime_rl.inference.weights import WeightsError, check_weight_dir, linear_shapes, read_adapter, read_specs
@@ -96,6 +96,8 @@ class VllmControlPlane(ControlPlane):
             refusal = sampling_mask_refusal(body, self.served.masks_unavailable())
         if refusal is None and b"prompt_logprobs_" in body:
             refusal = prompt_scoring_refusal(body)
+        if refusal is None and path == "/inference/v1/generate":
+            refusal = self._generate_refusal(body)
         if refusal is not None or path != "/v1/chat/completions" or b"tool" not in body:
             return refusal
         try:
@@ -105,6 +107,15 @@ class VllmControlPlane(ControlPlane):
         problem = chat_messages_problem(parsed) if isinstance(parsed, dict) else None
         return None if problem is None else error(400, problem)
 
+    def _generate_refusal(self, body: bytes) -> JSONResponse | None:
+        """The 400 the built-in engine answers for a token-in/token-out body vLLM would serve cut short."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None  # malformed JSON: vLLM says so
+        problem = generate_problem(parsed, _config.max_model_len) if isinstance(parsed, dict) else None
+        return None if problem is None else error(400, problem)
+
     def refusal_for(self, path: str, body: bytes, exc: Exception) -> JSONResponse | None:
         """vLLM's request models read some fields before validating them (`structured_outputs` as a dict, ...),
         so a body with another type there raised (AttributeError: a 500). When vLLM's own request model
@@ -112,8 +123,10 @@ class VllmControlPlane(ControlPlane):
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
-        model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+        models = {"/v1/chat/completions": ChatCompletionRequest, "/inference/v1/generate": GenerateRequest}
+        model = models.get(path, CompletionRequest)
         try:
             model.model_validate(json.loads(body))
         except (ValidationError, ValueError):
@@ -131,8 +144,9 @@ class VllmControlPlane(ControlPlane):
         await super().__call__(scope, receive, send)
 
     async def _generate_stamped(self, scope, body: bytes, receive, send) -> None:
-        """Each choice also says which weight step sampled which of its tokens (`weight_steps`, spans.py)."""
-        if not self.served.labels_tokens:
+        """Each choice also says which weight step sampled which of its tokens (`weight_steps`, spans.py; none
+        recorded with LoRA) and, on /inference/v1/generate, names its logprobs' tokens (`token_id:<id>`)."""
+        if not self.served.labels_tokens and scope["path"] != "/inference/v1/generate":
             return await super()._generate_stamped(scope, body, receive, send)
         with recording() as record:
             await super()._generate_stamped(scope, body, receive, with_weight_steps(send, record))

@@ -187,6 +187,7 @@ def _add(data: Any, record: ChoiceSpans, finished_only: bool) -> bool:
     for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
             continue
+        added |= name_token_ids(choice)
         spans = record.spans.get(choice.get("index"))
         if spans is not None and (not finished_only or choice.get("finish_reason") is not None):
             choice["weight_steps"] = spans
@@ -201,3 +202,18 @@ def _add(data: Any, record: ChoiceSpans, finished_only: bool) -> bool:
                 logprobs["sampling_mask"] = masks
             added = True
     return added
+
+
+def name_token_ids(choice: dict) -> bool:
+    """On a choice of vLLM's token-in/token-out route, each logprob entry (and its alternatives) also named
+    `token: "token_id:<id>"`, as `renderers` (verifiers' training client) reads them and the built-in engine
+    writes them; whether any was named."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    named = False
+    for entry in content if isinstance(content, list) else ():
+        for e in [entry, *(entry.get("top_logprobs") or [])] if isinstance(entry, dict) else ():
+            if isinstance(e, dict) and "token_id" in e and "token" not in e:
+                e["token"] = f"token_id:{e['token_id']}"
+                named = True
+    return named

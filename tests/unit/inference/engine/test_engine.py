@@ -175,6 +175,7 @@ def test_min_tokens_stop_token_ids_and_repetition_penalty(engine):
         engine, (PROMPT, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_id,)))
     )
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    assert free.stop_reason is None and stopped.stop_reason == stop_id  # vLLM's: the id that ended it
     assert stopped.text == engine.tokenizer.decode(free.token_ids[:first])  # the stop token is not in the text
     params = SamplingParams(max_tokens=12, min_tokens=first + 2, temperature=0.0, stop_token_ids=(stop_id,))
     ((late,),) = generate_together(engine, (PROMPT, params))
@@ -200,7 +201,7 @@ def test_stop_string_truncates_the_text_and_ends_the_sample(engine):
     cut = full.text.find(stop)
     params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))
     ((sample,),) = generate_together(engine, (PROMPT, params))
-    assert sample.finish_reason == "stop"
+    assert sample.finish_reason == "stop" and sample.stop_reason == stop
     assert sample.text == full.text[:cut]
     # The token that completed the stop string is kept, so token ids and logprobs stay aligned.
     assert sample.token_ids == full.token_ids[: len(sample.token_ids)]
@@ -224,7 +225,7 @@ def test_eos_ends_a_sample_and_stays_in_its_token_ids(tiny_model):
     finally:
         engine.close()
     assert sample.token_ids == [eos]
-    assert sample.finish_reason == "stop"
+    assert sample.finish_reason == "stop" and sample.stop_reason is None  # vLLM's: None on EOS
     assert sample.text == ""
 
 

@@ -1,0 +1,132 @@
+"""The token-in/token-out route, `POST /inference/v1/generate`, on both backends, as verifiers' training client
+(`TrainClient`: prompts rendered client-side by `renderers`, token ids in and out) calls it.
+
+The servers are the session's calc-qwen3 pair (tests/conftest.py `calc_servers`, shared with test_tool_calls and
+others; requests name the base model). A multi-turn episode through `TrainClient`: every turn's recorded prompt
+ids are its messages as the renderer renders them, and its recorded logprobs are the trainer's for those tokens
+(<= 1e-4, fp32, T = 0.7); the route samples what `/v1/completions` samples for the same ids and seed. Client
+mistakes are the same 4xx on both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.samples import trainer_logprobs
+
+pytestmark = pytest.mark.slow
+CALC_MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
+QUESTION = [{"role": "user", "content": "What is 37 + 5?"}]
+FOLLOW_UP = {"role": "user", "content": "And 2 + 2?"}
+
+
+@pytest.fixture(scope="module")
+def server(calc_server):
+    return calc_server
+
+
+def generate(server, **body) -> httpx.Response:
+    request = {"model": str(CALC_MODEL), "token_ids": [72, 105, 33], "sampling_params": {"max_tokens": 4}} | body
+    return httpx.post(f"{server.url}/inference/v1/generate", json=request, timeout=120)
+
+
+def test_a_multi_turn_episode_through_verifiers_train_client_records_the_servers_tokens_and_the_trainers_logprobs(
+    server,
+):
+    from renderers import create_renderer
+    from renderers.base import load_tokenizer
+    from verifiers.v1.clients.train import TrainClient
+    from verifiers.v1.configs.client import TrainClientConfig
+    from verifiers.v1.dialects.chat import ChatDialect
+    from verifiers.v1.types import SamplingConfig
+
+    renderer = create_renderer(load_tokenizer(str(CALC_MODEL)))
+    # api_key_var: an unset variable (the calc servers take no key); the default would read Prime's CLI config.
+    config = TrainClientConfig(
+        base_url=f"{server.url}/v1", api_key_var="PRIME_RL_TEST_NO_KEY", renderer_model_name=str(CALC_MODEL)
+    )
+
+    async def episode() -> list:
+        client = TrainClient(config)
+        messages, turns = list(QUESTION), []
+        try:
+            for _ in range(3):
+                body = {"model": str(CALC_MODEL), "messages": messages}
+                turn = await client.get_response(ChatDialect(), body, SamplingConfig(temperature=0.7, max_tokens=24))
+                turns.append((list(messages), turn))
+                messages += [{"role": "assistant", "content": turn.message.content or ""}, FOLLOW_UP]
+        finally:
+            await client.close()
+        return turns
+
+    gaps = []
+    for messages, turn in asyncio.run(episode()):
+        tokens = turn.tokens
+        # What training gets: the turn's messages as the renderer renders them, and one logprob per sampled token;
+        # that the server generated from exactly those ids shows in the trainer's logprobs matching.
+        assert tokens.prompt_ids == renderer.render(messages, add_generation_prompt=True).token_ids
+        assert len(tokens.completion_ids) == len(tokens.completion_logprobs) > 0
+        trainer = trainer_logprobs(CALC_MODEL, tokens.prompt_ids, tokens.completion_ids, 0.7)
+        gaps += [abs(a - b) for a, b in zip(tokens.completion_logprobs, trainer, strict=True)]
+    print(f"{server.backend}: 3 turns through TrainClient, max |recorded - trainer| over {len(gaps)} tokens: "
+          f"{max(gaps):.1e}")  # fmt: skip
+    assert max(gaps) <= 1e-4
+
+
+def test_the_route_samples_what_completions_sample_for_the_same_ids_and_seed(server):
+    prompt = [72, 105, 33, 32, 87]
+    sampling = {"temperature": 0.7, "max_tokens": 12, "seed": 11, "ignore_eos": True}
+    answer = generate(server, token_ids=prompt, sampling_params=sampling | {"logprobs": 2}, return_token_ids=True)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-weight-step"] == "0"
+    data = answer.json()
+    (choice,) = data["choices"]
+    assert data["prompt_token_ids"] == prompt and data["output_mode"] == "tokens"
+    usage = {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 12
+    for token, entry in zip(choice["token_ids"], choice["logprobs"]["content"], strict=True):
+        # vLLM's spelling (token_id, top_logprobs: the sampled token first) and renderers' (token)
+        assert entry["token_id"] == token and entry["token"] == f"token_id:{token}"
+        assert entry["top_logprobs"][0]["token_id"] == token and 2 <= len(entry["top_logprobs"]) <= 3
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+    body = {"model": str(CALC_MODEL), "prompt": prompt, "logprobs": 0, "return_token_ids": True} | sampling
+    completion = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert choice["token_ids"] == completion["token_ids"]
+    served = [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert served == pytest.approx(completion["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_a_stop_token_is_named_in_stop_reason_and_n_gives_n_choices(server):
+    first = generate(server, sampling_params={"temperature": 0, "max_tokens": 8, "ignore_eos": True}).json()
+    stop = first["choices"][0]["token_ids"][3]  # greedy: the 4th token drawn again ends the sample there
+    data = generate(server, sampling_params={"temperature": 0, "max_tokens": 8, "stop_token_ids": [stop]}).json()
+    (choice,) = data["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["token_ids"][-1] == stop and choice["logprobs"] is None  # no logprobs asked for
+    many = generate(server, sampling_params={"temperature": 1.0, "max_tokens": 4, "n": 3, "seed": 1}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+
+
+def test_bad_generate_requests_are_4xx_naming_the_field(server):
+    def problem(status: int, **body) -> str:
+        answer = generate(server, **body)
+        assert answer.status_code == status, (body, answer.status_code, answer.text)
+        return json.dumps(answer.json())
+
+    assert "sampling_params" in problem(400, sampling_params=None)
+    assert "token_ids" in problem(400, token_ids=[])
+    assert "token_ids" in problem(400, token_ids=[-1])
+    # vLLM would stop at the context's end: refused as the built-in engine and both backends' OpenAI routes do
+    assert "maximum context length" in problem(400, sampling_params={"max_tokens": 5000})
+    assert problem(400, sampling_params={"temperature": "hot"})
+    assert problem(404, model="no-such-model")
+    if server.backend == "builtin":  # vLLM checks ids against its vocabulary when it tokenizes, later
+        assert "out of range" in problem(400, token_ids=[10**7])
+        assert "stream" in problem(400, stream=True)  # vLLM streams this route
+        assert "output_mode" in problem(400, output_mode="text")  # vLLM detokenizes with a tokenizer loaded
