@@ -64,10 +64,10 @@ def free_port() -> int:
     return _free_port()
 
 
-# vLLM's CPU build in tests: a 1 GiB KV cache, and its EngineCore forked rather than spawned (the `inference`
-# default, as `vllm serve`'s): a spawned one imports vLLM again, ~40 s a start on 2 cores, on ~8 starts a CI run.
-# `rl` with vLLM (tests/integration/test_rl.py) and tests/gpu_extra's probe keep the default.
-VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+# vLLM's CPU build in tests: a 1 GiB KV cache. (Its EngineCore and worker are spawned whatever
+# VLLM_WORKER_MULTIPROC_METHOD says: vLLM 0.32's CpuPlatform.check_and_update_config sets it to "spawn", for OpenMP's
+# thread binding, before either starts; each imports vLLM again, ~7 s of a start's ~20 s on 2 cores.)
+VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 class InferenceProcess:

@@ -64,8 +64,8 @@ class Server:
             cmd += VLLM_FLAGS  # [inference.vllm]: passed through (test_vllm_flags_pass_through_to_vllm)
         cmd += [*args, *(["--api-key", api_key, "--server.host", "127.0.0.1"] if api_key else [])]
         self.log = open(self.log_path, "w")
-        # A 1 GiB KV cache (plenty for 512-token sequences); the EngineCore forked (tests/conftest.py VLLM_TEST_ENV).
-        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+        # A 1 GiB KV cache (plenty for 512-token sequences), as tests/conftest.py's VLLM_TEST_ENV.
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.read = 0
 
