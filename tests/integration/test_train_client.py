@@ -130,3 +130,30 @@ def test_bad_generate_requests_are_4xx_naming_the_field(server):
         assert "out of range" in problem(400, token_ids=[10**7])
         assert "stream" in problem(400, stream=True)  # vLLM streams this route
         assert "output_mode" in problem(400, output_mode="text")  # vLLM detokenizes with a tokenizer loaded
+
+
+def test_the_orchestrators_client_samples_the_route_through_its_pool_with_each_tokens_step(server):
+    """`InferenceClient.generate`: the route through the orchestrator's pool (its floor, retries, weight steps):
+    the samples the route gives for the same ids and seed, each token stamped with the step that sampled it."""
+    from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
+    from prime_rl.orchestrator.servers.client import InferenceClient
+    from prime_rl.orchestrator.servers.http import InferenceError
+
+    prompt, sampling = [72, 105, 33, 32, 87], SamplingConfig(temperature=0.7, max_tokens=10)
+
+    async def sample() -> list:
+        async with InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), str(CALC_MODEL)) as client:
+            completions = await client.generate(prompt, 2, sampling, seed=5)
+            with pytest.raises(InferenceError, match="no sampling masks"):
+                await client.generate(prompt, 1, sampling.model_copy(update={"top_p": 0.9}))
+            return completions
+
+    completions = asyncio.run(sample())
+    params = {"n": 2, "temperature": 0.7, "max_tokens": 10, "seed": 5, "logprobs": 0}
+    direct = generate(server, token_ids=prompt, sampling_params=params).json()["choices"]
+    assert len(completions) == 2
+    for completion, choice in zip(completions, direct, strict=True):
+        assert completion.prompt_ids == prompt and completion.completion_ids == choice["token_ids"]
+        assert completion.logprobs == pytest.approx([e["logprob"] for e in choice["logprobs"]["content"]], abs=1e-5)
+        assert completion.weight_step == 0 and completion.token_steps == [0] * len(completion.completion_ids)
+        assert completion.server == 0

@@ -1,7 +1,8 @@
 """HTTP routes of the built-in engine (docs/design.md §4): OpenAI completions and chat (plain or streamed; chat
 with tools, whose `<tool_call>` blocks come back as `tool_calls`, parsed by utils/tool_calls.py), vLLM's
-token-in/token-out route (`/inference/v1/generate`, openai/tokens.py) and Prometheus metrics, behind the control plane both backends share (control.py: health, API key, body
-limit, weight updates); `BuiltinModel` is the engine as that control plane sees it.
+token-in/token-out route (`/inference/v1/generate`, openai/tokens.py) and Prometheus metrics, behind the
+control plane both backends share (control.py: health, API key, body limit, weight updates); `BuiltinModel` is
+the engine as that control plane sees it.
 
 The handlers are module-level and read the engine and config from `request.app.state`; the work is in
 openai/ (request models, translation, response shaping, streaming) and metrics.py. Everything a client can

@@ -27,7 +27,7 @@ import httpx
 from prime_rl.configs.orchestrator import ClientConfig
 from prime_rl.orchestrator.servers.fleet import FleetFile
 from prime_rl.orchestrator.servers.http import Http, InferenceError, ServerDown
-from prime_rl.orchestrator.servers.pool import PROBE_TIMEOUT, Server, ServerPool
+from prime_rl.orchestrator.servers.pool import PROBE_TIMEOUT, Server, ServerPool, server_url
 from prime_rl.orchestrator.servers.weights import WeightControl
 from prime_rl.protocol.http import weight_step as weight_step_of
 
@@ -112,7 +112,7 @@ class Servers:
         Raises StaleAnswer when that step is below the floor, ServerDown when the server's retries ran out."""
         server.requests += 1
         body = body | {"model": self.request_model}
-        data, headers = await self.http.exchange("POST", f"{server.base}{path}", body, server.slots)
+        data, headers = await self.http.exchange("POST", server_url(server, path), body, server.slots)
         step = weight_step_of(headers)
         if step is not None and step < self.weights.floor:
             raise StaleAnswer(server, step)

@@ -38,7 +38,7 @@ from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.servers import Servers
 from prime_rl.orchestrator.servers.fleet import FleetFile
 from prime_rl.orchestrator.servers.http import InferenceError
-from prime_rl.orchestrator.servers.pool import Server
+from prime_rl.orchestrator.servers.pool import Server, server_url
 from prime_rl.protocol.http import WEIGHT_STEP_HEADER
 from prime_rl.protocol.spans import steps_of
 
@@ -155,6 +155,24 @@ def parse_completion_response(data: dict) -> list[Choice]:
     return out
 
 
+def parse_generate_response(data: dict) -> list[Choice]:
+    """The same for the token-in/token-out route (/inference/v1/generate), whose logprob entries carry ids."""
+    prompt_ids = data.get("prompt_token_ids")
+    if not isinstance(prompt_ids, list):
+        raise ValueError("response lacks prompt_token_ids (the request must ask for return_token_ids)")
+    out = []
+    for choice in sorted(data["choices"], key=lambda c: c["index"]):
+        content = (choice.get("logprobs") or {}).get("content")
+        if content is None:
+            raise ValueError(f"choice {choice['index']} has no logprobs.content")
+        ids = _check_ids(choice, [int(t["token_id"]) for t in content])
+        kept = _kept_sets(choice.get("sampling_mask"), ids, choice["index"])
+        logprobs = [float(t["logprob"]) for t in content]
+        steps = _token_steps(choice, ids)
+        out.append(Choice(list(prompt_ids), ids, logprobs, "", choice["finish_reason"], kept, steps))
+    return out
+
+
 def parse_prompt_logprobs(data: dict, token_ids: list[int]) -> list[float]:
     """The prompt token logprobs of a completion answered with `prompt_logprobs` (vLLM's layout: None first,
     then per position a dict keyed by token id holding at least the prompt token's {"logprob", ...}); 0.0 at
@@ -220,16 +238,17 @@ class InferenceClient:
         """POST `body` through the facade (to a live server answering from weights at or above the floor) and
         read its answer with `parse` into one Completion per choice."""
         server, data, weight_step = await self.servers.generate(path, body)
-        url = f"{server.base}{path}"
+        url = server_url(server, path)
+        asked = body.get("sampling_params", body)  # the token route nests them
         try:
             choices = parse(data)
         except (KeyError, TypeError, ValueError) as e:
             raise InferenceError(f"POST {url} returned a malformed completion: {e}") from None
-        if len(choices) != body["n"]:
-            raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={body['n']}")
+        if len(choices) != asked["n"]:
+            raise InferenceError(f"POST {url} returned {len(choices)} choices, asked for n={asked['n']}")
         if weight_step is None:
             raise InferenceError(f"POST {url} did not report {WEIGHT_STEP_HEADER} (is it a prime-rl inference server?)")
-        if body.get("return_sampling_mask") and any(c.kept is None for c in choices):
+        if asked.get("return_sampling_mask") and any(c.kept is None for c in choices):
             raise InferenceError(
                 f"POST {url} returned no sampling masks: training with top_p < 1 or top_k > 0 needs each "
                 "token's kept set (return_sampling_mask), which this server does not return (the built-in "
@@ -296,6 +315,20 @@ class InferenceClient:
         if max_tokens:
             body["max_tokens"] = max_tokens
         return await self._sample("/completions", body, parse_completion_response)
+
+    async def generate(
+        self, prompt_ids: list[int], n: int, sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Completion]:
+        """`n` samples continuing a prompt of token ids the caller rendered itself, through the token-in/token-out
+        route (/inference/v1/generate): the same pool, floor and weight steps as `complete`. No kept sets come
+        back on this route yet: with top-p / top-k on, it refuses (the trainer could not score the tokens)."""
+        if sampling.filtered:
+            raise InferenceError("the token route returns no sampling masks yet: sample it with top_p = 1, top_k = 0")
+        params = self._sampling_body(n, sampling, seed)
+        del params["model"], params["return_tokens_as_token_ids"], params["return_token_ids"]
+        body = {"model": self.model, "token_ids": list(prompt_ids), "return_token_ids": True}
+        body["sampling_params"] = params | {"logprobs": 0}
+        return await self._sample("/inference/v1/generate", body, parse_generate_response)
 
     async def score(
         self,

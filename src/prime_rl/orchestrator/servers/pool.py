@@ -45,6 +45,12 @@ def server_root(base_url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
+def server_url(server: Server, path: str) -> str:
+    """Where `path` lives on `server`: under its base (`/chat/completions` → .../v1/chat/completions), or, for
+    the token-in/token-out route, at its root (`/inference/v1/generate`)."""
+    return f"{server_root(server.base)}{path}" if path.startswith("/inference/") else f"{server.base}{path}"
+
+
 def server_name(server: Server) -> str:
     """`host:port` of a server (its metric key)."""
     return server_root(server.base).split("://", 1)[-1]
