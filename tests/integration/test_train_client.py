@@ -35,37 +35,38 @@ def generate(server, **body) -> httpx.Response:
     return httpx.post(f"{server.url}/inference/v1/generate", json=request, timeout=120)
 
 
-def test_a_multi_turn_episode_through_verifiers_train_client_records_the_servers_tokens_and_the_trainers_logprobs(
-    server,
-):
-    from renderers import create_renderer
-    from renderers.base import load_tokenizer
+async def episode(base_url: str, turns: int = 3) -> list:
+    """A chat of `turns` turns through verifiers' `TrainClient` at `base_url`: (messages, response) per turn."""
     from verifiers.v1.clients.train import TrainClient
     from verifiers.v1.configs.client import TrainClientConfig
     from verifiers.v1.dialects.chat import ChatDialect
     from verifiers.v1.types import SamplingConfig
 
-    renderer = create_renderer(load_tokenizer(str(CALC_MODEL)))
     # api_key_var: an unset variable (the calc servers take no key); the default would read Prime's CLI config.
-    config = TrainClientConfig(
-        base_url=f"{server.url}/v1", api_key_var="PRIME_RL_TEST_NO_KEY", renderer_model_name=str(CALC_MODEL)
-    )
+    key, name = "PRIME_RL_TEST_NO_KEY", str(CALC_MODEL)
+    config = TrainClientConfig(base_url=base_url, api_key_var=key, renderer_model_name=name)
+    client = TrainClient(config)
+    messages, out = list(QUESTION), []
+    try:
+        for _ in range(turns):
+            body = {"model": str(CALC_MODEL), "messages": messages}
+            turn = await client.get_response(ChatDialect(), body, SamplingConfig(temperature=0.7, max_tokens=24))
+            out.append((list(messages), turn))
+            messages += [{"role": "assistant", "content": turn.message.content or ""}, FOLLOW_UP]
+    finally:
+        await client.close()
+    return out
 
-    async def episode() -> list:
-        client = TrainClient(config)
-        messages, turns = list(QUESTION), []
-        try:
-            for _ in range(3):
-                body = {"model": str(CALC_MODEL), "messages": messages}
-                turn = await client.get_response(ChatDialect(), body, SamplingConfig(temperature=0.7, max_tokens=24))
-                turns.append((list(messages), turn))
-                messages += [{"role": "assistant", "content": turn.message.content or ""}, FOLLOW_UP]
-        finally:
-            await client.close()
-        return turns
 
+def recorded_vs_trainer(turns: list) -> tuple[float, int]:
+    """Checks each turn's recorded tokens; the largest gap between a recorded logprob and the trainer's, and
+    the number of tokens."""
+    from renderers import create_renderer
+    from renderers.base import load_tokenizer
+
+    renderer = create_renderer(load_tokenizer(str(CALC_MODEL)))
     gaps = []
-    for messages, turn in asyncio.run(episode()):
+    for messages, turn in turns:
         tokens = turn.tokens
         # What training gets: the turn's messages as the renderer renders them, and one logprob per sampled token;
         # that the server generated from exactly those ids shows in the trainer's logprobs matching.
@@ -73,9 +74,52 @@ def test_a_multi_turn_episode_through_verifiers_train_client_records_the_servers
         assert len(tokens.completion_ids) == len(tokens.completion_logprobs) > 0
         trainer = trainer_logprobs(CALC_MODEL, tokens.prompt_ids, tokens.completion_ids, 0.7)
         gaps += [abs(a - b) for a, b in zip(tokens.completion_logprobs, trainer, strict=True)]
-    print(f"{server.backend}: 3 turns through TrainClient, max |recorded - trainer| over {len(gaps)} tokens: "
-          f"{max(gaps):.1e}")  # fmt: skip
-    assert max(gaps) <= 1e-4
+    return max(gaps), len(gaps)
+
+
+def test_a_multi_turn_episode_through_verifiers_train_client_records_the_servers_tokens_and_the_trainers_logprobs(
+    server,
+):
+    gap, n = recorded_vs_trainer(asyncio.run(episode(f"{server.url}/v1")))
+    print(f"{server.backend}: 3 turns through TrainClient, max |recorded - trainer| over {n} tokens: {gap:.1e}")
+    assert gap <= 1e-4
+
+
+def test_train_client_through_the_orchestrators_pool_endpoint_fails_over_and_keeps_the_trainers_logprobs(
+    server, free_port
+):
+    """TrainClient pointed at the orchestrator's pool (servers.endpoint): a pool of a server that is down and
+    the calc server. The dead one is taken out and every turn is served by the live one, with its weight step and
+    the trainer's logprobs; a body the server refuses is its 4xx; /v1/models is a live server's."""
+    from prime_rl.configs.orchestrator import ClientConfig
+    from prime_rl.orchestrator.servers.client import InferenceClient
+    from prime_rl.orchestrator.servers.endpoint import PoolEndpoint
+
+    dead = f"http://127.0.0.1:{free_port}/v1"  # nothing listens there
+    config = ClientConfig(base_url=[dead, f"{server.url}/v1"], max_retries=1, health_timeout=5)
+
+    async def through_the_pool():
+        async with InferenceClient(config, str(CALC_MODEL)) as client, PoolEndpoint(client.servers) as endpoint:
+            turns = await episode(endpoint.url)
+            async with httpx.AsyncClient(timeout=60) as http:
+                root = endpoint.url.removesuffix("/v1")
+                body = {"token_ids": [72, 105], "sampling_params": {"max_tokens": 3}}
+                answer = await http.post(f"{root}/inference/v1/generate", json=body)
+                refused = await http.post(f"{root}/inference/v1/generate", json=body | {"token_ids": []})
+                models = await http.get(f"{endpoint.url}/models")
+            alive, requests = [s.alive for s in client.pool.servers], [s.requests for s in client.pool.servers]
+        return turns, answer, refused, models, alive, requests
+
+    turns, answer, refused, models, alive, requests = asyncio.run(through_the_pool())
+    gap, n = recorded_vs_trainer(turns)
+    print(f"{server.backend}: 3 turns through the pool endpoint, max |recorded - trainer| over {n} tokens: {gap:.1e}")
+    assert gap <= 1e-4
+    # The dead one is found down (on renderers' first /v1/models) and out; 3 turns and 2 requests on the live one.
+    assert alive == [False, True] and requests == [0, 5]
+    assert answer.status_code == 200 and answer.headers["x-weight-step"] == "0"
+    assert len(answer.json()["choices"][0]["token_ids"]) == 3
+    assert refused.status_code == 400 and "token_ids" in refused.json()["error"]["message"]
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == str(CALC_MODEL)
 
 
 def test_the_route_samples_what_completions_sample_for_the_same_ids_and_seed(server):

@@ -132,6 +132,16 @@ class Servers:
                     raise
                 await self._lost(target, e)
 
+    async def get(self, path: str) -> dict:
+        """GET `path` (under a server's base, e.g. `/models`) from the next usable server, going to another while
+        the one it went to is down."""
+        while True:
+            target = self._pick()
+            try:
+                return await self.http.request("GET", server_url(target, path))
+            except ServerDown as e:
+                await self._lost(target, e)
+
     def _pick(self) -> Server:
         if (server := self.pool.pick()) is None:
             raise InferenceError(self.pool.none_usable())

@@ -25,7 +25,12 @@ BACKOFF = 0.5  # seconds before the first retry; doubles each time
 
 
 class InferenceError(RuntimeError):
-    """An inference server was unreachable or answered something unusable; the message names the URL."""
+    """An inference server was unreachable or answered something unusable; the message names the URL. `status`:
+    the HTTP status of a server's refusal (a 4xx), None for anything else."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerDown(InferenceError):
@@ -89,7 +94,8 @@ class Http:
                 problem = f"HTTP {response.status_code}: {response.text[:300]}"
                 continue
             if response.status_code >= 400:
-                raise InferenceError(f"{method} {url} failed with HTTP {response.status_code}: {response.text[:500]}")
+                problem = f"{method} {url} failed with HTTP {response.status_code}: {response.text[:500]}"
+                raise InferenceError(problem, response.status_code)
             try:
                 return response.json(), response.headers
             except ValueError:
