@@ -184,15 +184,25 @@ def test_the_orchestrators_client_samples_the_route_through_its_pool_with_each_t
     from prime_rl.orchestrator.servers.http import InferenceError
 
     prompt, sampling = [72, 105, 33, 32, 87], SamplingConfig(temperature=0.7, max_tokens=10)
+    nucleus = sampling.model_copy(update={"top_p": 0.8})
 
-    async def sample() -> list:
+    async def sample() -> tuple[list, list | str]:
         async with InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), str(CALC_MODEL)) as client:
             completions = await client.generate(prompt, 2, sampling, seed=5)
-            with pytest.raises(InferenceError, match="no sampling masks"):
-                await client.generate(prompt, 1, sampling.model_copy(update={"top_p": 0.9}))
-            return completions
+            try:  # top-p in training: each token's kept set comes back, or the server says why it cannot
+                filtered = await client.generate(prompt, 1, nucleus, seed=5, masks=True)
+            except InferenceError as e:
+                filtered = str(e)
+            return completions, filtered
 
-    completions = asyncio.run(sample())
+    completions, filtered = asyncio.run(sample())
+    if server.backend == "builtin":
+        (kept,) = filtered
+        assert all(0 < len(k) < 259 for k in kept.kept)  # the nucleus: some of the 259 ids (byte-level vocabulary)
+        trainer = trainer_logprobs(CALC_MODEL, prompt, kept.completion_ids, 0.7, kept.kept)
+        assert kept.logprobs == pytest.approx(trainer, abs=1e-4)  # scored over the same sets
+    else:  # vLLM's CPU build computes no kept sets (inference/vllm/server.py CPU_MASKS): refused, saying so
+        assert "HTTP 400" in filtered and "cannot return sampling masks" in filtered, filtered
     params = {"n": 2, "temperature": 0.7, "max_tokens": 10, "seed": 5, "logprobs": 0}
     direct = generate(server, token_ids=prompt, sampling_params=params).json()["choices"]
     assert len(completions) == 2

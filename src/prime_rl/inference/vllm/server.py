@@ -170,7 +170,8 @@ def sampling_mask_refusal(body: bytes, unavailable: str | None) -> JSONResponse 
     asking for them streamed (spans.py adds them to whole responses only); rather than answered without them."""
     try:
         parsed = json.loads(body)
-        asked = parsed.get("return_sampling_mask")
+        params = parsed.get("sampling_params")  # the token route's (/inference/v1/generate)
+        asked = parsed.get("return_sampling_mask") or (isinstance(params, dict) and params.get("return_sampling_mask"))
     except (ValueError, AttributeError):
         return None  # not a JSON object: vLLM says so
     if not asked:

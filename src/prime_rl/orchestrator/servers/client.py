@@ -317,14 +317,11 @@ class InferenceClient:
         return await self._sample("/completions", body, parse_completion_response)
 
     async def generate(
-        self, prompt_ids: list[int], n: int, sampling: SamplingConfig, seed: int | None = None
+        self, prompt_ids: list[int], n: int, sampling: SamplingConfig, seed: int | None = None, masks: bool = False
     ) -> list[Completion]:
         """`n` samples continuing a prompt of token ids the caller rendered itself, through the token-in/token-out
-        route (/inference/v1/generate): the same pool, floor and weight steps as `complete`. No kept sets come
-        back on this route yet: with top-p / top-k on, it refuses (the trainer could not score the tokens)."""
-        if sampling.filtered:
-            raise InferenceError("the token route returns no sampling masks yet: sample it with top_p = 1, top_k = 0")
-        params = self._sampling_body(n, sampling, seed)
+        route (/inference/v1/generate): the same pool, floor, weight steps and kept sets (`masks`) as `complete`."""
+        params = self._sampling_body(n, sampling, seed, masks)
         del params["model"], params["return_tokens_as_token_ids"], params["return_token_ids"]
         body = {"model": self.model, "token_ids": list(prompt_ids), "return_token_ids": True}
         body["sampling_params"] = params | {"logprobs": 0}
