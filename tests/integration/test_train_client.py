@@ -103,7 +103,7 @@ def test_train_client_through_the_orchestrators_pool_endpoint_fails_over_and_kee
             turns = await episode(endpoint.url)
             async with httpx.AsyncClient(timeout=60) as http:
                 root = endpoint.url.removesuffix("/v1")
-                body = {"token_ids": [72, 105], "sampling_params": {"max_tokens": 3}}
+                body = {"token_ids": [72, 105], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
                 answer = await http.post(f"{root}/inference/v1/generate", json=body)
                 refused = await http.post(f"{root}/inference/v1/generate", json=body | {"token_ids": []})
                 models = await http.get(f"{endpoint.url}/models")
