@@ -122,17 +122,27 @@ def parse_chat_response(data: dict) -> list[Choice]:
         raise ValueError("response lacks prompt_token_ids (the server must support return_token_ids)")
     out = []
     for choice in sorted(data["choices"], key=lambda c: c["index"]):
-        content = (choice.get("logprobs") or {}).get("content")
-        if content is None:
-            raise ValueError(f"choice {choice['index']} has no logprobs.content")
-        ids = _check_ids(choice, [parse_token_id(t["token"]) for t in content])
-        text = (choice.get("message") or {}).get("content") or ""
+        content = _content(choice)
         masks = [t["sampling_mask"] for t in content] if content and "sampling_mask" in content[0] else None
-        kept = _kept_sets(masks, ids, choice["index"])
-        logprobs = [float(t["logprob"]) for t in content]
-        steps = _token_steps(choice, ids)
-        out.append(Choice(list(prompt_ids), ids, logprobs, text, choice["finish_reason"], kept, steps))
+        text = (choice.get("message") or {}).get("content") or ""
+        out.append(_content_choice(choice, prompt_ids, [parse_token_id(t["token"]) for t in content], masks, text))
     return out
+
+
+def _content(choice: dict) -> list[dict]:
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        raise ValueError(f"choice {choice['index']} has no logprobs.content")
+    return content
+
+
+def _content_choice(choice: dict, prompt_ids: list[int], logprob_ids: list[int], masks: Any, text: str) -> Choice:
+    """A choice whose logprobs are one `logprobs.content` entry per token (chat, the token route)."""
+    ids = _check_ids(choice, logprob_ids)
+    kept = _kept_sets(masks, ids, choice["index"])
+    logprobs = [float(t["logprob"]) for t in choice["logprobs"]["content"]]
+    steps = _token_steps(choice, ids)
+    return Choice(list(prompt_ids), ids, logprobs, text, choice["finish_reason"], kept, steps)
 
 
 def parse_completion_response(data: dict) -> list[Choice]:
@@ -162,14 +172,8 @@ def parse_generate_response(data: dict) -> list[Choice]:
         raise ValueError("response lacks prompt_token_ids (the request must ask for return_token_ids)")
     out = []
     for choice in sorted(data["choices"], key=lambda c: c["index"]):
-        content = (choice.get("logprobs") or {}).get("content")
-        if content is None:
-            raise ValueError(f"choice {choice['index']} has no logprobs.content")
-        ids = _check_ids(choice, [int(t["token_id"]) for t in content])
-        kept = _kept_sets(choice.get("sampling_mask"), ids, choice["index"])
-        logprobs = [float(t["logprob"]) for t in content]
-        steps = _token_steps(choice, ids)
-        out.append(Choice(list(prompt_ids), ids, logprobs, "", choice["finish_reason"], kept, steps))
+        ids = [int(t["token_id"]) for t in _content(choice)]
+        out.append(_content_choice(choice, prompt_ids, ids, choice.get("sampling_mask"), ""))
     return out
 
 
