@@ -73,7 +73,7 @@ def training(config: TrainingConfig, max_steps: int) -> Iterator[Training]:
     except BaseException:
         if checkpointer is not None:  # after an error (a normal end finished it): not torn down mid-write
             checkpointer.close()
-        close_distributed(drain=False)
+        close_distributed(clean=False)
         raise
     close_distributed()
 

@@ -79,7 +79,7 @@ def test_a_background_checkpoint_on_a_full_disk_is_diskfull_and_leaves_no_traine
 import torch
 from prime_rl.trainer.ckpt import AsyncCheckpointer, Progress, save_checkpoint
 from prime_rl.trainer.model import build_model
-from prime_rl.trainer.parallel import init_distributed
+from prime_rl.trainer.parallel import close_distributed, init_distributed
 from prime_rl.trainer.weights import build_model_files
 init_distributed("cpu")
 model = build_model({str(tiny_model)!r})
@@ -98,6 +98,8 @@ try:
     save_checkpoint(out, 2, model, optimizer, scheduler, Progress(step=2), files, 0)
 except BaseException as e:
     report["sync"] = f"{{type(e).__name__}}: {{e}}"
+checkpointer.close()
+close_distributed(clean=False)  # as the trainer leaves after an error
 """
     report = on_small_disk(tmp_path, code)
     assert "error" not in report, report["error"]
