@@ -20,7 +20,8 @@ messages it sees carry the model's parsed `tool_calls` (arguments as a JSON stri
 
 `load_environment(id, **args)` builds one from a built-in name (`reverse-text`, `arithmetic`,
 `guess-number`, `dataset`), an import path `package.module:function`, or `verifiers:<env id>` when the
-optional `verifiers` package is installed.
+optional `verifiers` package is installed; `verifiers-env` is an environment whose episodes verifiers plays itself
+(its args: verifiers' env config; envs/verifiers_episodes.py).
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def _resolve(path: str) -> Callable[..., Any]:
 def environment_factory(env_id: str) -> Callable[..., Any]:
     """What builds `env_id` (built-in name, 'module:function' or 'verifiers:<id>'); EnvError if nothing does.
     Cheap (imports the module only): a launcher checks its ids before it starts any service."""
+    if env_id == "verifiers-env":
+        from prime_rl.envs.verifiers_episodes import load_episode_env
+
+        return load_episode_env
     if env_id.startswith("verifiers:"):
         from prime_rl.envs.verifiers_env import load_verifiers_environment
 

@@ -110,3 +110,7 @@ def sums(**args) -> SumsTaskset:
 
 def calc(**args) -> CalcTaskset:
     return CalcTaskset(AdditionConfig(**args))
+
+
+if __name__ == "__main__":  # verifiers serves a Toolset in its runtime as `python -m <its module>`
+    CalcTools.run()

@@ -67,9 +67,8 @@ class EnvSlot:
 
     @property
     def token_budget(self) -> int:
-        """Most model tokens of one rollout (max_tokens × model turns): the length penalty's scale."""
-        game = self.source.game
-        return self.source.sampling.max_tokens * (game.turns if game is not None else 1)
+        """Most model tokens of one rollout: the length penalty's scale."""
+        return self.source.token_budget
 
 
 class EnvMix:
@@ -111,11 +110,18 @@ class Batch:
 
 
 def advantages_of(group: Group, adv: AdvantageConfig, token_budget: int) -> list[float]:
-    rollouts = group.rollouts
-    rewards = apply_truncation([r.reward for r in rollouts], [r.truncated for r in rollouts], adv.truncated)
-    lengths = [sum(r.completion_mask) for r in rollouts]
+    """Per rollout its advantage within the group, computed over units (Rollout.unit: an episode's trace whose
+    samples share one reward; truncated when any of them is, its length their model tokens)."""
+    units: dict[int, list[Rollout]] = {}
+    for i, r in enumerate(group.rollouts):
+        units.setdefault(r.unit if r.unit >= 0 else -1 - i, []).append(r)
+    members = list(units.values())
+    rewards = [rs[0].reward for rs in members]
+    rewards = apply_truncation(rewards, [any(r.truncated for r in rs) for rs in members], adv.truncated)
+    lengths = [sum(sum(r.completion_mask) for r in rs) for rs in members]
     rewards = apply_length_penalty(rewards, lengths, token_budget, adv.length_penalty)
-    return group_advantages(rewards, adv.std_norm, adv.baseline)
+    per_unit = dict(zip(units, group_advantages(rewards, adv.std_norm, adv.baseline), strict=True))
+    return [per_unit[r.unit if r.unit >= 0 else -1 - i] for i, r in enumerate(group.rollouts)]
 
 
 def group_seed(config: OrchestratorConfig, rng) -> int | None:
@@ -261,6 +267,10 @@ def breakdowns(batch: Batch, gaps: list[int]) -> dict[str, Any]:
         metrics[f"reward/{env}"] = statistics.fmean(r.reward for r in mine)
         metrics[f"groups/{env}"] = sum(g.env == env for g in batch.groups)
         metrics[f"seq_len/{env}"] = statistics.fmean(r.num_tokens for r in mine)
+        metrics[f"turns/{env}"] = statistics.fmean(r.turns for r in mine)
+        episodes = sum(g.episodes or len(g.rollouts) for g in batch.groups if g.env == env)
+        metrics[f"samples_per_episode/{env}"] = len(mine) / episodes
+        metrics[f"untrained_traces/{env}"] = sum(g.untrained for g in batch.groups if g.env == env)
         for name in sorted({k for r in mine for k in r.metrics}):
             metrics[f"reward/{env}/{name}"] = statistics.fmean(r.metrics[name] for r in mine if name in r.metrics)
     return metrics

@@ -38,6 +38,7 @@ from typing import Any
 
 from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig, SamplingConfig
 from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, load_environment, max_turns, split_score
+from prime_rl.envs.verifiers_episodes import EpisodeEnv
 from prime_rl.orchestrator.servers.client import Completion, InferenceClient
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.tool_calls import parse_tool_calls
@@ -69,6 +70,8 @@ class Rollout:
     # per completion token the server that sampled it (its index in client.base_url), -1 on env tokens and where
     # unknown: the parity gate compares each server's sampled tokens with the trainer's logprobs
     token_servers: list[int] | None = None
+    # the rollouts of one episode's trace (orchestrator/episodes.py) share a unit: one reward, one advantage
+    unit: int = -1  # -1: a unit of its own
 
     def __post_init__(self) -> None:
         if self.token_steps is None:
@@ -121,6 +124,8 @@ class Group:
     example: Example
     rollouts: list[Rollout]
     env: str = ""  # the name of the environment it came from
+    episodes: int = 0  # the episodes its rollouts came from (0: one each)
+    untrained: int = 0  # traces of its episodes not trained (verifiers' untrainable agents: user simulators, judges)
 
     @property
     def weight_step(self) -> int:
@@ -260,9 +265,11 @@ class RolloutSource:
         self.tools = getattr(env, "tools", None) or None
         self.multi_turn = is_multi_turn(env)
         self.game = None
+        self.token_budget = self.sampling.max_tokens  # most model tokens of one rollout
         if self.multi_turn:
             renderer = TurnRenderer(tokenizer, self.tools)
             self.game = Episode(env, self.sampling, renderer, turns or max_turns(env), seq_len, masks)
+            self.token_budget *= self.game.turns
 
     async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
         if self.game is not None:
@@ -290,6 +297,12 @@ def build_source(
     """An `[[env]]` (or `[[eval]]`) entry's environment and its sampler (sampling: config.sampling unless given);
     it asks for sampling masks when top-p / top-k is on (the orchestrator trains on what it samples)."""
     env = load_environment(cfg.id, **cfg.args)
+    if isinstance(env, EpisodeEnv):  # verifiers plays the episodes
+        from prime_rl.orchestrator.episodes import EpisodeSource
+
+        source = EpisodeSource(env, cfg.label, sampling or config.sampling, config.seq_len, config.model.name,
+                               cfg.max_tokens, masks=True)  # fmt: skip
+        return env, source
     tokenizer = load_tokenizer(env, config.model.name)
     source = RolloutSource(env, cfg.label, sampling or config.sampling, config.seq_len, tokenizer, config.max_turns,
                            cfg.max_tokens, masks=True)  # fmt: skip

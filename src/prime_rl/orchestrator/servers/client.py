@@ -325,11 +325,15 @@ class InferenceClient:
     ) -> list[Completion]:
         """`n` samples continuing a prompt of token ids the caller rendered itself, through the token-in/token-out
         route (/inference/v1/generate): the same pool, floor, weight steps and kept sets (`masks`) as `complete`."""
+        body = {"model": self.model, "token_ids": list(prompt_ids), "return_token_ids": True}
+        body["sampling_params"] = self.generate_params(n, sampling, seed, masks)
+        return await self._sample("/inference/v1/generate", body, parse_generate_response)
+
+    def generate_params(self, n: int, sampling: SamplingConfig, seed: int | None = None, masks: bool = False) -> dict:
+        """The token route's `sampling_params` for `sampling`: every parameter, as `_sampling_body`."""
         params = self._sampling_body(n, sampling, seed, masks)
         del params["model"], params["return_tokens_as_token_ids"], params["return_token_ids"]
-        body = {"model": self.model, "token_ids": list(prompt_ids), "return_token_ids": True}
-        body["sampling_params"] = params | {"logprobs": 0}
-        return await self._sample("/inference/v1/generate", body, parse_generate_response)
+        return params | {"logprobs": 0}
 
     async def score(
         self,

@@ -1,0 +1,64 @@
+"""`verifiers-env`: an environment whose episodes verifiers 0.4 plays itself (its Env, harness program, runtime,
+interception server, user simulators and judges), the model reached through the orchestrator's pool.
+
+    [[orchestrator.env]]
+    id = "verifiers-env"
+    name = "sums"
+    args = { taskset = { id = "my_taskset" }, agent = { harness = { id = "null" }, runtime = { type = "subprocess" } } }
+
+`args` is verifiers' own env config (`vf.resolve_env_config`: what `--env.*` sets on its command line), so the
+env class (`SingleAgentEnv`, `user_sim`, `agentic_judge`, ...) is the taskset's or `args.id`'s. This module loads
+it and yields its tasks as `Example`s (`info["task"]`: the vf.Task); playing them is the orchestrator's
+(orchestrator/episodes.py), and so is the score: verifiers scores each trace inside the episode, and the
+rollout's `completion` carries it (`{"reward": ..., <metric>: ...}`), which `score` hands back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prime_rl.envs.base import EnvError, Example, shuffled_forever
+from prime_rl.envs.verifiers_env import _import_vf
+
+ID = "verifiers-env"
+
+
+class EpisodeEnv:
+    """A verifiers Env (`env`, built from `config`) as our environment: its tasks as examples."""
+
+    def __init__(self, env: Any, config: dict[str, Any]):
+        self.env, self.config = env, config
+        taskset = env.taskset
+        try:
+            self.tasks = list(taskset) if taskset.bounded else None
+            first = next(iter(self.tasks if self.tasks is not None else taskset), None)
+        except Exception as e:
+            raise EnvError(f"{ID}: its taskset {taskset.config.id!r} failed to load: {type(e).__name__}: {e}") from None
+        if first is None:
+            raise EnvError(f"{ID}: its taskset {taskset.config.id!r} yielded no tasks")
+
+    def examples(self, seed: int) -> Iterator[Example]:
+        """Bounded tasksets reshuffled each epoch by `seed`; an unbounded one in its own order."""
+        tasks = shuffled_forever(self.tasks, seed) if self.tasks is not None else iter(self.env.taskset)
+        for task in tasks:
+            prompt = task.data.prompt
+            yield Example(prompt if isinstance(prompt, str | list) else "", info={"task": task})
+
+    def score(self, completion: dict[str, float], example: Example) -> dict[str, float]:
+        """verifiers scored the trace in the episode: `completion` is its {"reward", metrics}."""
+        return completion
+
+
+def load_episode_env(**args: Any) -> EpisodeEnv:
+    """verifiers' Env for the env config `args` (EnvError naming what it could not load)."""
+    _import_vf(ID)
+    from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+    if not isinstance(args.get("taskset"), dict) or not args["taskset"].get("id"):
+        raise EnvError(f'{ID}: args must name a taskset: args = {{ taskset = {{ id = "..." }}, ... }}; got {args}')
+    try:
+        env = load_environment(resolve_env_config(args))
+    except Exception as e:
+        raise EnvError(f"{ID}: verifiers could not load the env {args}: {type(e).__name__}: {e}") from None
+    return EpisodeEnv(env, args)

@@ -1,0 +1,160 @@
+"""Rollouts that verifiers plays (`verifiers-env`, envs/verifiers_episodes.py): its harness program, runtime and
+interception server drive the episode; we keep the tokens.
+
+The env's agents reach the model through verifiers' training client (`TrainClient`: prompts rendered by
+`renderers`, token ids in and out) pointed at our pool (`PoolEndpoint`, served in this process), each episode
+under its own key, so the endpoint records every answer the episode got: the tokens the servers sampled, their
+logprobs, the policy step of each token and the server. The run's sampling parameters replace the client's.
+
+Each trainable root-to-leaf branch of a trace (verifiers' `Trace.branches`: one while every turn's prompt extends
+the turn before, a new one where the history was rewritten) becomes one training sample:
+
+    [prompt ids][model turn 1][env / template tokens][model turn 2] ...   (branch.token_ids)
+     mask F      mask T        mask F                 mask T              (branch.sampled_mask)
+
+Every run of sampled tokens must be an answer the endpoint recorded for exactly that prefix and those tokens;
+its logprobs, steps and kept sets are the server's. A branch that is not is refused (EnvError): we never train
+on tokens the servers did not sample from that context. Traces verifiers marks untrainable (a user simulator, a
+frozen judge) are not trained; an episode verifiers failed (`episode.ok` false) fails its group with its error.
+A trace's samples share its reward and advantage (`Rollout.unit`); a branch longer than seq_len is cut there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from contextlib import asynccontextmanager
+from typing import Any
+
+from prime_rl.configs.orchestrator import SamplingConfig
+from prime_rl.envs import EnvError, Example
+from prime_rl.envs.verifiers_episodes import EpisodeEnv
+from prime_rl.orchestrator.rollout import Group, Rollout
+from prime_rl.orchestrator.servers.client import Completion, InferenceClient
+from prime_rl.orchestrator.servers.endpoint import PoolEndpoint
+
+KEY_VAR = "PRIME_RL_POOL_ENDPOINT_KEY"  # the endpoint's key, read by verifiers' client from the environment
+
+
+class EpisodeSource:
+    """Groups of verifiers-played episodes of one `verifiers-env`; `serving(client)` must be open around them."""
+
+    def __init__(self, env: EpisodeEnv, name: str, sampling: SamplingConfig, seq_len: int, model: str,
+                 max_tokens: int | None = None, masks: bool = False):  # fmt: skip
+        self.env, self.name, self.seq_len, self.model, self.masks = env, name, seq_len, model, masks
+        self.sampling = sampling if max_tokens is None else sampling.model_copy(update={"max_tokens": max_tokens})
+        self.endpoint: PoolEndpoint | None = None
+
+    @property
+    def token_budget(self) -> int:
+        """Most model tokens of one sample (the length penalty's scale): its sequence's room."""
+        return self.seq_len
+
+    @asynccontextmanager
+    async def serving(self, client: InferenceClient):
+        """The pool endpoint (sampling as the run samples, a fresh key) and the env's serving resources."""
+        token = os.environ.setdefault(KEY_VAR, secrets.token_hex(16))
+        params = client.generate_params(1, self.sampling, masks=self.masks)
+        async with PoolEndpoint(client.servers, sampling=params, token=token) as self.endpoint:
+            async with self.env.env.serving():
+                yield self
+        self.endpoint = None
+
+    def _context(self, key: str) -> Any:
+        from verifiers.v1.clients import ModelContext
+        from verifiers.v1.configs.client import TrainClientConfig
+        from verifiers.v1.types import SamplingConfig as VfSampling
+
+        client = TrainClientConfig(base_url=self.endpoint.episode_url(key), api_key_var=KEY_VAR,
+                                   renderer_model_name=self.model)  # fmt: skip
+        s = self.sampling
+        return ModelContext(self.model, client, VfSampling(temperature=s.temperature, top_p=s.top_p,
+                                                           max_tokens=s.max_tokens))  # fmt: skip
+
+    async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
+        if self.endpoint is None:
+            raise RuntimeError(f"{self.name}: episodes need the source's serving() open")
+        vf_env, task = self.env.env, example.info["task"]
+        keys = [self.endpoint.episode() for _ in range(n)]
+        try:
+            slots = vf_env.slots(task, n)
+            runs = [vf_env.run_slot(slot, self._context(key)) for slot, key in zip(slots, keys, strict=True)]
+            episodes = await asyncio.gather(*runs)
+        finally:
+            answers = [self.endpoint.end(k) for k in keys]
+        group = Group(example, [], self.name, episodes=n)
+        for i, (episode, recorded) in enumerate(zip(episodes, answers, strict=True)):
+            rollouts, untrained = episode_rollouts(episode, recorded, example, self.seq_len, self.name,
+                                                   self.sampling.filtered, unit=i * 1000)  # fmt: skip
+            group.rollouts += rollouts
+            group.untrained += untrained
+        if not group.rollouts:
+            raise EnvError(f"{self.name}: no episode of task {task.key} left a trainable sample")
+        return group
+
+    async def score(self, group: Group) -> None:
+        """verifiers scored each trace in its episode (`Rollout.completion`)."""
+        for rollout in group.rollouts:
+            rollout.reward = rollout.completion["reward"]
+            rollout.metrics = {k: v for k, v in rollout.completion.items() if k != "reward"}
+
+
+def episode_rollouts(episode: Any, answers: list[Completion], example: Example, seq_len: int, name: str,
+                     filtered: bool = False, unit: int = 0) -> tuple[list[Rollout], int]:  # fmt: skip
+    """The samples of one episode (module docstring) and how many traces were not trained."""
+    if not episode.ok:
+        error = episode.last_error or next((e for t in episode.traces for e in t.errors), None)
+        why = f"{error.type}: {error.message}" if error is not None else "no error recorded"
+        raise EnvError(f"{name}: verifiers' episode of task {episode.task.key} failed: {why}")
+    by_context = {(tuple(a.prompt_ids), tuple(a.completion_ids)): a for a in answers}
+    rollouts, untrained = [], 0
+    for t, trace in enumerate(episode.traces):
+        if not trace.agent.trainable:
+            untrained += 1
+            continue
+        scores = {k: r.score for k, r in trace.rewards.items() if r is not None}
+        scores |= {k: float(v) for k, v in trace.metrics.items() if v is not None}
+        for branch in trace.branches:
+            if branch.trainable and any(branch.sampled_mask):
+                where = f"{name}: trace {trace.agent.name}"
+                rollout = branch_rollout(branch, by_context, example, seq_len, where, filtered)
+                rollout.completion, rollout.unit = {"reward": trace.reward} | scores, unit + t
+                rollouts.append(rollout)
+    return rollouts, untrained
+
+
+def branch_rollout(branch: Any, answers: dict, example: Example, seq_len: int, where: str,
+                   filtered: bool = False) -> Rollout:  # fmt: skip
+    """One branch as a Rollout, every sampled run checked against (and labelled from) the recorded answers; with
+    `filtered` (top-p / top-k on) each token's kept set too."""
+    ids, mask = branch.token_ids, branch.sampled_mask
+    first = mask.index(True)
+    rollout = Rollout(example, ids[:first], [], [], [], "", "stop", -1, turns=0, kept=[] if filtered else None)
+    start = first
+    while start < len(ids):
+        end = start
+        while end < len(ids) and mask[end] == mask[start]:
+            end += 1
+        if not mask[start]:
+            rollout.add_env_tokens(ids[start:end])
+        else:
+            answer = answers.get((tuple(ids[:start]), tuple(ids[start:end])))
+            if answer is None:
+                raise EnvError(
+                    f"{where}: the model turn at tokens {start}..{end} of its sequence is not an answer our servers "
+                    f"gave for that context (a rewritten prompt or response?); refusing to train on it"
+                )
+            if filtered and answer.kept is None:
+                raise EnvError(f"{where}: the server sent no kept sets for a model turn (top-p / top-k is on)")
+            rollout.add_turn(answer)
+        start = end
+    if len(ids) > seq_len:  # cut at seq_len: a packed row holds one sequence
+        keep = seq_len - first
+        for field in ("completion_ids", "completion_mask", "logprobs", "token_steps", "token_servers", "kept"):
+            if (values := getattr(rollout, field)) is not None:
+                setattr(rollout, field, values[:keep])
+        rollout.cut = True
+    if branch.calls and branch.calls[-1].finish_reason == "length":
+        rollout.finish_reason = "length"
+    return rollout
