@@ -66,8 +66,12 @@ class ReverseText:
         return "".join(rng.choice(string.ascii_lowercase) if rng.random() < self.typo_rate else c for c in text[::-1])
 
     def score(self, text: str, example: Example) -> float:
-        target = example.info["text"][::-1] if "text" in example.info else example.answer
-        return difflib.SequenceMatcher(None, text.strip(), target, autojunk=False).ratio()
+        return similarity(text, example.info["text"][::-1] if "text" in example.info else example.answer)
+
+
+def similarity(text: str, target: str) -> float:
+    """The reward: difflib's ratio of the stripped reply to the reversed text (1.0 when exact)."""
+    return difflib.SequenceMatcher(None, text.strip(), target, autojunk=False).ratio()
 
 
 def load_environment(**args) -> ReverseText:
