@@ -173,7 +173,8 @@ def show_calc_server_log_on_failure(request):
 # at a time. (xdist_group marks with `--dist loadgroup` would say it per test, but on pytest 9.2 xdist 3.8's
 # grouping is silently lost: pytest-xdist#1386.)
 CALC_SERVER_MODULES = {
-    "test_inference_fuzz.py", "test_tool_calls.py", "test_lora_serving.py", "test_sinks.py", "test_train_client.py"
+    "test_inference_fuzz.py", "test_tool_calls.py", "test_lora_serving.py", "test_sinks.py", "test_train_client.py",
+    "test_verifiers_episodes.py",
 }  # fmt: skip
 ONE_BY_ONE_MODULES = {"test_rl.py"}  # 17 runs, ~10 min in all: one worker would end long after the other
 # Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.

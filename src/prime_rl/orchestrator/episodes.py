@@ -72,25 +72,30 @@ class EpisodeSource:
         return ModelContext(self.model, client, VfSampling(temperature=s.temperature, top_p=s.top_p,
                                                            max_tokens=s.max_tokens))  # fmt: skip
 
-    async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
+    async def play(self, task: Any, n: int) -> list[tuple[Any, list[Completion]]]:
+        """`n` episodes of a vf.Task, each with the answers the endpoint recorded for it."""
         if self.endpoint is None:
             raise RuntimeError(f"{self.name}: episodes need the source's serving() open")
-        vf_env, task = self.env.env, example.info["task"]
+        vf_env = self.env.env
         keys = [self.endpoint.episode() for _ in range(n)]
         try:
-            slots = vf_env.slots(task, n)
-            runs = [vf_env.run_slot(slot, self._context(key)) for slot, key in zip(slots, keys, strict=True)]
+            runs = [
+                vf_env.run_slot(slot, self._context(key)) for slot, key in zip(vf_env.slots(task, n), keys, strict=True)
+            ]
             episodes = await asyncio.gather(*runs)
         finally:
-            answers = [self.endpoint.end(k) for k in keys]
+            answers = [self.endpoint.end(key) for key in keys]
+        return list(zip(episodes, answers, strict=True))
+
+    async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
         group = Group(example, [], self.name, episodes=n)
-        for i, (episode, recorded) in enumerate(zip(episodes, answers, strict=True)):
-            rollouts, untrained = episode_rollouts(episode, recorded, example, self.seq_len, self.name,
+        for i, (episode, answers) in enumerate(await self.play(example.info["task"], n)):
+            rollouts, untrained = episode_rollouts(episode, answers, example, self.seq_len, self.name,
                                                    self.sampling.filtered, unit=i * 1000)  # fmt: skip
             group.rollouts += rollouts
             group.untrained += untrained
         if not group.rollouts:
-            raise EnvError(f"{self.name}: no episode of task {task.key} left a trainable sample")
+            raise EnvError(f"{self.name}: no episode of task {example.info['task'].key} left a trainable sample")
         return group
 
     async def score(self, group: Group) -> None:
