@@ -176,7 +176,7 @@ CALC_SERVER_MODULES = {
     "test_inference_fuzz.py", "test_tool_calls.py", "test_lora_serving.py", "test_sinks.py", "test_train_client.py",
     "test_verifiers_episodes.py",
 }  # fmt: skip
-ONE_BY_ONE_MODULES = {"test_rl.py"}  # 17 runs, ~10 min in all: one worker would end long after the other
+ONE_BY_ONE_MODULES = {"test_rl.py", "test_rl_verifiers.py"}  # ~20 runs: one worker would end long after the other
 # Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.
 FIRST_MODULES = ["test_example_reverse_text.py"]
 

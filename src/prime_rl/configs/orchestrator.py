@@ -279,6 +279,12 @@ class OrchestratorConfig(BaseConfig):
             "them to end"
         ),
     ] = "continue"
+    max_env_errors: Annotated[
+        int,
+        Field(ge=1, description="consecutive failed groups of one environment (an episode that verifiers failed or "
+              "that left nothing to train) that end the run with the last one's error; a failure before that is "
+              "logged, counted in env_errors/<env> and its group drawn again from a fresh example"),
+    ] = 5  # fmt: skip
     max_turns: Annotated[
         int | None, Field(ge=1, description="most model turns of a multi-turn episode; unset = the env's max_turns")
     ] = None

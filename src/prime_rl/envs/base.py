@@ -33,6 +33,11 @@ class EnvError(ValueError):
     """The environment id, its arguments or what it yields are wrong; the message says which."""
 
 
+class EpisodeFailed(EnvError):
+    """One episode failed in the environment's own code (a harness, tool or scorer; verifiers recorded why): its
+    group is dropped and counted, and the run goes on until too many fail in a row (max_env_errors)."""
+
+
 def shuffled_forever(rows: list, seed: int) -> Iterator[Any]:
     """The rows in a fresh seeded order each epoch, without end (datasets become example streams)."""
     rng = random.Random(seed)

@@ -7,7 +7,8 @@ interception server, user simulators and judges), the model reached through the 
     args = { taskset = { id = "my_taskset" }, agent = { harness = { id = "null" }, runtime = { type = "subprocess" } } }
 
 `args` is verifiers' own env config (`vf.resolve_env_config`: what `--env.*` sets on its command line), so the
-env class (`SingleAgentEnv`, `user_sim`, `agentic_judge`, ...) is the taskset's or `args.id`'s. This module loads
+env class (`SingleAgentEnv`, `user_sim`, `agentic_judge`, ...) is the taskset's or `args.id`'s. An episode
+gets `timeout.episode` seconds (EPISODE_TIMEOUT unless args set it), then fails. This module loads
 it and yields its tasks as `Example`s (`info["task"]`: the vf.Task); playing them is the orchestrator's
 (orchestrator/episodes.py), and so is the score: verifiers scores each trace inside the episode, and the
 rollout's `completion` carries it (`{"reward": ..., <metric>: ...}`), which `score` hands back.
@@ -22,6 +23,7 @@ from prime_rl.envs.base import EnvError, Example, shuffled_forever
 from prime_rl.envs.verifiers_env import _import_vf
 
 ID = "verifiers-env"
+EPISODE_TIMEOUT = 900.0  # seconds, verifiers' `timeout.episode` where args set none: every episode has a bound
 
 
 class EpisodeEnv:
@@ -55,6 +57,7 @@ def load_episode_env(**args: Any) -> EpisodeEnv:
     _import_vf(ID)
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
+    args = {**args, "timeout": {"episode": EPISODE_TIMEOUT, **args.get("timeout", {})}}
     if not isinstance(args.get("taskset"), dict) or not args["taskset"].get("id"):
         raise EnvError(f'{ID}: args must name a taskset: args = {{ taskset = {{ id = "..." }}, ... }}; got {args}')
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_rl.configs.orchestrator import AdvantageConfig, EnvConfig, OrchestratorConfig
-from prime_rl.envs import EnvError, Environment, Example
+from prime_rl.envs import EnvError, Environment, EpisodeFailed, Example
 from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncation, group_advantages, is_zero
 from prime_rl.orchestrator.ckpt import Progress
 from prime_rl.orchestrator.distill import Teacher, teacher_kl
@@ -60,6 +60,7 @@ class EnvSlot:
     config: EnvConfig
     source: RolloutSource
     data: DataStream
+    failing: int = 0  # its groups that failed since the last one that did not (EpisodeFailed)
 
     @property
     def name(self) -> str:
@@ -133,9 +134,22 @@ def group_seed(config: OrchestratorConfig, rng) -> int | None:
 async def sample_group(client: InferenceClient, config: OrchestratorConfig, slot: EnvSlot, example: Example,
                        seed: int | None, teacher: Teacher | None = None) -> Group:  # fmt: skip
     """One scored group, each rollout carrying its advantage (scored as soon as it arrives, while other groups
-    generate); with a `teacher`, per-token advantages from its scores of the rollouts (distill.py)."""
-    group = await slot.source.group(client, example, config.rollouts_per_example, seed)
-    await slot.source.score(group)
+    generate); with a `teacher`, per-token advantages from its scores of the rollouts (distill.py). A group whose
+    episodes failed in the env's own code (EpisodeFailed) is replaced by one of the env's next example."""
+    failed = 0
+    while True:
+        try:
+            group = await slot.source.group(client, example, config.rollouts_per_example, seed)
+            await slot.source.score(group)
+            break
+        except EpisodeFailed as e:
+            failed, slot.failing = failed + 1, slot.failing + 1
+            if slot.failing >= config.max_env_errors:
+                last = f"{slot.name}: {slot.failing} groups in a row failed (max_env_errors); the last: {e}"
+                raise EnvError(last) from None
+            logger.warning(f"{slot.name}: a group failed ({slot.failing} in a row), drawing another example: {e}")
+            example = slot.data.next()
+    slot.failing, group.failed = 0, failed
     advantages = advantages_of(group, config.advantage, slot.token_budget)
     if teacher is not None:
         advantages = await teacher.distil(group, advantages)
@@ -271,6 +285,7 @@ def breakdowns(batch: Batch, gaps: list[int]) -> dict[str, Any]:
         episodes = sum(g.episodes or len(g.rollouts) for g in batch.groups if g.env == env)
         metrics[f"samples_per_episode/{env}"] = len(mine) / episodes
         metrics[f"untrained_traces/{env}"] = sum(g.untrained for g in batch.groups if g.env == env)
+        metrics[f"env_errors/{env}"] = sum(g.failed for g in batch.groups if g.env == env)
         for name in sorted({k for r in mine for k in r.metrics}):
             metrics[f"reward/{env}/{name}"] = statistics.fmean(r.metrics[name] for r in mine if name in r.metrics)
     return metrics

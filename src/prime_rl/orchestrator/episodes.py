@@ -13,9 +13,11 @@ the turn before, a new one where the history was rewritten) becomes one training
      mask F      mask T        mask F                 mask T              (branch.sampled_mask)
 
 Every run of sampled tokens must be an answer the endpoint recorded for exactly that prefix and those tokens;
-its logprobs, steps and kept sets are the server's. A branch that is not is refused (EnvError): we never train
-on tokens the servers did not sample from that context. Traces verifiers marks untrainable (a user simulator, a
-frozen judge) are not trained; an episode verifiers failed (`episode.ok` false) fails its group with its error.
+its logprobs, steps and kept sets are the server's. A branch that is not is refused: we never train on tokens the
+servers did not sample from that context. Traces verifiers marks untrainable (a user simulator, a frozen judge)
+are not trained. An episode verifiers failed (`episode.ok` false: a harness, tool or scorer error, its deadline
+`timeout.episode`), a refused branch, or a group left with nothing to train fails the group (EpisodeFailed):
+batch.sample_group counts it and draws another example, up to max_env_errors in a row.
 A trace's samples share its reward and advantage (`Rollout.unit`); a branch longer than seq_len is cut there.
 """
 
@@ -28,7 +30,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from prime_rl.configs.orchestrator import SamplingConfig
-from prime_rl.envs import EnvError, Example
+from prime_rl.envs import EpisodeFailed, Example
 from prime_rl.envs.verifiers_episodes import EpisodeEnv
 from prime_rl.orchestrator.rollout import Group, Rollout
 from prime_rl.orchestrator.servers.client import Completion, InferenceClient
@@ -89,13 +91,15 @@ class EpisodeSource:
 
     async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
         group = Group(example, [], self.name, episodes=n)
-        for i, (episode, answers) in enumerate(await self.play(example.info["task"], n)):
+        played = await self.play(example.info["task"], n)
+        for i, (episode, answers) in enumerate(played):
             rollouts, untrained = episode_rollouts(episode, answers, example, self.seq_len, self.name,
                                                    self.sampling.filtered, unit=i * 1000)  # fmt: skip
             group.rollouts += rollouts
             group.untrained += untrained
         if not group.rollouts:
-            raise EnvError(f"{self.name}: no episode of task {example.info['task'].key} left a trainable sample")
+            raise EpisodeFailed(f"{self.name}: no episode of task {example.info['task'].key} left a trainable "
+                                f"sample: {'; '.join(map(describe, played))}")  # fmt: skip
         return group
 
     async def score(self, group: Group) -> None:
@@ -111,7 +115,7 @@ def episode_rollouts(episode: Any, answers: list[Completion], example: Example, 
     if not episode.ok:
         error = episode.last_error or next((e for t in episode.traces for e in t.errors), None)
         why = f"{error.type}: {error.message}" if error is not None else "no error recorded"
-        raise EnvError(f"{name}: verifiers' episode of task {episode.task.key} failed: {why}")
+        raise EpisodeFailed(f"{name}: verifiers' episode of task {episode.task.key} failed: {why}")
     by_context = {(tuple(a.prompt_ids), tuple(a.completion_ids)): a for a in answers}
     rollouts, untrained = [], 0
     for t, trace in enumerate(episode.traces):
@@ -146,12 +150,12 @@ def branch_rollout(branch: Any, answers: dict, example: Example, seq_len: int, w
         else:
             answer = answers.get((tuple(ids[:start]), tuple(ids[start:end])))
             if answer is None:
-                raise EnvError(
+                raise EpisodeFailed(
                     f"{where}: the model turn at tokens {start}..{end} of its sequence is not an answer our servers "
                     f"gave for that context (a rewritten prompt or response?); refusing to train on it"
                 )
             if filtered and answer.kept is None:
-                raise EnvError(f"{where}: the server sent no kept sets for a model turn (top-p / top-k is on)")
+                raise EpisodeFailed(f"{where}: the server sent no kept sets for a model turn (top-p / top-k is on)")
             rollout.add_turn(answer)
         start = end
     if len(ids) > seq_len:  # cut at seq_len: a packed row holds one sequence
@@ -163,3 +167,17 @@ def branch_rollout(branch: Any, answers: dict, example: Example, seq_len: int, w
     if branch.calls and branch.calls[-1].finish_reason == "length":
         rollout.finish_reason = "length"
     return rollout
+
+
+def describe(played: tuple[Any, list[Completion]]) -> str:
+    """One episode in a line: each trace's agent, trainable or not, why it stopped, its model turns.
+
+    The episode's answers count the model calls: 0 where every request was refused (e.g. a prompt over the servers'
+    max_model_len, which verifiers' user simulator takes as the user closing)."""
+    episode, answers = played
+    traces = ", ".join(
+        f"{t.agent.name}{'' if t.agent.trainable else ' (untrainable)'} stopped by {t.stop_condition}, "
+        f"{sum(len(b.calls) for b in t.branches)} model turn(s)"
+        for t in episode.traces
+    )
+    return f"{len(answers)} answer(s) from the servers; {traces}"

@@ -126,6 +126,7 @@ class Group:
     env: str = ""  # the name of the environment it came from
     episodes: int = 0  # the episodes its rollouts came from (0: one each)
     untrained: int = 0  # traces of its episodes not trained (verifiers' untrainable agents: user simulators, judges)
+    failed: int = 0  # groups of its env that failed before it, each replaced by a fresh example (batch.sample_group)
 
     @property
     def weight_step(self) -> int:

@@ -1,0 +1,129 @@
+"""`rl` on environments whose episodes verifiers plays itself (`verifiers-env`): its chat program, interception
+server and multi-agent envs through the pool endpoint, with faults in the env's own code counted and survived.
+
+The tasksets: `prime_rl_reverse` (shipped) and tests/tasksets/faulty_taskset.py (its scorer raises or hangs on
+purpose), on the tiny calc model. verifiers' chat program needs its dependencies from PyPI once (uv caches them).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_rl.utils.metrics import read_metrics
+from tests.integration.test_rl import show_logs
+
+pytestmark = pytest.mark.slow
+MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
+TASKSETS = Path(__file__).resolve().parents[1] / "tasksets"
+NULL_AGENT = 'agent = { harness = { id = "null" }, runtime = { type = "subprocess" } }'
+
+ENVS = f"""
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 2
+seq_len = 1024
+sampling.max_tokens = 16
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "reverse"
+[orchestrator.env.args]
+taskset = {{ id = "prime_rl_reverse", min_chars = 5, max_chars = 12 }}
+{NULL_AGENT}
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "sim"
+[orchestrator.env.args]
+id = "user_sim"
+taskset = {{ id = "prime_rl_reverse" }}
+user = {{ max_turns = 2, runtime = {{ type = "subprocess" }} }}
+assistant = {{ harness = {{ id = "null" }}, runtime = {{ type = "subprocess" }} }}
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "broken"
+[orchestrator.env.args]
+taskset = {{ id = "faulty_taskset", fault = "raise-some" }}
+{NULL_AGENT}
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "slow"
+[orchestrator.env.args]
+taskset = {{ id = "faulty_taskset", fault = "hang-some" }}
+timeout = {{ episode = 5 }}
+{NULL_AGENT}
+"""
+
+ALWAYS_BROKEN = f"""
+[orchestrator]
+batch_size = 2
+rollouts_per_example = 2
+max_env_errors = 2
+seq_len = 512
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "broken"
+[orchestrator.env.args]
+taskset = {{ id = "faulty_taskset", fault = "raise" }}
+{NULL_AGENT}
+"""
+
+
+@pytest.fixture(autouse=True)
+def needs_verifiers_and_uv():
+    pytest.importorskip("verifiers.v1", reason="verifiers is not installed (uv sync --extra verifiers)")
+    if shutil.which("uv") is None:
+        pytest.skip("verifiers' harness programs run with uv, which is not on PATH")
+
+
+def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "out"
+    (tmp_path / "rl.toml").write_text(config)
+    args = [
+        "@", str(tmp_path / "rl.toml"), "--model.name", str(MODEL), "--output-dir", str(out), "--max-steps",
+        str(steps), "--async-level", "0", "--inference.server.port", str(free_port), "--inference.max-model-len",
+        "1024", "--trainer.optim.lr", "1e-4",
+    ]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(TASKSETS), os.environ.get("PYTHONPATH")]))}
+    rl = [sys.executable, "-m", "prime_rl.entrypoints.rl", *args]
+    return subprocess.run(rl, capture_output=True, text=True, timeout=600, env=env), out
+
+
+def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_that_raises_or_hangs(
+    tmp_path, free_port
+):
+    """Four envs, one group each per step: a single-agent one, a user simulator (its user never trained), and two
+    whose scorer raises / hangs past the episode's 5 s deadline on some tasks. On-policy, the trainer's logprobs
+    of the trained tokens match the servers' (mismatch KL < 1e-3); every failed group is counted and replaced."""
+    start = time.perf_counter()
+    result, out = run(tmp_path, free_port, ENVS, 5)
+    assert result.returncode == 0, result.stderr + show_logs(out)
+    orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
+    errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in ("reverse", "sim", "broken", "slow")}
+    print(f"5 steps in {time.perf_counter() - start:.0f}s, env errors {errors}; per step: " + "; ".join(
+        f"reverse {m['reward/reverse']:.3f}, sim {m['reward/sim']:.3f} over {m['turns/sim']:.1f} turns, "
+        f"gen {m['time/generate']:.1f}s" for m in orch))  # fmt: skip
+    assert [m["step"] for m in trainer] == [0, 1, 2, 3, 4]
+    assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
+    assert all(m[f"groups/{env}"] == 1 for m in orch for env in errors)
+    assert all(m["untrained_traces/sim"] == 2 and m["untrained_traces/reverse"] == 0 for m in orch)
+    assert all(m["samples_per_episode/sim"] == 1 for m in orch)
+    assert max(m["turns/sim"] for m in orch) > 1  # the user answered and the assistant spoke again
+    assert errors["reverse"] == errors["sim"] == 0 and errors["broken"] > 0 and errors["slow"] > 0
+    log = (out / "logs" / "orchestrator.log").read_text()
+    assert "the scorer broke on purpose" in log and "exceeded its 5s deadline" in log
+
+
+def test_an_env_whose_every_group_fails_ends_the_run_with_its_own_error(tmp_path, free_port):
+    result, out = run(tmp_path, free_port, ALWAYS_BROKEN, 3)
+    assert result.returncode != 0
+    assert "broken: 2 groups in a row failed (max_env_errors); the last:" in result.stderr, result.stderr[-3000:]
+    assert "the scorer broke on purpose" in result.stderr and "Traceback" not in result.stderr
