@@ -24,21 +24,31 @@ NULL_AGENT = 'agent = { harness = { id = "null" }, runtime = { type = "subproces
 
 ENVS = f"""
 [orchestrator]
-batch_size = 8
+batch_size = 10
 rollouts_per_example = 2
 seq_len = 1024
-sampling.max_tokens = 16
+sampling.max_tokens = 96  # byte-level tokens: a tool call is ~70
 
 [[orchestrator.env]]
 id = "verifiers-env"
 name = "reverse"
+max_tokens = 16
 [orchestrator.env.args]
 taskset = {{ id = "prime_rl_reverse", min_chars = 5, max_chars = 12 }}
 {NULL_AGENT}
 
 [[orchestrator.env]]
 id = "verifiers-env"
+name = "calc"
+[orchestrator.env.args]
+taskset = {{ id = "prime_rl_calc" }}
+renderer = {{ name = "custom", import_path = "prime_rl.envs.hermes_renderer.HermesTextRenderer" }}
+{NULL_AGENT}
+
+[[orchestrator.env]]
+id = "verifiers-env"
 name = "sim"
+max_tokens = 16
 [orchestrator.env.args]
 id = "user_sim"
 taskset = {{ id = "prime_rl_reverse" }}
@@ -48,6 +58,7 @@ assistant = {{ harness = {{ id = "null" }}, runtime = {{ type = "subprocess" }} 
 [[orchestrator.env]]
 id = "verifiers-env"
 name = "broken"
+max_tokens = 16
 [orchestrator.env.args]
 taskset = {{ id = "faulty_taskset", fault = "raise-some" }}
 {NULL_AGENT}
@@ -55,9 +66,10 @@ taskset = {{ id = "faulty_taskset", fault = "raise-some" }}
 [[orchestrator.env]]
 id = "verifiers-env"
 name = "slow"
+max_tokens = 16
 [orchestrator.env.args]
 taskset = {{ id = "faulty_taskset", fault = "hang-some" }}
-timeout = {{ episode = 5 }}
+timeout = {{ episode = 20 }}
 {NULL_AGENT}
 """
 
@@ -100,16 +112,18 @@ def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.Comple
 def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_that_raises_or_hangs(
     tmp_path, free_port
 ):
-    """Four envs, one group each per step: a single-agent one, a user simulator (its user never trained), and two
-    whose scorer raises / hangs past the episode's 5 s deadline on some tasks. On-policy, the trainer's logprobs
+    """Five envs, one group each per step: single-turn reverse-text, the calculator (a tool served by verifiers'
+    tool server), a user simulator (its user never trained), and two whose scorer raises / hangs past the
+    episode's 20 s deadline on some tasks. On-policy, the trainer's logprobs
     of the trained tokens match the servers' (mismatch KL < 1e-3); every failed group is counted and replaced."""
     start = time.perf_counter()
     result, out = run(tmp_path, free_port, ENVS, 5)
     assert result.returncode == 0, result.stderr + show_logs(out)
     orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
-    errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in ("reverse", "sim", "broken", "slow")}
+    errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in ("reverse", "calc", "sim", "broken", "slow")}
     print(f"5 steps in {time.perf_counter() - start:.0f}s, env errors {errors}; per step: " + "; ".join(
-        f"reverse {m['reward/reverse']:.3f}, sim {m['reward/sim']:.3f} over {m['turns/sim']:.1f} turns, "
+        f"reverse {m['reward/reverse']:.3f}, calc {m['reward/calc']:.2f} over {m['turns/calc']:.1f} turns, "
+        f"sim {m['reward/sim']:.3f} over {m['turns/sim']:.1f} turns, "
         f"gen {m['time/generate']:.1f}s" for m in orch))  # fmt: skip
     assert [m["step"] for m in trainer] == [0, 1, 2, 3, 4]
     assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
@@ -117,9 +131,11 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     assert all(m["untrained_traces/sim"] == 2 and m["untrained_traces/reverse"] == 0 for m in orch)
     assert all(m["samples_per_episode/sim"] == 1 for m in orch)
     assert max(m["turns/sim"] for m in orch) > 1  # the user answered and the assistant spoke again
-    assert errors["reverse"] == errors["sim"] == 0 and errors["broken"] > 0 and errors["slow"] > 0
+    assert errors["reverse"] == errors["calc"] == errors["sim"] == 0 and errors["broken"] > 0 and errors["slow"] > 0
+    # The calc model calls `add` (served by verifiers' tool server in the runtime) and answers with its result.
+    assert max(m["reward/calc"] for m in orch) > 0 and max(m["turns/calc"] for m in orch) > 1
     log = (out / "logs" / "orchestrator.log").read_text()
-    assert "the scorer broke on purpose" in log and "exceeded its 5s deadline" in log
+    assert "the scorer broke on purpose" in log and "exceeded its 20s deadline" in log
 
 
 def test_an_env_whose_every_group_fails_ends_the_run_with_its_own_error(tmp_path, free_port):

@@ -1,7 +1,7 @@
 """reverse-text (prime_rl_reverse) whose scorer fails on purpose, for the fault tests of episodes verifiers plays.
 
 `fault` (a taskset config field): "" scores; "raise" / "hang" raises / sleeps for an hour on every task;
-"raise-some" / "hang-some" only on texts of odd length. verifiers' loader imports a taskset id as a top-level
+"raise-some" / "hang-some" only on texts whose length is a multiple of 4 (about one in four). verifiers' loader imports a taskset id as a top-level
 module: the tests put this directory on PYTHONPATH.
 """
 
@@ -24,7 +24,7 @@ class FaultyTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
 
     @vf.reward
     async def similarity(self, task: ReverseData, trace: vf.Trace) -> float:
-        if self.fault and (not self.fault.endswith("-some") or len(task.text) % 2):
+        if self.fault and (not self.fault.endswith("-some") or len(task.text) % 4 == 0):
             if self.fault.startswith("hang"):
                 await asyncio.sleep(3600)
             raise RuntimeError(f"the scorer broke on purpose on {task.text!r}")

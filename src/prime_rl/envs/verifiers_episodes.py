@@ -8,7 +8,9 @@ interception server, user simulators and judges), the model reached through the 
 
 `args` is verifiers' own env config (`vf.resolve_env_config`: what `--env.*` sets on its command line), so the
 env class (`SingleAgentEnv`, `user_sim`, `agentic_judge`, ...) is the taskset's or `args.id`'s. An episode
-gets `timeout.episode` seconds (EPISODE_TIMEOUT unless args set it), then fails. This module loads
+gets `timeout.episode` seconds (EPISODE_TIMEOUT unless args set it), then fails. One key is ours, not verifiers':
+`renderer`, the `renderers` config verifiers' training client renders prompts and parses turns with (unset: the
+one renderers picks for the model; envs/hermes_renderer.py for byte-level Hermes models). This module loads
 it and yields its tasks as `Example`s (`info["task"]`: the vf.Task); playing them is the orchestrator's
 (orchestrator/episodes.py), and so is the score: verifiers scores each trace inside the episode, and the
 rollout's `completion` carries it (`{"reward": ..., <metric>: ...}`), which `score` hands back.
@@ -29,8 +31,8 @@ EPISODE_TIMEOUT = 900.0  # seconds, verifiers' `timeout.episode` where args set 
 class EpisodeEnv:
     """A verifiers Env (`env`, built from `config`) as our environment: its tasks as examples."""
 
-    def __init__(self, env: Any, config: dict[str, Any]):
-        self.env, self.config = env, config
+    def __init__(self, env: Any, config: dict[str, Any], renderer: dict[str, Any] | None = None):
+        self.env, self.config, self.renderer = env, config, renderer
         taskset = env.taskset
         try:
             self.tasks = list(taskset) if taskset.bounded else None
@@ -58,10 +60,11 @@ def load_episode_env(**args: Any) -> EpisodeEnv:
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
     args = {**args, "timeout": {"episode": EPISODE_TIMEOUT, **args.get("timeout", {})}}
+    renderer = args.pop("renderer", None)
     if not isinstance(args.get("taskset"), dict) or not args["taskset"].get("id"):
         raise EnvError(f'{ID}: args must name a taskset: args = {{ taskset = {{ id = "..." }}, ... }}; got {args}')
     try:
         env = load_environment(resolve_env_config(args))
     except Exception as e:
         raise EnvError(f"{ID}: verifiers could not load the env {args}: {type(e).__name__}: {e}") from None
-    return EpisodeEnv(env, args)
+    return EpisodeEnv(env, args, renderer)

@@ -23,7 +23,6 @@ A trace's samples share its reward and advantage (`Rollout.unit`); a branch long
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 from contextlib import asynccontextmanager
@@ -35,6 +34,7 @@ from prime_rl.envs.verifiers_episodes import EpisodeEnv
 from prime_rl.orchestrator.rollout import Group, Rollout
 from prime_rl.orchestrator.servers.client import Completion, InferenceClient
 from prime_rl.orchestrator.servers.endpoint import PoolEndpoint
+from prime_rl.utils.aio import gather_or_cancel
 
 KEY_VAR = "PRIME_RL_POOL_ENDPOINT_KEY"  # the endpoint's key, read by verifiers' client from the environment
 
@@ -69,7 +69,7 @@ class EpisodeSource:
         from verifiers.v1.types import SamplingConfig as VfSampling
 
         client = TrainClientConfig(base_url=self.endpoint.episode_url(key), api_key_var=KEY_VAR,
-                                   renderer_model_name=self.model)  # fmt: skip
+                                   renderer_model_name=self.model, renderer=self.env.renderer)  # fmt: skip
         s = self.sampling
         return ModelContext(self.model, client, VfSampling(temperature=s.temperature, top_p=s.top_p,
                                                            max_tokens=s.max_tokens))  # fmt: skip
@@ -84,7 +84,7 @@ class EpisodeSource:
             runs = [
                 vf_env.run_slot(slot, self._context(key)) for slot, key in zip(vf_env.slots(task, n), keys, strict=True)
             ]
-            episodes = await asyncio.gather(*runs)
+            episodes = await gather_or_cancel(*runs)
         finally:
             answers = [self.endpoint.end(key) for key in keys]
         return list(zip(episodes, answers, strict=True))

@@ -24,6 +24,7 @@ from prime_rl.orchestrator.policy import load_weights
 from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.protocol import heartbeat_age, wait_for_weights
+from prime_rl.utils.aio import gather_or_cancel
 from prime_rl.utils.metrics import MetricsWriter
 
 logger = logging.getLogger("prime_rl")
@@ -78,8 +79,8 @@ class EnvResult:
 async def sample_and_score(client: InferenceClient, source: RolloutSource, examples: list, n: int,
                            seed: int | None) -> list[Group]:  # fmt: skip
     """Every example sampled `n` times at once, then scored: one evaluation's groups (also `[[eval]]`'s)."""
-    groups = await asyncio.gather(*(source.group(client, ex, n, seed) for ex in examples))
-    await asyncio.gather(*(source.score(g) for g in groups))
+    groups = await gather_or_cancel(*(source.group(client, ex, n, seed) for ex in examples))
+    await gather_or_cancel(*(source.score(g) for g in groups))
     return list(groups)
 
 

@@ -12,7 +12,6 @@ shown only on a terminal, so log files and CI output stay clean.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.servers.metrics import ServerMetrics
+from prime_rl.utils.aio import gather_or_cancel
 from prime_rl.utils.wandb import WandbError, WandbRun, open_run
 
 logger = logging.getLogger("prime_rl")
@@ -129,7 +129,7 @@ class ProgressLine:
 
     async def track(self, coros: list[Awaitable]) -> list:
         if not self.enabled:
-            return list(await asyncio.gather(*coros))
+            return await gather_or_cancel(*coros)
         total, done, start = len(coros), 0, time.perf_counter()
 
         async def one(coro: Awaitable):
@@ -140,7 +140,7 @@ class ProgressLine:
             self.draw(f"step {self.step}/{self.max_steps} | groups {done}/{total} | {rate:.1f} groups/s")
             return result
 
-        return list(await asyncio.gather(*(one(c) for c in coros)))
+        return await gather_or_cancel(*(one(c) for c in coros))
 
     def close(self) -> None:
         self.clear()
