@@ -1,8 +1,8 @@
 """reverse-text (prime_rl_reverse) whose scorer fails on purpose, for the fault tests of episodes verifiers plays.
 
 `fault` (a taskset config field): "" scores; "raise" / "hang" raises / sleeps for an hour on every task;
-"raise-some" / "hang-some" only on texts whose length is a multiple of 4 (about one in four). verifiers' loader imports a taskset id as a top-level
-module: the tests put this directory on PYTHONPATH.
+"raise-some" / "hang-some" only on texts whose length is a multiple of 4 (about one in four). verifiers' loader
+imports a taskset id as a top-level module: the tests put this directory on PYTHONPATH.
 """
 
 import asyncio

@@ -150,3 +150,29 @@ def test_two_environments_mix_by_ratio_and_get_their_own_metrics():
     # Resuming after 73 picks continues the rotation where it stopped.
     again = EnvMix([slot(OddOnly(), config, "big", 3), slot(AllRight(), config, "small", 1)], picks=73)
     assert [again.next().name for _ in range(4)] == envs[73:77]
+
+
+def test_the_samples_of_one_episodes_trace_share_its_advantage_and_count_once_in_the_baseline():
+    """verifiers' episodes (orchestrator/episodes.py): a trace may give several samples (branches); the group's
+    baseline is over traces, not samples, so a trace with three branches weighs as much as one with one."""
+    from prime_rl.configs.orchestrator import AdvantageConfig
+    from prime_rl.orchestrator.batch import advantages_of
+    from prime_rl.orchestrator.rollout import Group, Rollout
+
+    def sample(reward: float, unit: int, tokens: int = 2) -> Rollout:
+        r = Rollout(Example("x"), [1], [2] * tokens, [True] * tokens, [0.0] * tokens, "", "stop", 0, unit=unit)
+        r.reward = reward
+        return r
+
+    group = Group(Example("x"), [sample(1.0, 0), sample(1.0, 0), sample(1.0, 0), sample(0.0, 1000)])
+    assert advantages_of(group, AdvantageConfig(), 8) == [0.5, 0.5, 0.5, -0.5]  # mean over 2 traces: 0.5
+    plain = Group(Example("x"), [sample(1.0, -1), sample(1.0, -1), sample(1.0, -1), sample(0.0, -1)])
+    assert advantages_of(plain, AdvantageConfig(), 8) == [0.25, 0.25, 0.25, -0.75]  # unit -1: one each
+
+
+def test_the_pool_endpoints_sampling_rule_keeps_the_runs_parameters():
+    import doctest
+
+    from prime_rl.orchestrator.servers import endpoint
+
+    assert doctest.testmod(endpoint).failed == 0
