@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from prime_rl.configs.orchestrator import SamplingConfig
-from prime_rl.envs import EpisodeFailed, Example
+from prime_rl.envs import EpisodeFailed, Example, split_score
 from prime_rl.envs.verifiers_episodes import EpisodeEnv
 from prime_rl.orchestrator.rollout import Group, Rollout
 from prime_rl.orchestrator.servers.client import Completion, InferenceClient
@@ -103,10 +103,9 @@ class EpisodeSource:
         return group
 
     async def score(self, group: Group) -> None:
-        """verifiers scored each trace in its episode (`Rollout.completion`)."""
+        """verifiers scored each trace in its episode: `Rollout.completion` is its {"reward", metrics}."""
         for rollout in group.rollouts:
-            rollout.reward = rollout.completion["reward"]
-            rollout.metrics = {k: v for k, v in rollout.completion.items() if k != "reward"}
+            rollout.reward, rollout.metrics = split_score(self.env.score(rollout.completion, group.example), self.name)
 
 
 def episode_rollouts(episode: Any, answers: list[Completion], example: Example, seq_len: int, name: str,
