@@ -23,6 +23,7 @@ from prime_rl.envs.verifiers_convert import (
     next_request,
     task_example,
 )
+from prime_rl.envs.verifiers_episodes import PLAYED_BY_VERIFIERS
 from prime_rl.envs.verifiers_tools import ToolServers
 
 
@@ -60,7 +61,7 @@ class VerifiersEnv:
     # --- what we refuse ---------------------------------------------------------------------------------
 
     def _refuse(self, feature: str, why: str) -> None:
-        raise EnvError(f"verifiers:{self.env_id}: {feature} is not supported: {why}")
+        raise EnvError(f"verifiers:{self.env_id}: {feature} is not supported: {why}; {PLAYED_BY_VERIFIERS}")
 
     def _refuse_task(self, task: Any) -> None:
         vf, cls = self.vf, self.task_cls

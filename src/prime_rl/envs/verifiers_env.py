@@ -42,6 +42,7 @@ from typing import Any
 
 from prime_rl.envs.base import DEFAULT_MAX_TURNS, EnvError
 from prime_rl.envs.verifiers_adapter import VerifiersEnv, VerifiersToolEnv
+from prime_rl.envs.verifiers_episodes import PLAYED_BY_VERIFIERS
 
 INSTALL_HINT = "uv sync --extra verifiers (or pip install verifiers==0.4.0), plus the taskset's own package"
 
@@ -97,7 +98,7 @@ def _installed_taskset(vf: Any, env_id: str, args: dict[str, Any]) -> Any:
     if harness != "bash":  # bash is verifiers' default for a taskset that ships no harness
         raise EnvError(
             f"verifiers:{env_id}: the taskset bundles its own harness {harness!r}, a program that drives the model "
-            f"itself; prime-rl plays the conversation turn by turn and cannot run it"
+            f"itself; prime-rl plays the conversation turn by turn and cannot run it; {PLAYED_BY_VERIFIERS}"
         )
     try:
         return vf.load_taskset(config.taskset)
@@ -131,5 +132,5 @@ def _refuse_env_class(vf: Any, env_id: str, env_cls: type) -> None:
         raise EnvError(
             f"verifiers:{env_id}: its environment {env_cls.__name__} defines its own Env.run(), which drives the "
             f"agents itself (Agent.interaction() / Interaction.turn(): a user simulator, a game engine, several "
-            f"agents); prime-rl only plays single-agent tasksets (vf.SingleAgentEnv)"
+            f"agents); prime-rl only plays single-agent tasksets (vf.SingleAgentEnv); {PLAYED_BY_VERIFIERS}"
         )

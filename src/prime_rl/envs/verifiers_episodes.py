@@ -22,9 +22,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from prime_rl.envs.base import EnvError, Example, shuffled_forever
-from prime_rl.envs.verifiers_env import _import_vf
 
 ID = "verifiers-env"
+# what the in-process path's refusals suggest
+PLAYED_BY_VERIFIERS = 'id = "verifiers-env" has verifiers play it (docs/orchestrator.md)'
 EPISODE_TIMEOUT = 900.0  # seconds, verifiers' `timeout.episode` where args set none: every episode has a bound
 
 
@@ -56,6 +57,8 @@ class EpisodeEnv:
 
 def load_episode_env(**args: Any) -> EpisodeEnv:
     """verifiers' Env for the env config `args` (EnvError naming what it could not load)."""
+    from prime_rl.envs.verifiers_env import _import_vf  # which imports this module's refusal hint
+
     _import_vf(ID)
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
