@@ -129,7 +129,9 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
     assert all(m[f"groups/{env}"] == 1 for m in orch for env in errors)
     assert all(m["untrained_traces/sim"] == 2 and m["untrained_traces/reverse"] == 0 for m in orch)
-    assert all(m["samples_per_episode/sim"] == 1 for m in orch)
+    # One sample per episode while each turn's prompt extends the last; a turn cut at max_tokens is closed by the
+    # template on the next render (not what was sampled), which starts another branch: another sample.
+    assert all(m["samples_per_episode/sim"] >= 1 for m in orch)
     assert max(m["turns/sim"] for m in orch) > 1  # the user answered and the assistant spoke again
     assert errors["reverse"] == errors["calc"] == errors["sim"] == 0 and errors["broken"] > 0 and errors["slow"] > 0
     # The calc model calls `add` (served by verifiers' tool server in the runtime) and answers with its result.
