@@ -40,7 +40,8 @@ def sums_taskset(tmp_path, monkeypatch) -> str:
 
 
 def play(server, args: dict, n: int, temperature: float = 0.7):
-    """`n` episodes of the env's first task through the pool endpoint: the group, and each episode with its answers."""
+    """`n` episodes of the env's first task through the pool endpoint: the example, each episode with its answers,
+    and the endpoint's answers to a request without its key and to one under an episode key never opened."""
     from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
     from prime_rl.envs import load_environment
     from prime_rl.orchestrator.episodes import EpisodeSource
@@ -54,48 +55,47 @@ def play(server, args: dict, n: int, temperature: float = 0.7):
     async def run():
         async with InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), str(CALC_MODEL)) as client:
             async with source.serving(client):
-                group = await source.group(client, example, n)
-                await source.score(group)
-                played = await source.play(example.info["task"], 1)
+                played = await source.play(example.info["task"], n)
                 async with httpx.AsyncClient(timeout=30) as http:
                     root = source.endpoint.url.removesuffix("/v1")
                     body = {"token_ids": [72, 105], "sampling_params": {"max_tokens": 2}}
                     keyless = await http.post(f"{root}/inference/v1/generate", json=body)
                     headers = {"Authorization": f"Bearer {source.endpoint.token}"}
                     ended = await http.post(f"{root}/episodes/0123/inference/v1/generate", json=body, headers=headers)
-        return group, played, keyless, ended
+        return example, played, keyless, ended
 
     return asyncio.run(run())
 
 
-def test_a_user_sim_episode_trains_the_assistants_turns_as_one_sequence_at_the_servers_logprobs(server, sums_taskset):
+def test_a_user_sim_episode_trains_the_assistants_turns_at_the_servers_logprobs_and_never_the_users(
+    server, sums_taskset
+):
     from prime_rl.envs import EnvError
     from prime_rl.orchestrator.episodes import episode_rollouts
 
-    args = {"id": "user_sim", "taskset": {"id": sums_taskset, "num_tasks": 4}, "user": {"max_turns": 3,
+    args = {"id": "user_sim", "taskset": {"id": sums_taskset, "num_tasks": 4}, "user": {"max_turns": 2,
             "runtime": SUBPROCESS}, "assistant": {"harness": {"id": "null"}, "runtime": SUBPROCESS}}  # fmt: skip
-    group, played, keyless, ended = play(server, args, 2)
-    # Only the assistant's traces train: one sample per episode (its turns extend each other), the users' not.
-    assert group.episodes == 2 and group.untrained == 2 and len(group.rollouts) == 2
-    gaps = []
-    for r in group.rollouts:
-        assert r.turns >= 2 and r.token_steps.count(0) == sum(r.completion_mask)
-        assert set(r.token_servers) == {-1, 0}
-        # Model turns and the user's replies alternate inside one sequence; the replies are masked.
+    example, played, keyless, ended = play(server, args, 2)
+    samples, gaps = [], []
+    for episode, answers in played:
+        rollouts, untrained = episode_rollouts(episode, answers, example, 512, "sim")
+        assert untrained == 1  # the simulated user's trace
+        samples += rollouts
+    # The assistant's turns: one sample while each prompt extends the last turn's tokens (more where a turn cut at
+    # max_tokens was re-rendered closed); the user's replies between them masked.
+    assert len(samples) >= 2 and max(r.turns for r in samples) >= 2
+    for r in samples:
+        assert r.token_steps.count(0) == sum(r.completion_mask) and set(r.token_servers) <= {-1, 0}
         runs = [m for i, m in enumerate(r.completion_mask) if i == 0 or m != r.completion_mask[i - 1]]
-        assert runs[:3] == [True, False, True]
-        sampled = [i for i, m in enumerate(r.completion_mask) if m]
-        ids = r.prompt_ids + r.completion_ids
+        assert runs[0] is True and runs == [True, False] * (len(runs) // 2) + [True] * (len(runs) % 2)
         trainer = trainer_logprobs(CALC_MODEL, r.prompt_ids, r.completion_ids, 0.7)
-        gaps += [abs(r.logprobs[i] - trainer[i]) for i in sampled]
-        assert len(ids) == r.num_tokens and set(r.metrics) >= {"correct", "boxed", "user_turns"}
-    print(f"{server.backend}: {len(gaps)} assistant tokens over {sum(r.turns for r in group.rollouts)} turns, "
-          f"max |recorded - trainer| {max(gaps):.1e}")  # fmt: skip
+        gaps += [abs(r.logprobs[i] - trainer[i]) for i, m in enumerate(r.completion_mask) if m]
+    print(f"{server.backend}: {len(samples)} samples, {len(gaps)} assistant tokens over "
+          f"{sum(r.turns for r in samples)} turns, max |recorded - trainer| {max(gaps):.1e}")  # fmt: skip
     assert max(gaps) <= 1e-4
     # A model turn the servers did not sample for that context is refused, never trained on.
-    ((episode, answers),) = played
-    assert episode_rollouts(episode, answers, group.example, 512, "sim")[0]
+    episode, _ = played[0]
     with pytest.raises(EnvError, match="is not an answer our servers gave for that context"):
-        episode_rollouts(episode, [], group.example, 512, "sim")
+        episode_rollouts(episode, [], example, 512, "sim")
     assert keyless.status_code == 401
     assert ended.status_code == 404 and "no episode 0123 in flight" in ended.json()["error"]["message"]
