@@ -48,6 +48,7 @@ def measure(way: str, out: Path, args: argparse.Namespace) -> dict:
     else:
         config = config.replace('env.id = "reverse-text"\n', 'env.id = "reverse-text"\nenv.args = { min_chars = 5, '
                                 'max_chars = 16 }\n')  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / f"{way}.toml"
     path.write_text(config)
     seconds = run_rl(path, timeout=3600)
