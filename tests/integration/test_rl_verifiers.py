@@ -24,9 +24,9 @@ NULL_AGENT = 'agent = { harness = { id = "null" }, runtime = { type = "subproces
 
 ENVS = f"""
 [orchestrator]
-batch_size = 10
+batch_size = 12
 rollouts_per_example = 2
-seq_len = 1024
+seq_len = 2048  # the bash harness's system prompt (its tools' schemas): ~1,300 tokens
 sampling.max_tokens = 96  # byte-level tokens: a tool call is ~70
 
 [[orchestrator.env]]
@@ -44,6 +44,14 @@ name = "calc"
 taskset = {{ id = "prime_rl_calc" }}
 renderer = {{ name = "custom", import_path = "prime_rl.envs.hermes_renderer.HermesTextRenderer" }}
 {NULL_AGENT}
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "bash"
+[orchestrator.env.args]
+taskset = {{ id = "prime_rl_calc" }}
+agent = {{ harness = {{ id = "bash" }}, runtime = {{ type = "subprocess" }}, max_turns = 2 }}
+renderer = {{ name = "custom", import_path = "prime_rl.envs.hermes_renderer.HermesTextRenderer" }}
 
 [[orchestrator.env]]
 id = "verifiers-env"
@@ -102,7 +110,7 @@ def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.Comple
     args = [
         "@", str(tmp_path / "rl.toml"), "--model.name", str(MODEL), "--output-dir", str(out), "--max-steps",
         str(steps), "--async-level", "0", "--inference.server.port", str(free_port), "--inference.max-model-len",
-        "1024", "--trainer.optim.lr", "1e-4",
+        "2048", "--trainer.optim.lr", "1e-4",
     ]  # fmt: skip
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(TASKSETS), os.environ.get("PYTHONPATH")]))}
     rl = [sys.executable, "-m", "prime_rl.entrypoints.rl", *args]
@@ -112,17 +120,20 @@ def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.Comple
 def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_that_raises_or_hangs(
     tmp_path, free_port
 ):
-    """Five envs, one group each per step: single-turn reverse-text, the calculator (a tool served by verifiers'
-    tool server), a user simulator (its user never trained), and two whose scorer raises / hangs past the
-    episode's 20 s deadline on some tasks. On-policy, the trainer's logprobs
-    of the trained tokens match the servers' (mismatch KL < 1e-3); every failed group is counted and replaced."""
+    """Six envs, one group each per step: single-turn reverse-text, the calculator (a tool served by verifiers'
+    tool server) with the `null` harness and with the `bash` harness (bash, edit and add offered), a user
+    simulator (its user never trained), and two whose scorer raises / hangs past the episode's 20 s deadline on
+    some tasks. On-policy, the trainer's logprobs of the trained tokens match the servers' (mismatch KL < 1e-3);
+    every failed group is counted and replaced."""
     start = time.perf_counter()
     result, out = run(tmp_path, free_port, ENVS, 5)
     assert result.returncode == 0, result.stderr + show_logs(out)
     orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
-    errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in ("reverse", "calc", "sim", "broken", "slow")}
+    envs = ("reverse", "calc", "bash", "sim", "broken", "slow")
+    errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in envs}
     print(f"5 steps in {time.perf_counter() - start:.0f}s, env errors {errors}; per step: " + "; ".join(
         f"reverse {m['reward/reverse']:.3f}, calc {m['reward/calc']:.2f} over {m['turns/calc']:.1f} turns, "
+        f"bash {m['reward/bash']:.2f} over {m['turns/bash']:.1f} turns, "
         f"sim {m['reward/sim']:.3f} over {m['turns/sim']:.1f} turns, "
         f"gen {m['time/generate']:.1f}s" for m in orch))  # fmt: skip
     assert [m["step"] for m in trainer] == [0, 1, 2, 3, 4]
@@ -133,7 +144,8 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     # template on the next render (not what was sampled), which starts another branch: another sample.
     assert all(m["samples_per_episode/sim"] >= 1 for m in orch)
     assert max(m["turns/sim"] for m in orch) > 1  # the user answered and the assistant spoke again
-    assert errors["reverse"] == errors["calc"] == errors["sim"] == 0 and errors["broken"] > 0 and errors["slow"] > 0
+    assert errors["reverse"] == errors["calc"] == errors["bash"] == errors["sim"] == 0
+    assert errors["broken"] > 0 and errors["slow"] > 0
     # The calc model calls `add` (served by verifiers' tool server in the runtime) and answers with its result.
     assert max(m["reward/calc"] for m in orch) > 0 and max(m["turns/calc"] for m in orch) > 1
     log = (out / "logs" / "orchestrator.log").read_text()

@@ -138,6 +138,8 @@ def branch_rollout(branch: Any, answers: dict, example: Example, seq_len: int, w
     `filtered` (top-p / top-k on) each token's kept set too."""
     ids, mask = branch.token_ids, branch.sampled_mask
     first = mask.index(True)
+    if first >= seq_len:
+        raise EpisodeFailed(f"{where}: its prompt of {first} tokens leaves no room in seq_len {seq_len}")
     rollout = Rollout(example, ids[:first], [], [], [], "", "stop", -1, turns=0, kept=[] if filtered else None)
     start = first
     while start < len(ids):
