@@ -2,8 +2,9 @@
 
     [[orchestrator.env]]
     id = "verifiers-env"
-    args = { taskset = { id = "prime_rl_reverse", min_chars = 5, max_chars = 16 },
-             agent = { harness = { id = "null" }, runtime = { type = "subprocess" } } }
+    [orchestrator.env.args]
+    taskset = { id = "prime_rl_reverse", min_chars = 5, max_chars = 16 }
+    agent = { harness = { id = "null" }, runtime = { type = "subprocess" } }
 
 The same texts for a seed and the same reward (the similarity of the reply to the reversed text) as the built-in
 environment, so the two paths are compared on one task. A package of its own: verifiers' loader imports a taskset
