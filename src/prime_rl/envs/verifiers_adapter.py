@@ -15,13 +15,15 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-from prime_rl.envs.base import EnvError, Example, shuffled_forever
+from prime_rl.envs.base import EnvError, Example
 from prime_rl.envs.verifiers_convert import (
     conversation_trace,
     full_conversation,
+    load_tasks,
     model_response,
     next_request,
     task_example,
+    task_order,
 )
 from prime_rl.envs.verifiers_episodes import PLAYED_BY_VERIFIERS
 from prime_rl.envs.verifiers_tools import ToolServers
@@ -44,14 +46,7 @@ class VerifiersEnv:
         self.task_cls = type(taskset).task_type()
         self.data_cls = self.task_cls.data_type()
         self.task_config = taskset.config.task
-        try:
-            # Bounded tasksets are materialised once and reshuffled per epoch; unbounded ones stream in their order.
-            self.tasks = list(taskset) if taskset.bounded else None
-            first = next(iter(self.tasks if self.tasks is not None else taskset), None)
-        except Exception as e:
-            raise EnvError(f"verifiers:{env_id}: its taskset failed to load: {type(e).__name__}: {e}") from None
-        if first is None:
-            raise EnvError(f"verifiers:{env_id}: its taskset yielded no tasks")
+        self.tasks, first = load_tasks(taskset, f"verifiers:{env_id}: its taskset")
         self._refuse_task(first)
         self.stops = self._stop_hooks(first)
         self.toolsets = self._check_toolsets(shared or [], per_task or [])
@@ -120,8 +115,7 @@ class VerifiersEnv:
     # --- examples ---------------------------------------------------------------------------------------
 
     def examples(self, seed: int) -> Iterator[Example]:
-        tasks = shuffled_forever(self.tasks, seed) if self.tasks is not None else iter(self.taskset)
-        for task in tasks:
+        for task in task_order(self.taskset, self.tasks, seed):
             yield self.example(task)
 
     def example(self, task: Any) -> Example:

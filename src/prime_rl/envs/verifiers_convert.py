@@ -5,14 +5,34 @@ answer, the task's data as `info`). verifiers' side, through its chat dialect (`
 `message_to_wire`): a task's prompt, and what its hooks inspect: a `vf.Trace` of the conversation (one
 branch of message nodes, the model's sampled turns as its calls), the `vf.Response` of the model's last
 message and the `vf.Request` of the next turn. What a taskset may not do is refused elsewhere
-(verifiers_adapter); these functions only translate.
+(verifiers_adapter); these functions only translate (and read a taskset's tasks: `load_tasks`, `task_order`,
+for both ways verifiers tasksets are played here).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from prime_rl.envs.base import Example
+from prime_rl.envs.base import EnvError, Example, shuffled_forever
+
+
+def load_tasks(taskset: Any, where: str) -> tuple[list | None, Any]:
+    """A taskset's tasks, materialised once when it is bounded (None when it is not: it streams), and its first;
+    EnvError "<where> failed to load: ..." or "<where> yielded no tasks"."""
+    try:
+        tasks = list(taskset) if taskset.bounded else None
+        first = next(iter(tasks if tasks is not None else taskset), None)
+    except Exception as e:
+        raise EnvError(f"{where} failed to load: {type(e).__name__}: {e}") from None
+    if first is None:
+        raise EnvError(f"{where} yielded no tasks")
+    return tasks, first
+
+
+def task_order(taskset: Any, tasks: list | None, seed: int) -> Iterator[Any]:
+    """The tasks without end: materialised ones reshuffled each epoch by `seed`; a streaming taskset in its order."""
+    return shuffled_forever(tasks, seed) if tasks is not None else iter(taskset)
 
 
 def task_example(task: Any) -> Example:

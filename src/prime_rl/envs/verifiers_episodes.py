@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prime_rl.envs.base import EnvError, Example, shuffled_forever
+from prime_rl.envs.base import EnvError, Example
+from prime_rl.envs.verifiers_convert import load_tasks, task_order
 
 ID = "verifiers-env"
 # what the in-process path's refusals suggest
@@ -34,19 +35,11 @@ class EpisodeEnv:
 
     def __init__(self, env: Any, config: dict[str, Any], renderer: dict[str, Any] | None = None):
         self.env, self.config, self.renderer = env, config, renderer
-        taskset = env.taskset
-        try:
-            self.tasks = list(taskset) if taskset.bounded else None
-            first = next(iter(self.tasks if self.tasks is not None else taskset), None)
-        except Exception as e:
-            raise EnvError(f"{ID}: its taskset {taskset.config.id!r} failed to load: {type(e).__name__}: {e}") from None
-        if first is None:
-            raise EnvError(f"{ID}: its taskset {taskset.config.id!r} yielded no tasks")
+        self.tasks, _ = load_tasks(env.taskset, f"{ID}: its taskset {env.taskset.config.id!r}")
 
     def examples(self, seed: int) -> Iterator[Example]:
         """Bounded tasksets reshuffled each epoch by `seed`; an unbounded one in its own order."""
-        tasks = shuffled_forever(self.tasks, seed) if self.tasks is not None else iter(self.env.taskset)
-        for task in tasks:
+        for task in task_order(self.env.taskset, self.tasks, seed):
             prompt = task.data.prompt
             yield Example(prompt if isinstance(prompt, str | list) else "", info={"task": task})
 

@@ -113,16 +113,17 @@ class Batch:
 def advantages_of(group: Group, adv: AdvantageConfig, token_budget: int) -> list[float]:
     """Per rollout its advantage within the group, computed over units (Rollout.unit: an episode's trace whose
     samples share one reward; truncated when any of them is, its length their model tokens)."""
+    keys = [r.unit if r.unit >= 0 else -1 - i for i, r in enumerate(group.rollouts)]  # -1 - i: a unit of its own
     units: dict[int, list[Rollout]] = {}
-    for i, r in enumerate(group.rollouts):
-        units.setdefault(r.unit if r.unit >= 0 else -1 - i, []).append(r)
+    for key, r in zip(keys, group.rollouts, strict=True):
+        units.setdefault(key, []).append(r)
     members = list(units.values())
     rewards = [rs[0].reward for rs in members]
     rewards = apply_truncation(rewards, [any(r.truncated for r in rs) for rs in members], adv.truncated)
     lengths = [sum(sum(r.completion_mask) for r in rs) for rs in members]
     rewards = apply_length_penalty(rewards, lengths, token_budget, adv.length_penalty)
     per_unit = dict(zip(units, group_advantages(rewards, adv.std_norm, adv.baseline), strict=True))
-    return [per_unit[r.unit if r.unit >= 0 else -1 - i] for i, r in enumerate(group.rollouts)]
+    return [per_unit[key] for key in keys]
 
 
 def group_seed(config: OrchestratorConfig, rng) -> int | None:
