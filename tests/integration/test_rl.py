@@ -517,15 +517,15 @@ def alive(pids) -> list[int]:
 
 
 def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
-    """kill -9 of torchrun takes its worker with it; kill -9 of `rl` takes every service with it
-    (both used to leave processes running forever)."""
+    """kill -9 of torchrun (two trainer ranks) takes its workers with it; kill -9 of `rl` takes every service
+    with it, a lone trainer process (one rank) included (both used to leave processes running forever)."""
     import os
     import signal
     import time
 
     out = tmp_path / "out"
     args = small_run(tiny_model, out, free_port)
-    rl = start_rl(args)
+    rl = start_rl([*args, "--trainer-cpu-ranks", "2"])
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics" / "trainer.jsonl").is_file():  # all three services are up and working
@@ -546,10 +546,11 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
         # Again, now killing rl itself.
         rl = start_rl(args)
         deadline = time.monotonic() + 180
-        while len(descendants(rl.pid)) < 4 or "serving" not in _read(out / "logs" / "inference.log"):
+        while len(descendants(rl.pid)) < 3 or "serving" not in _read(out / "logs" / "inference.log"):
             assert rl.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
         family = descendants(rl.pid)
+        assert not [cmd for cmd in family.values() if "torchrun" in cmd], family  # one rank: no launcher
         rl.kill()
         rl.wait()
         deadline = time.monotonic() + 30
@@ -631,7 +632,7 @@ def wait_for_trainer_step(rl: subprocess.Popen, out, step: int, after: float) ->
 def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_uninterrupted_run_does(
     tiny_model, tmp_path, free_port
 ):
-    """`rl --restart 3`: the trainer (torchrun), the orchestrator and the inference server are each killed
+    """`rl --restart 3`: the trainer, the orchestrator and the inference server are each killed
     with SIGKILL once, at seeded random points of a 12-step on-policy run. Each is restarted alone; the run
     completes with every step in the metrics exactly once, its final weights equal an uninterrupted run's,
     and no process is left behind.
@@ -658,7 +659,7 @@ def test_restart_in_place_survives_kill_9_of_each_service_and_ends_where_an_unin
 
     rng = random.Random(17)
     victims = [  # (service, its command line marker, the trainer step to wait for)
-        ("trainer", "prime_rl.launch.torchrun", rng.randint(2, 4)),
+        ("trainer", "prime_rl.entrypoints.trainer", rng.randint(2, 4)),
         ("orchestrator", "prime_rl.entrypoints.orchestrator", rng.randint(5, 7)),
         ("inference", "prime_rl.entrypoints.inference", rng.randint(8, 10)),
     ]

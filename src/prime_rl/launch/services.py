@@ -52,15 +52,23 @@ def assign_devices(config: RLConfig, num_gpus: int) -> tuple[dict[str, dict[str,
     return env, len(trainer_ids)
 
 
-def service_commands(run_dir: Path, trainer_procs: int, teacher: bool = False) -> dict[str, list[str]]:
-    """Each service's command line; with `teacher`, also the teacher server's (an `inference` of its own)."""
+def service_commands(
+    run_dir: Path, trainer_procs: int, teacher: bool = False, torchrun: bool = False
+) -> dict[str, list[str]]:
+    """Each service's command line; with `teacher`, also the teacher server's (an `inference` of its own).
+
+    Several trainer ranks run under torchrun (`--standalone`: the Slurm renderer puts its nodes' rendezvous
+    there, and asks for torchrun even for one rank a node); one rank is the trainer process itself, a
+    one-process group without a port (trainer/parallel.py): torchrun's agent would only add a Python process
+    that imports torch before the trainer starts (~2 s of a small run's 10 s on two cores) and outlives it."""
     py = sys.executable
     extra = {"teacher": [py, "-m", "prime_rl.entrypoints.inference", "@", str(run_dir / "teacher.toml")]}
+    launcher = ["-m", "prime_rl.launch.torchrun", "--standalone", "--nproc-per-node", str(trainer_procs)]
     return ({} if not teacher else extra) | {
         "inference": [py, "-m", "prime_rl.entrypoints.inference", "@", str(run_dir / "inference.toml")],
         "orchestrator": [py, "-m", "prime_rl.entrypoints.orchestrator", "@", str(run_dir / "orchestrator.toml")],
         "trainer": [
-            py, "-m", "prime_rl.launch.torchrun", "--standalone", "--nproc-per-node", str(trainer_procs),
+            py, *(launcher if torchrun or trainer_procs > 1 else []),
             "-m", "prime_rl.entrypoints.trainer", "@", str(run_dir / "trainer.toml"),
         ],
     }  # fmt: skip

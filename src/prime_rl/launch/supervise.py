@@ -201,11 +201,12 @@ class Restarter:
 
 def watch(services: list[Service], restart: Restarter, watchdog: Watchdog, config: RLConfig) -> None:
     """Return when orchestrator and trainer both exit 0; restart or raise ServiceFailed when any service dies
-    or hangs; on a stop signal (ours, or the orchestrator's: it exits PREEMPTED) stop the run (`stop_run`)."""
+    or hangs; on a stop signal (ours, or one the orchestrator or a lone trainer got: it exits PREEMPTED) stop
+    the run (`stop_run`)."""
     while True:
         if not restart.due and all(s.returncode == 0 for s in services if s.name not in SERVERS):
             return
-        if stop_requested() or any(s.returncode == PREEMPTED for s in services if s.name == "orchestrator"):
+        if stop_requested() or any(s.returncode == PREEMPTED for s in services if s.name not in SERVERS):
             stop_run(services, config.orchestrator.output_dir, config.stop_timeout)
         for service in list(services):
             if service.name in restart.due:

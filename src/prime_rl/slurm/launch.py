@@ -231,7 +231,8 @@ def _node_commands(config, slurm: SlurmConfig, procs: int, n_train: int, resumab
     orchestrator given every server, and the resume flag a requeued or resubmitted job sets."""
     from prime_rl.launch.services import service_commands
 
-    commands = {k: ["$PY", *v[1:]] for k, v in service_commands(Path("$OUTPUT_DIR/run/slurm"), procs).items()}
+    rl_commands = service_commands(Path("$OUTPUT_DIR/run/slurm"), procs, torchrun=True)
+    commands = {k: ["$PY", *v[1:]] for k, v in rl_commands.items()}
     if resumable:
         commands["trainer"].append(RESUME)
         commands["orchestrator"].append(RESUME)
