@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from prime_rl.protocol import DiskFull, RunLocked, UnsafeOutputDir, WriterDead
 from prime_rl.utils.logging import console_only
-from prime_rl.utils.process import FATAL, PEER_LOST, PREEMPTED, StopRequested
+from prime_rl.utils.process import FATAL, PEER_LOST, PREEMPTED, StopRequested, exit_now
 
 logger = logging.getLogger("prime_rl")
 
@@ -22,6 +23,17 @@ def apply_env_vars(env_vars: Mapping[str, str]) -> None:
     parsed and before anything heavy is imported (torch, vLLM and NCCL read theirs when loaded): so panes get them;
     `rl` and Slurm job steps start the service with them already set."""
     os.environ.update(env_vars)
+
+
+def command(main: Callable[[], None]) -> NoReturn:
+    """A command as its process's entry (`[project.scripts]`, `python -m prime_rl.entrypoints.<name>`): `main()`,
+    then its exit status without the interpreter's teardown (`exit_now`: ~0.9 s a process once torch is in).
+    `main` itself only raises SystemExit, so tests call it in-process."""
+    try:
+        main()
+    except SystemExit as e:
+        exit_now(e.code)
+    exit_now(0)
 
 
 def run_service(

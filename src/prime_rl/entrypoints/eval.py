@@ -3,9 +3,11 @@ weights/step_n (prime_rl.eval.eval)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from prime_rl.configs import parse_config
 from prime_rl.configs.eval import EvalConfig
-from prime_rl.entrypoints import run_service
+from prime_rl.entrypoints import command, run_service
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.run_record import write_run_config
 
@@ -22,5 +24,7 @@ def main() -> None:
     run_service(recorded, ERRORS)
 
 
+cli = partial(command, main)  # the process entry ([project.scripts], python -m)
+
 if __name__ == "__main__":
-    main()
+    cli()

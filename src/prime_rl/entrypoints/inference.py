@@ -5,9 +5,11 @@ uv run inference --model.name outputs/tiny-qwen3 --server.port 8000
 
 from __future__ import annotations
 
+from functools import partial
+
 from prime_rl.configs import parse_config
 from prime_rl.configs.inference import BadVllmFlag, InferenceConfig, StartupError
-from prime_rl.entrypoints import apply_env_vars, run_service
+from prime_rl.entrypoints import apply_env_vars, command, run_service
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import ignore_usr1
 from prime_rl.utils.run_record import write_run_config
@@ -27,5 +29,7 @@ def main() -> None:
     run_service(recorded, (StartupError,), fatal=(BadVllmFlag,))
 
 
+cli = partial(command, main)  # the process entry ([project.scripts], python -m)
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from prime_rl.configs import parse_config
 from prime_rl.configs.orchestrator import OrchestratorConfig
-from prime_rl.entrypoints import apply_env_vars, run_service
+from prime_rl.entrypoints import apply_env_vars, command, run_service
 from prime_rl.protocol import RunLock
 from prime_rl.protocol.prepare import check_ours
 from prime_rl.utils.logging import setup_logging
@@ -30,5 +32,7 @@ def main() -> None:
     run_service(locked, ERRORS, fatal=(EnvError,))
 
 
+cli = partial(command, main)  # the process entry ([project.scripts], python -m)
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import signal
 import sys
+from functools import partial
 
 from prime_rl.configs import parse_config
 from prime_rl.configs.rl import RLConfig
-from prime_rl.entrypoints import run_service
+from prime_rl.entrypoints import command, run_service
 from prime_rl.launch.run import run
 from prime_rl.launch.services import assign_devices, count_gpus
 from prime_rl.launch.supervise import ServiceFailed
@@ -67,5 +68,7 @@ def main() -> None:
     run_service(lambda: run(config), errors, interrupted="interrupted; stopped all services", fatal=(ResumeAtEnd,))
 
 
+cli = partial(command, main)  # the process entry ([project.scripts], python -m)
+
 if __name__ == "__main__":
-    main()
+    cli()

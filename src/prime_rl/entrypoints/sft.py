@@ -3,9 +3,11 @@ or, with `--slurm`, the same run submitted as a Slurm job."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from prime_rl.configs import parse_config
 from prime_rl.configs.sft import SFTConfig
-from prime_rl.entrypoints import run_service
+from prime_rl.entrypoints import command, run_service
 from prime_rl.entrypoints.trainer import torchrun_worker
 from prime_rl.protocol import ResumeAtEnd
 
@@ -32,5 +34,7 @@ def train(config: SFTConfig) -> None:
     run(config)
 
 
+cli = partial(command, main)  # the process entry ([project.scripts], python -m)
+
 if __name__ == "__main__":
-    main()
+    cli()

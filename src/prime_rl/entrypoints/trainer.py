@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+from functools import partial
 
 from prime_rl.configs import parse_config
 from prime_rl.configs.trainer import TrainerConfig
-from prime_rl.entrypoints import apply_env_vars, run_service
+from prime_rl.entrypoints import apply_env_vars, command, run_service
 from prime_rl.utils.process import die_with_parent
 
 
@@ -41,5 +42,7 @@ def train(config: TrainerConfig) -> None:
         run(config, heartbeat)
 
 
+cli = partial(command, main)  # the process entry ([project.scripts], python -m)
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -15,7 +15,8 @@ def follow_logs(services: list[Service], stop: threading.Event, status: StatusLi
     """Echo the services' step lines and problems to our console while they run, under a live status line."""
     files: dict[str, Any] = {}
     with status:
-        while not stop.is_set():
+        while True:
+            done = stop.is_set()  # once set: one more pass for the lines written since the last one, then out
             for s in services:
                 if s.name not in files and s.log_path.exists():
                     files[s.name] = open(s.log_path, errors="replace")
@@ -26,6 +27,8 @@ def follow_logs(services: list[Service], stop: threading.Event, status: StatusLi
                     if not server or " WARNING " in line or " ERROR " in line or "serving" in line:
                         status.print(line.rstrip())
             status.update()
+            if done:
+                break
             stop.wait(0.5)
     for f in files.values():
         f.close()

@@ -76,8 +76,7 @@ def _run(config: RLConfig, lock_token: str) -> None:
         plotting = plotter.submit(plot_runs, [output_dir], output_dir / "plots" / "run")
     finally:
         stop_all(services)
-        time.sleep(0.6)  # let the follower print the last lines
-        stop_following.set()
+        stop_following.set()  # it prints the services' last lines, then returns
         follower.join(timeout=2)
     plots = plotting.result()
     plotter.shutdown()
