@@ -68,7 +68,7 @@ id = "verifiers-env"
 name = "broken"
 max_tokens = 16
 [orchestrator.env.args]
-taskset = {{ id = "faulty_taskset", fault = "raise-some" }}
+taskset = {{ id = "faulty_taskset", task = {{ fault = "raise-some" }} }}
 {NULL_AGENT}
 
 [[orchestrator.env]]
@@ -76,7 +76,7 @@ id = "verifiers-env"
 name = "slow"
 max_tokens = 16
 [orchestrator.env.args]
-taskset = {{ id = "faulty_taskset", fault = "hang-some" }}
+taskset = {{ id = "faulty_taskset", task = {{ fault = "hang-some" }} }}
 timeout = {{ episode = 20 }}
 {NULL_AGENT}
 """
@@ -92,7 +92,7 @@ seq_len = 512
 id = "verifiers-env"
 name = "broken"
 [orchestrator.env.args]
-taskset = {{ id = "faulty_taskset", fault = "raise" }}
+taskset = {{ id = "faulty_taskset", task = {{ fault = "raise" }} }}
 {NULL_AGENT}
 """
 

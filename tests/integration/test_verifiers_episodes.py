@@ -99,3 +99,107 @@ def test_a_user_sim_episode_trains_the_assistants_turns_at_the_servers_logprobs_
         episode_rollouts(episode, [], example, 512, "sim")
     assert keyless.status_code == 401
     assert ended.status_code == 404 and "no episode 0123 in flight" in ended.json()["error"]["message"]
+
+
+def test_eval_of_a_verifiers_env_counts_the_groups_that_failed_and_its_seed_replays_its_episodes(server, monkeypatch):
+    """The `eval` core on `verifiers-env` (a taskset whose scorer raises on about one text in four): the groups
+    that failed are left out and counted (`failed_groups`), not the end of the evaluation; with sampling.seed the
+    same evaluation samples the same tokens again, while the episodes of one group differ."""
+    if server.backend != "builtin":
+        pytest.skip("the eval core and the endpoint's seeds are the orchestrator's, alike on both backends")
+    from prime_rl.configs.eval import EvalConfig
+    from prime_rl.configs.orchestrator import ClientConfig
+    from prime_rl.eval.eval import evaluate_env
+    from prime_rl.orchestrator.servers.client import InferenceClient
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tasksets"))
+    args = {"taskset": {"id": "faulty_taskset", "task": {"fault": "raise-some"}},
+            "agent": {"harness": {"id": "null"}, "runtime": SUBPROCESS}}  # fmt: skip
+    config = EvalConfig(
+        model={"name": str(CALC_MODEL)}, env_ids=["verifiers-env"], env_args={"verifiers-env": args},
+        num_examples=2, seed=0, rollouts_per_example=2, sampling={"temperature": 1.0, "max_tokens": 8, "seed": 7},
+        client={"base_url": [f"{server.url}/v1"]},
+    )  # fmt: skip
+
+    async def evaluate():
+        async with InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), str(CALC_MODEL)) as client:
+            return await evaluate_env(client, config, "verifiers-env", 0)
+
+    first, again = asyncio.run(evaluate()), asyncio.run(evaluate())
+    summary = first.summary()
+    print(f"eval: {summary}")
+    # seed 0 draws first a text of a length the scorer breaks on (a multiple of 4), then one it scores
+    assert summary["failed_groups"] == 1 and len(first.groups) == 1 and summary["samples"] == 2, summary
+    assert all("the scorer broke on purpose" in why for why in first.failed), first.failed
+    tokens = [[r.completion_ids for r in g.rollouts] for g in first.groups]
+    assert tokens == [[r.completion_ids for r in g.rollouts] for g in again.groups]
+    assert any(a != b for a, b in tokens), "the two episodes of a group sampled alike: one seed for both?"
+
+
+def test_a_killed_harness_a_killed_env_server_and_a_blocking_scorer_fail_only_their_episodes(server, monkeypatch):
+    """The env runs in a server process of its own (orchestrator/env_server.py). A harness program killed mid-episode
+    is a failed episode (verifiers records it; training counts and replaces it). The env server killed mid-episode,
+    or a scorer that blocks its event loop (past timeout.episode + GRACE: nothing there answers), fail the episodes
+    in flight, never the orchestrator; the server is started again and the next episode plays."""
+    if server.backend != "builtin":
+        pytest.skip("the env server is the orchestrator's, alike on both backends")
+    import itertools
+    import os
+    import signal
+    import time
+
+    from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
+    from prime_rl.envs import EpisodeFailed, load_environment
+    from prime_rl.orchestrator import env_server
+    from prime_rl.orchestrator.episodes import EpisodeSource
+    from prime_rl.orchestrator.servers.client import InferenceClient
+    from prime_rl.utils.process import children
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tasksets"))
+    EPISODE_S = 10  # timeout.episode: room for a fresh harness program on a busy machine, short for the blocked one
+    grace = 2  # env_server.GRACE, shortened: how long the blocked episode takes is the test's cost
+    monkeypatch.setattr(env_server, "GRACE", grace)
+    args = {"taskset": {"id": "faulty_taskset", "task": {"fault": "block-some"}}, "timeout": {"episode": EPISODE_S},
+            "agent": {"harness": {"id": "null"}, "runtime": SUBPROCESS}}  # fmt: skip
+    env = load_environment("verifiers-env", **args)
+    source = EpisodeSource(env, "faulty", SamplingConfig(temperature=0.7, max_tokens=8), 512, str(CALC_MODEL))
+    tasks = [example.info["task"] for example in itertools.islice(env.examples(0), 16)]
+    blocking = next(t for t in tasks if len(t.data.text) % 4 == 0)
+    fine = next(t for t in tasks if len(t.data.text) % 4)
+
+    async def kill_when_a_harness_runs(pid: int, victim: str) -> float:
+        deadline = time.monotonic() + 60
+        while not (harnesses := children(pid)):
+            assert time.monotonic() < deadline, "no harness program started"
+            await asyncio.sleep(0.02)
+        os.kill(harnesses[0] if victim == "harness" else pid, signal.SIGKILL)
+        return time.monotonic()
+
+    async def run():
+        async with InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), str(CALC_MODEL)) as client:
+            async with source.serving(client):
+                first = source.server.process.pid
+                playing = asyncio.create_task(source.play(fine, 1))
+                await kill_when_a_harness_runs(first, "harness")
+                ((killed_harness, _),) = await playing
+                playing = asyncio.create_task(source.play(fine, 1))
+                killed_at = await kill_when_a_harness_runs(first, "server")
+                with pytest.raises(EpisodeFailed, match=r"its env server died \(exit -9\)"):
+                    await playing
+                noticed = time.monotonic() - killed_at
+                second = source.server.process.pid
+                ((after_kill, _),) = await source.play(fine, 1)
+                started = time.monotonic()
+                with pytest.raises(EpisodeFailed, match=rf"no answer from its env server in {EPISODE_S + grace:.0f}s"):
+                    await source.play(blocking, 1)
+                blocked = time.monotonic() - started
+                ((after_block, _),) = await source.play(fine, 1)
+                pids = (first, second, source.server.process.pid)
+                return killed_harness, noticed, pids, after_kill, blocked, after_block
+
+    killed_harness, noticed, pids, after_kill, blocked, after_block = asyncio.run(run())
+    print(f"killed env server noticed in {noticed:.1f}s; blocked one failed after {blocked:.1f}s; pids {pids}")
+    assert not killed_harness.ok
+    assert noticed < 15 and len(set(pids)) == 3  # a poll (0.5 s), then the new server's start
+    assert EPISODE_S + grace <= blocked < EPISODE_S + grace + 20
+    assert after_kill.ok and after_block.ok, (after_kill.last_error, after_block.last_error)

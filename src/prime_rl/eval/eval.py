@@ -31,7 +31,7 @@ from prime_rl.configs.eval import EvalConfig
 from prime_rl.configs.orchestrator import SamplingConfig
 from prime_rl.envs import EnvError, load_environment
 from prime_rl.orchestrator.evaluation import EnvResult, sample_and_score
-from prime_rl.orchestrator.rollout import RolloutSource, load_tokenizer
+from prime_rl.orchestrator.rollout import make_source
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.protocol import (
     DiskFull,
@@ -94,11 +94,12 @@ def served_weights(config: EvalConfig, server_step: int) -> tuple[int, str]:
 
 async def evaluate_env(client: InferenceClient, config: EvalConfig, env_id: str, step: int) -> EnvResult:
     env = load_environment(env_id, **config.env_args.get(env_id, {}))
-    tokenizer = load_tokenizer(env, config.model.name)
-    source = RolloutSource(env, env_id, config.sampling, config.seq_len, tokenizer, config.max_turns)
+    source = make_source(env, env_id, config.sampling, config.seq_len, config.model.name, config.max_turns)
     examples = list(itertools.islice(env.examples(config.seed), config.num_examples))
-    groups = await sample_and_score(client, source, examples, config.rollouts_per_example, config.sampling.seed)
-    return EnvResult(env_id, step, groups)
+    async with source.serving(client):
+        groups, failed = await sample_and_score(client, source, examples, config.rollouts_per_example,
+                                                config.sampling.seed)  # fmt: skip
+    return EnvResult(env_id, step, groups, failed)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -103,7 +103,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def wait_for_inference(services: list[Service], url: str, timeout: float, restart: Restarter | None = None) -> None:
     """Wait for the server's /health; fail at once if any started service dies meanwhile (or, with `restart`,
-    replace a trainer that does: the server's start may take minutes, a crash loop must end in seconds)."""
+    replace a trainer that does: the server's start may take minutes, a crash loop must end in seconds). An
+    orchestrator or trainer that exited 0 is done, not dead: it saw the server up before this loop's next probe
+    (a short run's orchestrator finishes within a second of it)."""
     import httpx
 
     start = time.monotonic()
@@ -111,7 +113,7 @@ def wait_for_inference(services: list[Service], url: str, timeout: float, restar
         if signal_name := stop_requested():
             raise StopRequested(f"{signal_name} received while waiting for the inference server; nothing to save")
         for service in list(services):
-            if service.returncode is not None:
+            if service.returncode is not None and (service.returncode != 0 or service.name in SERVERS):
                 if restart is None or service.name in SERVERS:
                     raise ServiceFailed(service)
                 restart(services, service)

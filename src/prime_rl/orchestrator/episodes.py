@@ -23,15 +23,18 @@ A trace's samples share its reward and advantage (`Rollout.unit`); a branch long
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from prime_rl.configs.orchestrator import SamplingConfig
 from prime_rl.envs import EpisodeFailed, Example, split_score
-from prime_rl.envs.verifiers_episodes import EpisodeEnv
-from prime_rl.orchestrator.rollout import Group, Rollout
+from prime_rl.envs.verifiers_episodes import EPISODE_TIMEOUT, EpisodeEnv
+from prime_rl.orchestrator.env_server import EnvServer
+from prime_rl.orchestrator.rollout import Group, Rollout, derive_seed
 from prime_rl.orchestrator.servers.client import Completion, InferenceClient
 from prime_rl.orchestrator.servers.endpoint import PoolEndpoint
 from prime_rl.utils.aio import gather_or_cancel
@@ -47,6 +50,7 @@ class EpisodeSource:
         self.env, self.name, self.seq_len, self.model, self.masks = env, name, seq_len, model, masks
         self.sampling = sampling if max_tokens is None else sampling.model_copy(update={"max_tokens": max_tokens})
         self.endpoint: PoolEndpoint | None = None
+        self.server: EnvServer | None = None
 
     @property
     def token_budget(self) -> int:
@@ -55,35 +59,45 @@ class EpisodeSource:
 
     @asynccontextmanager
     async def serving(self, client: InferenceClient):
-        """The pool endpoint (sampling as the run samples, a fresh key) and the env's serving resources."""
-        token = os.environ.setdefault(KEY_VAR, secrets.token_hex(16))
+        """The pool endpoint (sampling as the run samples, a fresh key) and the env's server process."""
+        token = os.environ.setdefault(KEY_VAR, secrets.token_hex(16))  # before the server starts: it inherits it
         params = client.generate_params(1, self.sampling, masks=self.masks)
+        vf_config = self.env.env.config
         async with PoolEndpoint(client.servers, sampling=params, token=token) as self.endpoint:
-            async with self.env.env.serving():
+            self.server = EnvServer(vf_config, self.name, vf_config.timeout.episode or EPISODE_TIMEOUT)
+            try:
+                await self.server.start()
                 yield self
-        self.endpoint = None
+            finally:
+                await self.server.stop()
+                self.server = self.endpoint = None
 
-    def _context(self, key: str) -> Any:
-        from verifiers.v1.clients import ModelContext
+    def _client(self, key: str) -> Any:
+        """verifiers' training client config for one episode: its own path on the endpoint."""
         from verifiers.v1.configs.client import TrainClientConfig
+
+        return TrainClientConfig(base_url=self.endpoint.episode_url(key), api_key_var=KEY_VAR,
+                                 renderer_model_name=self.model, renderer=self.env.renderer)  # fmt: skip
+
+    def _vf_sampling(self) -> Any:
         from verifiers.v1.types import SamplingConfig as VfSampling
 
-        client = TrainClientConfig(base_url=self.endpoint.episode_url(key), api_key_var=KEY_VAR,
-                                   renderer_model_name=self.model, renderer=self.env.renderer)  # fmt: skip
         s = self.sampling
-        return ModelContext(self.model, client, VfSampling(temperature=s.temperature, top_p=s.top_p,
-                                                           max_tokens=s.max_tokens))  # fmt: skip
+        return VfSampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
 
-    async def play(self, task: Any, n: int) -> list[tuple[Any, list[Completion]]]:
-        """`n` episodes of a vf.Task, each with the answers the endpoint recorded for it."""
-        if self.endpoint is None:
+    async def play(self, task: Any, n: int, seed: int | None = None) -> list[tuple[Any, list[Completion]]]:
+        """`n` episodes of a vf.Task, each with the answers the endpoint recorded for it; with `seed`, episode i's
+        request r samples with derive_seed(derive_seed(seed, i), r), as the in-process path seeds its turns."""
+        if self.server is None:
             raise RuntimeError(f"{self.name}: episodes need the source's serving() open")
-        vf_env = self.env.env
-        keys = [self.endpoint.episode() for _ in range(n)]
+
+        def seeds(i: int) -> Iterator[int] | None:
+            return None if seed is None else (derive_seed(derive_seed(seed, i), r) for r in itertools.count())
+
+        keys = [self.endpoint.episode(seeds(i)) for i in range(n)]
+        data, sampling = task.data.model_dump(mode="json"), self._vf_sampling()
         try:
-            runs = [
-                vf_env.run_slot(slot, self._context(key)) for slot, key in zip(vf_env.slots(task, n), keys, strict=True)
-            ]
+            runs = [self.server.run(self._client(key), self.model, sampling, data) for key in keys]
             episodes = await gather_or_cancel(*runs)
         finally:
             answers = [self.endpoint.end(key) for key in keys]
@@ -91,7 +105,7 @@ class EpisodeSource:
 
     async def group(self, client: InferenceClient, example: Example, n: int, seed: int | None = None) -> Group:
         group = Group(example, [], self.name, episodes=n)
-        played = await self.play(example.info["task"], n)
+        played = await self.play(example.info["task"], n, seed)
         for i, (episode, answers) in enumerate(played):
             rollouts, untrained = episode_rollouts(episode, answers, example, self.seq_len, self.name,
                                                    self.sampling.filtered, unit=i * 1000)  # fmt: skip

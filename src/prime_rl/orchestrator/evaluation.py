@@ -15,10 +15,12 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any
 
 from prime_rl.configs.orchestrator import EvalEnvConfig, OrchestratorConfig
-from prime_rl.envs import Example
+from prime_rl.envs import EnvError, EpisodeFailed, Example
 from prime_rl.orchestrator.observer import StepObserver
 from prime_rl.orchestrator.policy import load_weights
 from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source
@@ -39,11 +41,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclass
 class EnvResult:
-    """One environment's groups at one weight step: its summary line and its per-sample lines."""
+    """One environment's groups at one weight step: its summary line and its per-sample lines. `failed`: why
+    each group that failed in the env's own code did (left out of the figures, counted as `failed_groups`)."""
 
     env_id: str
     step: int
     groups: list[Group]
+    failed: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         rewards = [r.reward for g in self.groups for r in g.rollouts]
@@ -51,6 +55,7 @@ class EnvResult:
             "step": self.step,
             "env": self.env_id,
             "samples": len(rewards),
+            **({"failed_groups": len(self.failed)} if self.failed else {}),
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
             "truncated_fraction": statistics.fmean(r.truncated for g in self.groups for r in g.rollouts),
@@ -77,11 +82,28 @@ class EnvResult:
 
 
 async def sample_and_score(client: InferenceClient, source: RolloutSource, examples: list, n: int,
-                           seed: int | None) -> list[Group]:  # fmt: skip
-    """Every example sampled `n` times at once, then scored: one evaluation's groups (also `[[eval]]`'s)."""
-    groups = await gather_or_cancel(*(source.group(client, ex, n, seed) for ex in examples))
-    await gather_or_cancel(*(source.score(g) for g in groups))
-    return list(groups)
+                           seed: int | None) -> tuple[list[Group], list[str]]:  # fmt: skip
+    """Every example sampled `n` times at once, then scored: one evaluation's groups (also `[[eval]]`'s), and why
+    each group whose episodes failed in the env's own code (EpisodeFailed: a harness or sandbox error) did. Those
+    are left out and counted, as training does; an evaluation where every group failed is an EnvError."""
+
+    async def kept(work: Awaitable) -> Any:
+        try:
+            return await work
+        except EpisodeFailed as e:
+            return e
+
+    sampled = await gather_or_cancel(*(kept(source.group(client, ex, n, seed)) for ex in examples))
+    groups = [g for g in sampled if isinstance(g, Group)]
+    scored = await gather_or_cancel(*(kept(source.score(g)) for g in groups))
+    failed = [str(e) for e in (*sampled, *scored) if isinstance(e, EpisodeFailed)]
+    groups = [g for g, s in zip(groups, scored, strict=True) if not isinstance(s, EpisodeFailed)]
+    if not groups:
+        raise EnvError(f"{source.name}: every group of the evaluation failed ({len(failed)}); the last: {failed[-1]}")
+    if failed:
+        logger.warning(f"{source.name}: {len(failed)} of {len(examples)} eval groups failed, left out; the first: "
+                       f"{failed[0]}")  # fmt: skip
+    return groups, failed
 
 
 class Evals(StepObserver):
@@ -118,8 +140,9 @@ class Evals(StepObserver):
 
     async def _run(self, client, step, cfg: EvalEnvConfig, source: RolloutSource, examples: list[Example]) -> None:
         start = time.perf_counter()
-        groups = await sample_and_score(client, source, examples, cfg.rollouts_per_example, self.config.sampling.seed)
-        result = EnvResult(cfg.label, step, groups).summary()
+        groups, failed = await sample_and_score(client, source, examples, cfg.rollouts_per_example,
+                                                self.config.sampling.seed)  # fmt: skip
+        result = EnvResult(cfg.label, step, groups, failed).summary()
         steps = [r.weight_step for g in groups for r in g.rollouts]
         result |= {"weight_step": min(steps), "weight_step_max": max(steps), "seconds": time.perf_counter() - start}
         result.pop("step")

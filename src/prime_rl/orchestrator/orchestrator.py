@@ -170,8 +170,7 @@ async def open_loop(config: OrchestratorConfig, state: Progress, resumed: Progre
             stack.enter_context(closing(sink))
         await client.wait_for_servers(config.client.health_timeout)
         for source in [slot.source for slot in mix.slots] + [source for _, source, _ in evals.envs]:
-            if hasattr(source, "serving"):  # verifiers plays its episodes through the pool's endpoint
-                await stack.enter_async_context(source.serving(client))
+            await stack.enter_async_context(source.serving(client))  # verifiers' episodes reach the pool by it
         if isinstance(wandb, WandbSink):  # the servers' own numbers (inference/*), read in the background
             wandb.servers = await stack.enter_async_context(ServerMetrics(client))
         if resumed is None:

@@ -30,6 +30,7 @@ turn), so turn 2 of an episode is not a copy of turn 1's draws and different see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -285,6 +286,11 @@ class RolloutSource:
             completions = await client.chat(example.prompt, n, self.sampling, seed, self.tools, masks=self.masks)
         return Group(example, [from_completion(example, c) for c in completions], self.name)
 
+    @contextlib.asynccontextmanager
+    async def serving(self, client: InferenceClient):
+        """Open around its groups: nothing to serve here (an EpisodeSource serves the pool to verifiers)."""
+        yield self
+
     async def score(self, group: Group) -> None:
         """Set each rollout's reward and metrics from the environment's score() (sync or async)."""
         values = await asyncio.gather(*(resolve(self.env.score(r.completion, group.example)) for r in group.rollouts))
@@ -298,16 +304,20 @@ def build_source(
     """An `[[env]]` (or `[[eval]]`) entry's environment and its sampler (sampling: config.sampling unless given);
     it asks for sampling masks when top-p / top-k is on (the orchestrator trains on what it samples)."""
     env = load_environment(cfg.id, **cfg.args)
-    if isinstance(env, EpisodeEnv):  # verifiers plays the episodes
+    return env, make_source(env, cfg.label, sampling or config.sampling, config.seq_len, config.model.name,
+                            config.max_turns, cfg.max_tokens, masks=True)  # fmt: skip
+
+
+def make_source(env: Environment, name: str, sampling: SamplingConfig, seq_len: int, model_name: str,
+                turns: int | None = None, max_tokens: int | None = None, masks: bool = False) -> Any:  # fmt: skip
+    """The sampler of `env` (group, score, token_budget, used inside its `serving(client)`): an EpisodeSource where
+    verifiers plays the episodes, else a RolloutSource."""
+    if isinstance(env, EpisodeEnv):
         from prime_rl.orchestrator.episodes import EpisodeSource
 
-        source = EpisodeSource(env, cfg.label, sampling or config.sampling, config.seq_len, config.model.name,
-                               cfg.max_tokens, masks=True)  # fmt: skip
-        return env, source
-    tokenizer = load_tokenizer(env, config.model.name)
-    source = RolloutSource(env, cfg.label, sampling or config.sampling, config.seq_len, tokenizer, config.max_turns,
-                           cfg.max_tokens, masks=True)  # fmt: skip
-    return env, source
+        return EpisodeSource(env, name, sampling, seq_len, model_name, max_tokens, masks)
+    tokenizer = load_tokenizer(env, model_name)
+    return RolloutSource(env, name, sampling, seq_len, tokenizer, turns, max_tokens, masks)
 
 
 def load_tokenizer(env: Environment, model_name: str) -> Any:

@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import secrets
+from collections.abc import Iterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -68,6 +69,7 @@ class PoolEndpoint:
         routes += [Route(f"/episodes/{{key}}{r.path}", r.endpoint, methods=r.methods) for r in routes]
         self.app = Starlette(routes=routes)
         self.episodes: dict[str, list[Completion]] = {}
+        self.seeds: dict[str, Iterator[int]] = {}  # an episode's request seeds, one per request as it comes
         self._server = None
         self._task: asyncio.Task | None = None
 
@@ -76,10 +78,13 @@ class PoolEndpoint:
         """The base URL clients take (`.../v1`, as a vLLM server's)."""
         return f"http://{self.host}:{self.port}/v1"
 
-    def episode(self) -> str:
-        """A new episode's key: its base URL (`episode_url`) records every answer until `end(key)`."""
+    def episode(self, seeds: Iterator[int] | None = None) -> str:
+        """A new episode's key: its base URL (`episode_url`) records every answer until `end(key)`; with `seeds`,
+        each of its requests samples with the next one (the run's `sampling.seed`, made per episode and turn)."""
         key = secrets.token_hex(8)
         self.episodes[key] = []
+        if seeds is not None:
+            self.seeds[key] = seeds
         return key
 
     def episode_url(self, key: str) -> str:
@@ -87,6 +92,7 @@ class PoolEndpoint:
 
     def end(self, key: str) -> list[Completion]:
         """The episode's answers, in the order they came; later requests under its key are a 404."""
+        self.seeds.pop(key, None)
         return self.episodes.pop(key)
 
     async def __aenter__(self) -> PoolEndpoint:
@@ -131,6 +137,8 @@ class PoolEndpoint:
             return _error(400, "invalid request: the body (and its sampling_params) must be a JSON object")
         if self.sampling is not None:
             body["sampling_params"] = run_sampling(body.get("sampling_params", {}), self.sampling)
+        if (seeds := self.seeds.get(request.path_params.get("key", ""))) is not None:
+            body["sampling_params"] = body.get("sampling_params", {}) | {"seed": next(seeds)}
         try:
             server, data, step = await self.servers.generate(GENERATE, body)
         except InferenceError as e:
