@@ -55,7 +55,7 @@ class EnvServer:
         self.config, self.name, self.bound = config, name, episode_timeout + GRACE
         self.process: multiprocessing.process.BaseProcess | None = None
         self.client: Any = None
-        self.generation = 0  # bumped at every start: a failure seen by many episodes restarts the server once
+        self.generation = 0  # bumped when a restart begins: the old server's other episodes fail, it restarts once
         self.restarts = 0  # in a row, without a finished episode between
         self._starting = asyncio.Lock()
         self._death_pipe: Any = None  # our end: when the orchestrator dies, the server sees it close and ends
@@ -77,7 +77,6 @@ class EnvServer:
         except TimeoutError:
             await self.stop()
             raise EnvError(f"{self.name}: its env server at {address} did not answer in {START_TIMEOUT:.0f}s") from None
-        self.generation += 1
         logger.info(f"{self.name}: env server pid {self.process.pid} at {address}")
 
     def _address(self, addresses: Any) -> str:
@@ -111,7 +110,8 @@ class EnvServer:
     async def run(self, client: Any, model: str, sampling: Any, task_data: dict) -> Any:
         """One episode on the server (verifiers' WireEpisode); EpisodeFailed when its server died or it passed its
         bound (the server is then started again)."""
-        generation, started = self.generation, time.monotonic()
+        async with self._starting:  # a restart in progress: this episode goes to the new server
+            generation, started = self.generation, time.monotonic()
         run = asyncio.ensure_future(self.client.run(client, model, sampling, task_data))
         try:
             while not run.done():
@@ -141,6 +141,7 @@ class EnvServer:
         async with self._starting:
             if generation != self.generation:  # another episode already restarted it
                 return
+            self.generation += 1  # before anything awaits: the old server's other episodes see it and fail
             self.restarts += 1
             if self.restarts > MAX_RESTARTS:
                 raise EnvError(f"{self.name}: its env server failed {MAX_RESTARTS + 1} times in a row; the last: {why}")
