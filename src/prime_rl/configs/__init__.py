@@ -32,6 +32,7 @@ from prime_rl.configs.shared import (
     LogConfig,
     LoraConfig,
     ModelConfig,
+    PrometheusConfig,
     WeightTransferConfig,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "LogConfig",
     "LoraConfig",
     "ModelConfig",
+    "PrometheusConfig",
     "OutputDir",
     "OutputPath",
     "Section",

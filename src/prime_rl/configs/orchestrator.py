@@ -14,6 +14,7 @@ from prime_rl.configs import (
     LogConfig,
     ModelConfig,
     OutputDir,
+    PrometheusConfig,
     Section,
     WeightTransferConfig,
 )
@@ -312,6 +313,7 @@ class OrchestratorConfig(BaseConfig):
         ParityConfig, Field(description="the parity gate: canaries scored by every server and the trainer")
     ] = ParityConfig()
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+    prometheus: Annotated[PrometheusConfig, Field(description="Prometheus /metrics and /health")] = PrometheusConfig()
     wandb: Annotated[
         WandbConfig | None,
         Field(

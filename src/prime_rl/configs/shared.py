@@ -153,6 +153,17 @@ class LogConfig(Section):
     ] = True
 
 
+class PrometheusConfig(Section):
+    """Prometheus `/metrics` (each number of the last step's metrics line as a gauge, the step, the process's
+    memory and CPU) and `/health`, served by the service itself (the trainer's rank 0) from a thread of its own."""
+
+    port: Annotated[
+        int | None,
+        Field(ge=1, le=65535, description="port to serve them on; unset: not served (`rl` gives each a free port)"),
+    ] = None
+    host: Annotated[str, Field(description="address to listen on")] = "0.0.0.0"
+
+
 class StepLogConfig(LogConfig):
     """Logging of a trainer, which prints a line per step it logs (metrics/*.jsonl still gets every step)."""
 

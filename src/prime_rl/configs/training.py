@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.configs import BaseConfig, CkptConfig, LogConfig, ModelConfig, Section
+from prime_rl.configs import BaseConfig, CkptConfig, LogConfig, ModelConfig, PrometheusConfig, Section
 
 
 class OptimConfig(Section):
@@ -95,3 +95,6 @@ class TrainingConfig(BaseConfig):
     optim: Annotated[OptimConfig, Field(description="optimizer")] = OptimConfig()
     ckpt: Annotated[CkptConfig | None, Field(description="checkpointing; off unless --ckpt is given")] = None
     log: Annotated[LogConfig, Field(description="logging")] = LogConfig()
+    prometheus: Annotated[PrometheusConfig, Field(description="Prometheus /metrics and /health (rank 0)")] = (
+        PrometheusConfig()
+    )

@@ -13,7 +13,14 @@ from prime_rl.configs import OUTPUT_DIR_VAR
 from prime_rl.configs.rl import SERVICES, RLConfig
 from prime_rl.launch.console import StatusLine, follow_logs
 from prime_rl.launch.memory_check import memory_warning
-from prime_rl.launch.services import assign_devices, count_gpus, resume_step, service_commands, service_configs
+from prime_rl.launch.services import (
+    assign_devices,
+    count_gpus,
+    prometheus_ports,
+    resume_step,
+    service_commands,
+    service_configs,
+)
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
 from prime_rl.launch.watchdog import Watchdog
 from prime_rl.protocol import RUN_VAR, check_resume_before_end, log_file, prepare_output_dir, run_dir, run_locks
@@ -43,6 +50,8 @@ def _run(config: RLConfig, lock_token: str) -> None:
     if said := memory_warning(config, count_gpus()):
         logger.warning(said)
     env, trainer_procs = service_env(config, lock_token)
+    config, scrape = prometheus_ports(config)
+    logger.info(scrape)
     subs = service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key), env=env)
     config = config.model_copy(update=subs)
     for name in SERVICES:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prime_rl.configs.base import BaseConfig
 from prime_rl.configs.rl import SERVICES, RLConfig
+from prime_rl.utils.net import free_port
 
 logger = logging.getLogger("prime_rl")
 
@@ -72,6 +73,20 @@ def service_commands(
             "-m", "prime_rl.entrypoints.trainer", "@", str(run_dir / "trainer.toml"),
         ],
     }  # fmt: skip
+
+
+def prometheus_ports(config: RLConfig) -> tuple[RLConfig, str]:
+    """`config` with a free port for the orchestrator's and the trainer's Prometheus endpoints where none is set,
+    and the line naming every scrape URL of the run (the servers' /metrics too)."""
+    updates, urls = {}, [f"inference http://127.0.0.1:{config.inference.server.port}/metrics"]
+    if config.teacher is not None:
+        urls.append(f"teacher http://127.0.0.1:{config.teacher.server.port}/metrics")
+    for name in ("orchestrator", "trainer"):
+        sub = getattr(config, name)
+        port = sub.prometheus.port or free_port()
+        updates[name] = sub.model_copy(update={"prometheus": sub.prometheus.model_copy(update={"port": port})})
+        urls.append(f"{name} http://127.0.0.1:{port}/metrics")
+    return config.model_copy(update=updates), "Prometheus: " + ", ".join(urls) + " (and /health)"
 
 
 def service_configs(

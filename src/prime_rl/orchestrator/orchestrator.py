@@ -165,7 +165,9 @@ async def open_loop(config: OrchestratorConfig, state: Progress, resumed: Progre
         )
         teacher = await open_teacher(config, stack)
         # Closed in reverse: the batches' requests in flight first, the sinks, the metrics file, the client last.
-        metrics = stack.enter_context(closing(MetricsWriter(config.output_dir, "orchestrator", state.step)))
+        metrics = stack.enter_context(
+            closing(MetricsWriter(config.output_dir, "orchestrator", state.step, config.prometheus))
+        )
         for sink in (wandb, progress, evals):
             stack.enter_context(closing(sink))
         await client.wait_for_servers(config.client.health_timeout)

@@ -42,6 +42,11 @@ _progress = {"time": time.time(), "doing": "working", "long": False}
 _changed = threading.Event()
 
 
+def progress() -> dict:
+    """What the work is doing (`doing`, `long`) and when it last advanced (`time`)."""
+    return dict(_progress)
+
+
 def stamp() -> None:
     """Called by the thread that does the work whenever it advances (cheap: one clock read)."""
     _progress["time"] = time.time()

@@ -11,12 +11,17 @@ import os
 import time
 from pathlib import Path
 
+from prime_rl.configs import PrometheusConfig
 from prime_rl.protocol.files import atomic_write_text, writing
 from prime_rl.protocol.paths import metrics_file
+from prime_rl.utils.prometheus import serve_metrics
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, service: str, first_step: int = 0):
+    """With `prometheus.port` set, each record is also served as Prometheus gauges (utils/prometheus.py)."""
+
+    def __init__(self, output_dir: Path, service: str, first_step: int = 0, prometheus: PrometheusConfig | None = None):
+        self.server = serve_metrics(service, prometheus) if prometheus and prometheus.port else None
         self.path = metrics_file(output_dir, service)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(output_dir, service) if r.get("step", 0) < first_step]
@@ -29,9 +34,13 @@ class MetricsWriter:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
+        if self.server is not None:
+            self.server.update(step, metrics)
 
     def close(self) -> None:
         self._file.close()
+        if self.server is not None:
+            self.server.close()
 
 
 def read_metrics(output_dir: Path, service: str) -> list[dict]:

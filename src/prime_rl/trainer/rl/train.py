@@ -71,7 +71,9 @@ def run(config: TrainerConfig, hb: Heartbeat) -> None:
             )
             if sender is not None:
                 stack.callback(sender.close)  # before the trainer's own group goes
-        metrics = MetricsWriter(config.output_dir, "trainer", progress.step) if dist.is_main else None
+        metrics = (
+            MetricsWriter(config.output_dir, "trainer", progress.step, config.prometheus) if dist.is_main else None
+        )
         logger.info(f"training {config.model.name} on {dist.world_size} rank(s), device {dist.device.type}")
 
         history = []

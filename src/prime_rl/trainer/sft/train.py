@@ -66,7 +66,7 @@ def run(config: SFTConfig) -> None:
         dist = state.dist
         val_rows = build_val_rows(config.val.data, config.seq_len, tokenizer, dist) if config.val else None
         progress = resume(config, state, resumed_from)
-        metrics = MetricsWriter(config.output_dir, "sft", progress.step) if dist.is_main else None
+        metrics = MetricsWriter(config.output_dir, "sft", progress.step, config.prometheus) if dist.is_main else None
         if dist.is_main and config.wandb is not None:  # each record to W&B too (a resumed run: the same W&B run)
             metrics = wandb_metrics(config, metrics, resumed=progress.step > 0)
         logger.info(
