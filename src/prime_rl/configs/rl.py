@@ -17,6 +17,7 @@ from pydantic_settings import NoDecode
 from prime_rl.configs.base import ENV_PREFIX, BaseConfig, FieldError, OutputPath, Section
 from prime_rl.configs.fields import expand_shorthands
 from prime_rl.configs.inference import InferenceConfig
+from prime_rl.configs.k8s import K8sConfig
 from prime_rl.configs.orchestrator import OrchestratorConfig
 from prime_rl.configs.shared import (
     WEIGHT_BROADCAST_MOVED,
@@ -137,6 +138,9 @@ class RLConfig(BaseConfig):
     ] = None
     log: Annotated[LogConfig, Field(description="logging of the launcher itself")] = LogConfig()
     slurm: Annotated[SlurmConfig | None, Field(description="submit as a Slurm job instead (docs/slurm.md)")] = None
+    k8s: Annotated[
+        K8sConfig | None, Field(description="write the run's Kubernetes manifests instead (docs/deploy.md)")
+    ] = None
     plan: Annotated[
         PlanConfig | None, Field(description="print the run's memory plan for a cluster shape and exit")
     ] = None
@@ -250,6 +254,14 @@ class RLConfig(BaseConfig):
                 "only with inference.vllm.return-sampling-mask = true (GPU only: vLLM's CPU build cannot return "
                 "sampling masks): set it, or use inference.backend = builtin, or top_p = 1 and top_k = 0",
                 also=("inference.backend",),
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_launcher(self) -> RLConfig:
+        if self.k8s is not None and self.slurm is not None:
+            raise FieldError(
+                "k8s", "one launcher at a time: the run is a Slurm job or Kubernetes objects", also=("slurm",)
             )
         return self
 

@@ -36,6 +36,19 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def write_manifests(config: RLConfig) -> int:
+    """`rl --k8s...`: the run's manifests written, and how to start it; a config the layout refuses is exit 2."""
+    from prime_rl.k8s.manifests import write
+
+    try:
+        path = write(config)
+    except ValueError as e:
+        print(f"rl: config error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}\nstart the run: kubectl apply -f {path}")
+    return 0
+
+
 def main() -> None:
     config = parse_config(RLConfig, prog="rl")
     if config.plan is not None:
@@ -50,6 +63,8 @@ def main() -> None:
         raise SystemExit(0 if fits else 1)
     if config.slurm is not None:
         raise SystemExit(submit(config, "rl"))
+    if config.k8s is not None:
+        raise SystemExit(write_manifests(config))
     try:  # devices this node lacks are a bad config: said at once, before the log of the dir's last run is opened
         assign_devices(config, count_gpus())
     except ValueError as e:

@@ -1,0 +1,1 @@
+"""Kubernetes manifests of an RL run (`rl --k8s...`): manifests.py."""
