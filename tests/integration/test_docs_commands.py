@@ -196,8 +196,8 @@ def known_kind(command: str) -> str | None:
         return "fleet"
     if w[0] in ("sbatch", "squeue", "srun"):
         return "cluster"
-    if w[0] == "kubectl":
-        return "kubernetes"
+    if w[0] in ("kubectl", "sky", "dstack"):
+        return "launcher"
     return None
 
 
@@ -210,8 +210,8 @@ def why_not_run(line: Line) -> str | None:
         return "development tooling: the suite, linters and CI script this test is part of"
     if kind == "fleet":
         return "rewrites a running run's servers: tests/unit/orchestrator/servers/test_fleet.py runs it verbatim"
-    if kind == "kubernetes":
-        return "a Kubernetes cluster (tests/unit/k8s checks the manifests with the Kubernetes API's own models)"
+    if kind == "launcher":
+        return "a Kubernetes cluster or a cloud (tests/unit/k8s and tests/unit/cloud check what rl writes for them)"
     if kind in ("cluster", "export") or "--slurm" in c or "slurm_cluster.sh" in c:
         return "a Slurm cluster or several nodes (tests/integration/test_slurm.py runs a one-node cluster)"
     if (

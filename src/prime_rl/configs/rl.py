@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import NoDecode
 
 from prime_rl.configs.base import ENV_PREFIX, BaseConfig, FieldError, OutputPath, Section
+from prime_rl.configs.cloud import CloudConfig
 from prime_rl.configs.fields import expand_shorthands
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.k8s import K8sConfig
@@ -141,6 +142,9 @@ class RLConfig(BaseConfig):
     k8s: Annotated[
         K8sConfig | None, Field(description="write the run's Kubernetes manifests instead (docs/deploy.md)")
     ] = None
+    cloud: Annotated[
+        CloudConfig | None, Field(description="write the run as a SkyPilot or dstack task instead (docs/deploy.md)")
+    ] = None
     plan: Annotated[
         PlanConfig | None, Field(description="print the run's memory plan for a cluster shape and exit")
     ] = None
@@ -259,10 +263,10 @@ class RLConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _one_launcher(self) -> RLConfig:
-        if self.k8s is not None and self.slurm is not None:
-            raise FieldError(
-                "k8s", "one launcher at a time: the run is a Slurm job or Kubernetes objects", also=("slurm",)
-            )
+        chosen = [name for name in ("slurm", "k8s", "cloud") if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise FieldError(chosen[1], f"one launcher at a time: {' and '.join(chosen)} are both set",
+                             also=tuple(chosen[:1]))  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -36,16 +36,21 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def write_manifests(config: RLConfig) -> int:
-    """`rl --k8s...`: the run's manifests written, and how to start it; a config the layout refuses is exit 2."""
-    from prime_rl.k8s.manifests import write
-
+def write_launch_files(config: RLConfig) -> int:
+    """`rl --k8s...` / `rl --cloud...`: the run's files written, and how to start it; a config the layout refuses
+    is exit 2."""
+    if config.k8s is not None:
+        from prime_rl.k8s.manifests import write
+    else:
+        from prime_rl.cloud.tasks import write
     try:
         path = write(config)
     except ValueError as e:
         print(f"rl: config error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path}\nstart the run: kubectl apply -f {path}")
+    start = {"skypilot": "sky launch", "dstack": "dstack apply -f"}
+    command = "kubectl apply -f" if config.k8s is not None else start[config.cloud.launcher]
+    print(f"wrote {path}\nstart the run: {command} {path}")
     return 0
 
 
@@ -63,8 +68,8 @@ def main() -> None:
         raise SystemExit(0 if fits else 1)
     if config.slurm is not None:
         raise SystemExit(submit(config, "rl"))
-    if config.k8s is not None:
-        raise SystemExit(write_manifests(config))
+    if config.k8s is not None or config.cloud is not None:
+        raise SystemExit(write_launch_files(config))
     try:  # devices this node lacks are a bad config: said at once, before the log of the dir's last run is opened
         assign_devices(config, count_gpus())
     except ValueError as e:

@@ -1,0 +1,1 @@
+"""SkyPilot and dstack tasks of an RL run (`rl --cloud...`): tasks.py."""
