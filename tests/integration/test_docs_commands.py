@@ -198,6 +198,8 @@ def known_kind(command: str) -> str | None:
         return "cluster"
     if w[0] in ("kubectl", "sky", "dstack"):
         return "launcher"
+    if w[0] in ("podman", "docker"):
+        return "container"
     return None
 
 
@@ -210,6 +212,8 @@ def why_not_run(line: Line) -> str | None:
         return "development tooling: the suite, linters and CI script this test is part of"
     if kind == "fleet":
         return "rewrites a running run's servers: tests/unit/orchestrator/servers/test_fleet.py runs it verbatim"
+    if kind == "container":
+        return "the image: scripts/image_check.sh (CI runs it) builds it and runs the debug run inside it"
     if kind == "launcher":
         return "a Kubernetes cluster or a cloud (tests/unit/k8s and tests/unit/cloud check what rl writes for them)"
     if kind in ("cluster", "export") or "--slurm" in c or "slurm_cluster.sh" in c:
@@ -249,6 +253,8 @@ def why_not_run(line: Line) -> str | None:
         return "needs the 20-step trainer checkpoint of the lines above it: flags checked with --help"
     if "gpu_check.sh" in c:
         return "the GPU acceptance run (CUDA)"
+    if "image_check.sh" in c:
+        return "builds the image (~5 min): .ci/run runs it beside the suite"
     return None
 
 
