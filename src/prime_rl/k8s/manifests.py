@@ -107,7 +107,8 @@ def _container(config, k8s, role: str, command: list[str], port: int, gpus: bool
     if k8s.api_key_secret and role != "trainer":
         ref = {"secretKeyRef": {"name": k8s.api_key_secret, "key": SECRET_KEY}}
         env.append({"name": config.orchestrator.client.api_key_var, "valueFrom": ref})
-    mounts = [{"name": "outputs", "mountPath": k8s.output_mount}, {"name": "config", "mountPath": CONFIG_DIR}]
+    mounts = [{"name": "outputs", "mountPath": k8s.output_mount}, {"name": "config", "mountPath": CONFIG_DIR},
+              {"name": "shm", "mountPath": "/dev/shm"}]  # fmt: skip
     container = {"name": role, "image": k8s.image, "command": command, "env": env, "volumeMounts": mounts,
                  "ports": [{"name": "http" if role == "inference" else "metrics", "containerPort": port}]}  # fmt: skip
     if gpus and k8s.gpus_per_pod:
@@ -116,12 +117,16 @@ def _container(config, k8s, role: str, command: list[str], port: int, gpus: bool
 
 
 def _pod(k8s, role: str, containers: list[dict], port: int, restart: str, **spec) -> dict:
-    volumes = [{"name": "outputs", "persistentVolumeClaim": {"claimName": k8s.output_claim}},
-               {"name": "config", "configMap": {"name": f"{k8s.name}-config"}}]  # fmt: skip
+    volumes = [
+        {"name": "outputs", "persistentVolumeClaim": {"claimName": k8s.output_claim}},
+        {"name": "config", "configMap": {"name": f"{k8s.name}-config"}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]  # NCCL and vLLM's workers outgrow the 64 MiB default
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
     metadata = {"labels": _labels(k8s, role), "annotations": annotations}
+    # fsGroup: the image's user (uid 1000, Containerfile) can write OUTPUT_DIR on the claim.
     return {"metadata": metadata, "spec": {"containers": containers, "volumes": volumes, "restartPolicy": restart,
-                                           **spec}}  # fmt: skip
+                                           "securityContext": {"fsGroup": 1000}, **spec}}  # fmt: skip
 
 
 def _inference(config, k8s) -> list[dict]:
