@@ -126,22 +126,12 @@ def _script(config, output_dir: str) -> str:
 def write(config) -> Path:
     """Render and write the task file and the configs it uploads; the task file's path."""
     import tomli_w
-    import yaml
 
     from prime_rl.protocol import atomic_write_text
+    from prime_rl.utils.yaml_dump import dump_yaml
 
     task, configs, local = render(config)
     local.mkdir(parents=True, exist_ok=True)
     for name, data in configs.items():
         atomic_write_text(local / name, tomli_w.dumps(data))
-
-    class Dumper(yaml.SafeDumper):
-        """The run script as a literal block."""
-
-    def text(dumper, value: str):
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
-
-    Dumper.add_representer(str, text)
-    return atomic_write_text(
-        local / LAUNCHERS[config.cloud.launcher][2], yaml.dump(task, Dumper=Dumper, sort_keys=False)
-    )
+    return atomic_write_text(local / LAUNCHERS[config.cloud.launcher][2], dump_yaml(task))

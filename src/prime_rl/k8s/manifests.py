@@ -175,18 +175,9 @@ def _trainer(config, k8s) -> list[dict]:
 
 def write(config) -> Path:
     """Render and write the manifests; the path written."""
-    import yaml
-
     from prime_rl.protocol import atomic_write_text
+    from prime_rl.utils.yaml_dump import dump_yaml
 
-    class Dumper(yaml.SafeDumper):
-        """Multi-line strings (the configs) as literal blocks, readable in the file and in `kubectl describe`."""
-
-    def text(dumper, value: str):
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
-
-    Dumper.add_representer(str, text)
-    Dumper.ignore_aliases = lambda self, data: True  # each pod spec whole, no &anchors
     objects, path = render(config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(path, yaml.dump_all(objects, Dumper=Dumper, sort_keys=False))
+    return atomic_write_text(path, dump_yaml(*objects))
