@@ -47,6 +47,11 @@ def render(config) -> tuple[list[dict], Path]:
             "inference.api_key would be written into the manifests: put the key in a Secret (kubectl create "
             f"secret generic NAME --from-literal={SECRET_KEY}=...) and set k8s.api_key_secret = NAME"
         )
+    if not k8s.api_key_secret and not config.inference.allow_unauthenticated:
+        raise ValueError(
+            "the servers listen on the pod network, which needs an API key: set k8s.api_key_secret (a Secret with "
+            f"the key `{SECRET_KEY}`), or inference.allow_unauthenticated = true"
+        )
     if config.teacher is not None:
         raise ValueError("under --k8s rl starts no teacher server: run one and give [orchestrator.teacher] base_url")
     subs = _service_configs(config)

@@ -85,6 +85,12 @@ def test_a_two_node_run_is_objects_kubernetes_own_models_accept_and_configs_each
 def test_a_key_in_the_config_is_refused_and_with_a_secret_never_written(tmp_path):
     with pytest.raises(ValueError, match="put the key in a Secret"):
         rendered(tmp_path, *TWO_NODES[:-2], "--inference.api-key", KEY)
+    with pytest.raises(ValueError, match="set k8s.api_key_secret"):  # its servers would refuse to start
+        rendered(tmp_path, *TWO_NODES[:-2])
+    objects, _ = rendered(tmp_path, *TWO_NODES[:-2], "--inference.allow-unauthenticated")
+    path = tmp_path / "inference.toml"
+    path.write_text(by_name(objects)["ConfigMap/prime-rl-config"]["data"]["inference.toml"])
+    assert load_config(InferenceConfig, ["@", str(path)]).api_key_var is None  # the pod's server starts keyless
     _, text = rendered(tmp_path, *TWO_NODES, "--inference.api-key", KEY)
     assert KEY not in text and not any(KEY in p.read_text() for p in tmp_path.rglob("*") if p.is_file())
 
@@ -103,7 +109,8 @@ def test_values_kubernetes_would_refuse_are_config_errors_naming_the_field(tmp_p
 def test_hostile_values_stay_data_and_the_clear_script_runs_none_of_them(tmp_path):
     mount = f"/tmp/out {HOSTILE}"
     objects, _ = rendered(tmp_path, "--k8s.image", HOSTILE, "--k8s.output-claim", "c", "--k8s.output-mount", mount,
-                          "--model.name", f"m\n{HOSTILE}", "--inference.env-vars.HOSTILE_VALUE", HOSTILE)  # fmt: skip
+                          "--model.name", f"m\n{HOSTILE}", "--inference.env-vars.HOSTILE_VALUE", HOSTILE,
+                          "--k8s.api-key-secret", "s")  # fmt: skip
     objs = by_name(objects)
     assert len(objects) == 6
     for o in objects:
