@@ -67,10 +67,11 @@ def render(config) -> tuple[dict, dict[str, dict], Path]:
     local = run_dir(Path(config.orchestrator.output_dir).resolve()) / cloud.launcher
     nodes = cloud.inference_nodes + cloud.trainer_nodes
     if cloud.launcher == "skypilot":
-        task = {"name": cloud.name, "num_nodes": nodes, "workdir": str(_project()),
-                "file_mounts": {CONFIG_DIR: str(local)}, "volumes": {cloud.mount: cloud.volume},
-                "secrets": {key_var: None}, "envs": {"OUTPUT_DIR": output_dir},
+        task = {"name": cloud.name, "num_nodes": nodes, "file_mounts": {CONFIG_DIR: str(local)},
+                "volumes": {cloud.mount: cloud.volume}, "secrets": {key_var: None}, "envs": {"OUTPUT_DIR": output_dir},
                 "setup": "\n".join(cloud.setup), "run": script}  # fmt: skip
+        if (_project() / "pyproject.toml").is_file():  # a checkout (not an installed package): synced to each node
+            task = {"workdir": str(_project()), **task}
         if cloud.accelerators:
             task["resources"] = {"accelerators": cloud.accelerators}
     else:
