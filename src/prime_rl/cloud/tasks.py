@@ -89,19 +89,11 @@ def _project() -> Path:
 
 
 def _service_configs(config, output_dir: str) -> dict:
-    from prime_rl.launch.services import service_configs
+    from prime_rl.launch.services import remote_configs
 
     cloud = config.cloud
-    procs = max(cloud.gpus_per_node, 1)
-    layout = f" ({cloud.trainer_nodes} node(s) x {procs})"
-    subs = service_configs(config, cloud.trainer_nodes * procs, key_in_env=True, layout=layout, host="0.0.0.0",
-                           self_watch=True)  # fmt: skip
-    for name, sub in subs.items():
-        update = {"output_dir": Path(output_dir)}
-        if name in ("orchestrator", "trainer"):
-            update["prometheus"] = sub.prometheus.model_copy(update={"port": cloud.metrics_port})
-        subs[name] = sub.model_copy(update=update)
-    return subs
+    return remote_configs(config, cloud.trainer_nodes, max(cloud.gpus_per_node, 1), kind="node",
+                          output_dir=Path(output_dir), metrics_port=cloud.metrics_port)  # fmt: skip
 
 
 def _script(config, output_dir: str) -> str:

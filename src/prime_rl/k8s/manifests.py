@@ -62,24 +62,14 @@ def render(config) -> tuple[list[dict], Path]:
 
 
 def _service_configs(config) -> dict:
-    from prime_rl.launch.services import service_configs
+    from prime_rl.launch.services import remote_configs
 
     k8s = config.k8s
-    output_dir = Path(k8s.output_mount) / k8s.name
-    ranks = k8s.trainer_pods * max(k8s.gpus_per_pod, 1)
-    layout = f" ({k8s.trainer_pods} pod(s) x {max(k8s.gpus_per_pod, 1)})"
-    subs = service_configs(config, ranks, key_in_env=k8s.api_key_secret is not None, layout=layout,
-                           host="0.0.0.0", self_watch=True)  # fmt: skip
     port = config.inference.server.port
     urls = [f"http://{_pod_dns(k8s, 'inference', i)}:{port}/v1" for i in range(k8s.inference_replicas)]
-    for name, sub in subs.items():
-        update = {"output_dir": output_dir}
-        if name == "orchestrator":
-            update["client"] = sub.client.model_copy(update={"base_url": urls})
-        if name in ("orchestrator", "trainer"):
-            update["prometheus"] = sub.prometheus.model_copy(update={"port": k8s.metrics_port})
-        subs[name] = sub.model_copy(update=update)
-    return subs
+    return remote_configs(config, k8s.trainer_pods, max(k8s.gpus_per_pod, 1), kind="pod",
+                          output_dir=Path(k8s.output_mount) / k8s.name, metrics_port=k8s.metrics_port,
+                          key_in_env=k8s.api_key_secret is not None, base_urls=urls)  # fmt: skip
 
 
 def _pod_dns(k8s, role: str, index: int) -> str:

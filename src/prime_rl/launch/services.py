@@ -1,5 +1,6 @@
 """What each service of an RL run starts with: its devices, its command line, and its config as the launcher
-adjusts it. One place for `rl` (one node) and the Slurm renderer (`prime_rl.slurm`, across nodes)."""
+adjusts it. One place for `rl` (one node) and the renderers that start it across machines (`prime_rl.slurm`,
+`prime_rl.k8s`, `prime_rl.cloud`)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,35 @@ def service_configs(
         teacher = {"log": log, "output_dir": teacher_dir, **updates.get("teacher", {})}
         configs["teacher"] = config.teacher.model_copy(update=teacher)
     return configs
+
+
+def remote_configs(
+    config: RLConfig,
+    machines: int,
+    procs: int,
+    *,
+    kind: str,
+    output_dir: Path,
+    metrics_port: int,
+    key_in_env: bool = True,
+    base_urls: list[str] | None = None,
+) -> dict[str, BaseConfig]:
+    """`service_configs` for services on machines of their own, no `rl` beside them (Kubernetes pods, cloud
+    nodes): `machines` x `procs` trainer ranks (`kind` names the machines in a mismatch's message), servers on
+    every interface, each service watching itself; every service writes under `output_dir` (the shared volume
+    as each machine mounts it) and the orchestrator and the trainer serve Prometheus on `metrics_port`;
+    `base_urls`, where the servers' addresses are known before the run, become the orchestrator's."""
+    layout = f" ({machines} {kind}(s) x {procs})"
+    subs = service_configs(config, machines * procs, key_in_env=key_in_env, layout=layout, host="0.0.0.0",
+                           self_watch=True)  # fmt: skip
+    for name, sub in subs.items():
+        update: dict = {"output_dir": output_dir}
+        if name == "orchestrator" and base_urls:
+            update["client"] = sub.client.model_copy(update={"base_url": base_urls})
+        if name in ("orchestrator", "trainer"):
+            update["prometheus"] = sub.prometheus.model_copy(update={"port": metrics_port})
+        subs[name] = sub.model_copy(update=update)
+    return subs
 
 
 # The trainer's part of a GPU it shares with vLLM servers: upstream's single-GPU deployment runs vLLM at
