@@ -167,79 +167,36 @@ def show_calc_server_log_on_failure(request):
         print(f"--- {server.backend} server log ---\n{server.output()[-6000:]}")
 
 
-# With pytest-xdist (`uv run pytest -n 2`, its default `--dist load` or `loadfile`, scheduled here) the unit
-# tests have a worker of their own and the integration modules share the others, each module on one worker (its
-# servers start once). On two cores that is two lanes: no two integration modules (each a few processes, some
-# time-bounded) ever run at once, and the unit tests (one thread, ~6 min) fill the integration tests' idle third
-# (they wait on servers, bounds and subprocesses). The unit lane opens once the FIRST_MODULES are done: those are
-# CPU-bound, and beside them (and CI's image build) the unit tests would only slow them down. Two exceptions to "a
-# module": the modules sharing the session's calc servers go to one integration worker together (else each worker
-# starts them), and test_rl.py's independent runs are handed out one at a time. (xdist_group marks with `--dist
-# loadgroup` would say it per test, but on pytest 9.2 xdist 3.8's grouping is silently lost: pytest-xdist#1386.)
+# With pytest-xdist (`uv run pytest -n 2 --dist loadfile`, on a machine with cores to spare) a module's tests go
+# to one worker, so a module's servers start once. Two exceptions: the modules sharing the session's calc servers
+# go to one worker together (else each worker starts them), and test_rl.py's independent runs are handed out one
+# at a time. (xdist_group marks with `--dist loadgroup` would say it per test, but on pytest 9.2 xdist 3.8's
+# grouping is silently lost: pytest-xdist#1386.)
+# Paths, not names: tests/unit/utils/test_tool_calls.py is another module of the same name.
 CALC_SERVER_MODULES = {
-    *(f"tests/integration/{name}.py" for name in ("test_inference_fuzz", "test_tool_calls", "test_lora_serving",
-                                                  "test_train_client", "test_verifiers_episodes")),
-    "tests/unit/orchestrator/test_sinks.py",
+    "tests/integration/test_inference_fuzz.py", "tests/integration/test_tool_calls.py",
+    "tests/integration/test_lora_serving.py", "tests/integration/test_train_client.py",
+    "tests/integration/test_verifiers_episodes.py", "tests/unit/orchestrator/test_sinks.py",
 }  # fmt: skip
 ONE_BY_ONE_MODULES = {"test_rl.py", "test_rl_verifiers.py"}  # ~20 runs: one worker would end long after the other
-# Handed out first (~4-6 min, CPU-bound): the suite's longest module, bounded only at 30 min.
+# Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.
 FIRST_MODULES = ["test_example_reverse_text.py"]
-UNIT_LANE = "unit"
-
-
-def scope_of(nodeid: str, unit_lane: bool) -> str:
-    """The unit of work a worker takes whole: the unit lane, the calc servers' group, one test, or a module."""
-    module = nodeid.split("::", 1)[0]
-    if module in CALC_SERVER_MODULES:
-        return "calc-servers"
-    if unit_lane and module.startswith("tests/unit/"):
-        return UNIT_LANE
-    return nodeid if module.rsplit("/", 1)[-1] in ONE_BY_ONE_MODULES else module
 
 
 @pytest.hookimpl(optionalhook=True)  # a plain `pytest` without xdist runs too
 def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") not in ("load", "loadfile"):  # another --dist asked for: xdist's own
+    if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class Lanes(LoadFileScheduling):
-        unit_lane: bool | None = None  # set from the collection: a lane only beside other tests
-
+    class Scheduler(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if self.unit_lane is None:
-                unit = {n.startswith("tests/unit/") for n in self.collection}
-                self.unit_lane = unit == {True, False}
-            return scope_of(nodeid, self.unit_lane)
+            module = nodeid.split("::", 1)[0]
+            if module in CALC_SERVER_MODULES:
+                return "calc-servers"
+            return nodeid if module.rsplit("/", 1)[-1] in ONE_BY_ONE_MODULES else module
 
-        def _lane_worker(self):
-            """The worker the unit lane runs on (the last one), while there is a unit lane and another worker."""
-            lane = UNIT_LANE in self.workqueue or any(UNIT_LANE in w for w in self.assigned_work.values())
-            return self.nodes[-1] if lane and len(self.nodes) > 1 else None
-
-        def _first_modules_running(self) -> bool:
-            work = [*self.workqueue.items(), *(u for w in self.assigned_work.values() for u in w.items())]
-            return any(s.rsplit("/", 1)[-1] in FIRST_MODULES and not all(u.values()) for s, u in work)
-
-        def _assign_work_unit(self, node) -> None:
-            lane_worker = self._lane_worker()
-            if lane_worker is None:
-                return super()._assign_work_unit(node)
-            if node is lane_worker and self._first_modules_running():
-                return  # asked again as each test ends (mark_test_complete)
-            mine = [s for s in self.workqueue if (s == UNIT_LANE) == (node is lane_worker)]
-            if not mine:  # its lane is done or running elsewhere: this worker stops once its tests end
-                return node.shutdown()
-            self.workqueue.move_to_end(mine[0], last=False)
-            super()._assign_work_unit(node)
-
-        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
-            super().mark_test_complete(node, item_index, duration)
-            for other in self.nodes:  # a lane waiting on another worker's module may open now
-                if other is not node:
-                    self._reschedule(other)
-
-    return Lanes(config, log)
+    return Scheduler(config, log)
 
 
 def pytest_configure(config):
