@@ -30,7 +30,7 @@ def test_the_limit_rises_to_the_batch_capacity_and_falls_when_requests_queue(inf
         server.stop()
     for t, limit, inflight, waiting in trace:
         print(f"{t:5.1f}s limit {limit:2d} in flight {inflight:2d} server waiting {waiting}")
-    assert len(results) == 12 and all(len(r) == 1 and r[0].completion_ids for r in results)  # none cancelled
+    assert len(results) >= 12 and all(len(r) == 1 and r[0].completion_ids for r in results)  # none cancelled
     before = [limit for t, limit, _, _ in trace if t < burst_at]
     after = [limit for t, limit, _, _ in trace if t > burst_at]
     # From the floor up to the batch and a short queue (1 request at this limit), not past them.
@@ -45,7 +45,7 @@ async def run(url: str, model: str) -> tuple[list[tuple[float, int, int, float |
     sampling = SamplingConfig(max_tokens=TOKENS)
     async with InferenceClient(config, model) as client, httpx.AsyncClient(timeout=120) as other:
         slots, start = client.pool.servers[0].slots, time.monotonic()
-        trace = []
+        trace, burst_done = [], asyncio.Event()
 
         async def watch() -> None:
             while True:
@@ -62,10 +62,18 @@ async def run(url: str, model: str) -> tuple[list[tuple[float, int, int, float |
             body = {"model": model, "prompt": "hello", "max_tokens": TOKENS, "ignore_eos": True}
             answers = await asyncio.gather(*(other.post(f"{url}/v1/completions", json=body) for _ in range(8)))
             assert all(a.status_code == 200 for a in answers)
+            burst_done.set()
             return at
 
+        async def caller() -> list:
+            """One of our 12 callers, asking again until the burst is answered: a random model may stop at EOS
+            long before TOKENS, and the limit can only fall while we still want slots (as an orchestrator does)."""
+            answers = [await client.complete("hello", 1, sampling)]
+            while not burst_done.is_set():
+                answers.append(await client.complete("hello", 1, sampling))
+            return answers
+
         watcher = asyncio.create_task(watch())
-        ours = [client.complete("hello", 1, sampling) for _ in range(12)]
-        burst_at, *results = await asyncio.wait_for(asyncio.gather(burst(), *ours), 50)
+        burst_at, *callers = await asyncio.wait_for(asyncio.gather(burst(), *(caller() for _ in range(12))), 50)
         watcher.cancel()
-    return trace, burst_at, results
+    return trace, burst_at, [answer for answers in callers for answer in answers]
