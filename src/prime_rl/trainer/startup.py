@@ -15,6 +15,7 @@ from pathlib import Path
 from prime_rl.configs.training import TrainingConfig
 from prime_rl.protocol import DiskFull, RunLock, RunLocked, WaitTimeout, WriterDead, stopped_file
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.utils.host_memory import keep_freed_memory
 from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.process import PREEMPTED, catch_stop_signals, ignore_usr1
@@ -28,6 +29,7 @@ def start(config: TrainingConfig, service: str, run: Callable[[TrainingConfig], 
     """Stop signals, logging (per rank), the run lock (rank 0) and the recorded config around `run(config)`."""
     # With checkpoints a stop signal ends the run after the current step, resumable; without, USR1 is ignored.
     catch_stop_signals() if config.ckpt is not None else ignore_usr1()
+    keep_freed_memory()  # each step's activations reuse the last step's memory, not fresh zeroed pages
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         setup_logging(service, config.output_dir, config.log.level, config.log.file)
