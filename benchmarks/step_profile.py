@@ -3,7 +3,7 @@ tokens, each with torch profiler's top ops and Python frames.
 
     uv run python benchmarks/step_profile.py                           # the 0.8 M model: ~30 s on 2 cores
     uv run python benchmarks/step_profile.py --size real --layers 2    # Qwen3-0.6B's layer shapes, 2 of them: ~1.5 min
-    uv run python benchmarks/step_profile.py --size real --apart       # all 28 (0.44 B): ~15 min, ~14 GiB
+    uv run python benchmarks/step_profile.py --size real --apart       # all 28 (0.44 B): ~22 min, ~14 GiB
 
 The models: `tiny` = hidden 128, 4 layers, a 259-id byte vocabulary (0.8 M parameters: the TRL comparison's,
 benchmarks/trl_grpo.py); `real` = `tiny-model --preset qwen3-0.6b --vocab-size 2048` as benchmarks/real_size.py
