@@ -1,8 +1,9 @@
 """`rl` on environments whose episodes verifiers plays itself (`verifiers-env`): its chat program, interception
 server and multi-agent envs through the pool endpoint, with faults in the env's own code counted and survived.
 
-The tasksets: `prime_rl_reverse` (shipped) and tests/tasksets/faulty_taskset.py (its scorer raises or hangs on
-purpose), on the tiny calc model. verifiers' chat program needs its dependencies from PyPI once (uv caches them).
+The tasksets: `prime_rl_reverse` (shipped), tests/tasksets/faulty_taskset.py (its scorer raises or hangs on
+purpose) and verifiers' textarena games (Hangman), on the tiny calc model. verifiers' chat program needs its
+dependencies from PyPI once (uv caches them).
 """
 
 import os
@@ -24,7 +25,7 @@ NULL_AGENT = 'agent = { harness = { id = "null" }, runtime = { type = "subproces
 
 ENVS = f"""
 [orchestrator]
-batch_size = 12
+batch_size = 14
 rollouts_per_example = 2
 seq_len = 2048  # the bash harness's system prompt (its tools' schemas): ~1,300 tokens
 sampling.max_tokens = 96  # byte-level tokens: a tool call is ~70
@@ -79,7 +80,19 @@ max_tokens = 16
 taskset = {{ id = "faulty_taskset", task = {{ fault = "hang-some" }} }}
 timeout = {{ episode = 20 }}
 {NULL_AGENT}
+
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "game"
+max_tokens = 16
+[orchestrator.env.args]
+taskset = {{ id = "textarena", game = "Hangman-v0" }}  # TextArenaEnv: the game engine answers each move
+player = {{ harness = {{ id = "null" }}, runtime = {{ type = "subprocess" }}, max_turns = 4 }}
 """
+# textarena's games draw their words from nltk's word lists, which nltk downloads from GitHub at load: this machine
+# cannot reach it (the download fails at once, and the games read what NLTK_DATA holds), so the tests give Hangman
+# a word list of their own.
+WORDS = "cat\ndog\nsun\nhat\nred\nbox\n"
 
 ALWAYS_BROKEN = f"""
 [orchestrator]
@@ -112,7 +125,14 @@ def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.Comple
         str(steps), "--async-level", "0", "--inference.server.port", str(free_port), "--inference.max-model-len",
         "2048", "--trainer.optim.lr", "1e-4",
     ]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(TASKSETS), os.environ.get("PYTHONPATH")]))}
+    words = tmp_path / "nltk_data" / "corpora" / "words"
+    words.mkdir(parents=True)
+    for name in ("en", "en-basic"):
+        (words / name).write_text(WORDS)
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TASKSETS), os.environ.get("PYTHONPATH")])),
+        "NLTK_DATA": str(tmp_path / "nltk_data"),
+    }
     rl = [sys.executable, "-m", "prime_rl.entrypoints.rl", *args]
     return subprocess.run(rl, capture_output=True, text=True, timeout=600, env=env), out
 
@@ -120,21 +140,23 @@ def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.Comple
 def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_that_raises_or_hangs(
     tmp_path, free_port
 ):
-    """Six envs, one group each per step: single-turn reverse-text, the calculator (a tool served by verifiers'
+    """Seven envs, one group each per step: single-turn reverse-text, the calculator (a tool served by verifiers'
     tool server) with the `null` harness and with the `bash` harness (bash, edit and add offered), a user
-    simulator (its user never trained), and two whose scorer raises / hangs past the episode's 20 s deadline on
-    some tasks. On-policy, the trainer's logprobs of the trained tokens match the servers' (mismatch KL < 1e-3);
-    every failed group is counted and replaced."""
+    simulator (its user never trained), two whose scorer raises / hangs past the episode's 20 s deadline on
+    some tasks, and a textarena game (Hangman: the engine plays the user, each move answered with the board).
+    On-policy, the trainer's logprobs of the trained tokens match the servers' (mismatch KL < 1e-3); every failed
+    group is counted and replaced."""
     start = time.perf_counter()
     result, out = run(tmp_path, free_port, ENVS, 5)
     assert result.returncode == 0, result.stderr + show_logs(out)
     orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
-    envs = ("reverse", "calc", "bash", "sim", "broken", "slow")
+    envs = ("reverse", "calc", "bash", "sim", "broken", "slow", "game")
     errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in envs}
     print(f"5 steps in {time.perf_counter() - start:.0f}s, env errors {errors}; per step: " + "; ".join(
         f"reverse {m['reward/reverse']:.3f}, calc {m['reward/calc']:.2f} over {m['turns/calc']:.1f} turns, "
         f"bash {m['reward/bash']:.2f} over {m['turns/bash']:.1f} turns, "
         f"sim {m['reward/sim']:.3f} over {m['turns/sim']:.1f} turns, "
+        f"game {m['reward/game']:.2f} over {m['turns/game']:.1f} turns, "
         f"gen {m['time/generate']:.1f}s" for m in orch))  # fmt: skip
     assert [m["step"] for m in trainer] == [0, 1, 2, 3, 4]
     assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
@@ -144,7 +166,11 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     # template on the next render (not what was sampled), which starts another branch: another sample.
     assert all(m["samples_per_episode/sim"] >= 1 for m in orch)
     assert max(m["turns/sim"] for m in orch) > 1  # the user answered and the assistant spoke again
-    assert errors["reverse"] == errors["calc"] == errors["bash"] == errors["sim"] == 0
+    # The game engine answered a move with the board and the player moved again, all in one sequence (each turn's
+    # prompt extends the last), scored off the engine (a loss or an invalid move scores 0).
+    assert all(m["turns/game"] > 1 and m["samples_per_episode/game"] == 1 for m in orch)
+    assert all(m["untrained_traces/game"] == 0 and 0 <= m["reward/game/game_reward"] <= 1 for m in orch)
+    assert errors["reverse"] == errors["calc"] == errors["bash"] == errors["sim"] == errors["game"] == 0
     assert errors["broken"] > 0 and errors["slow"] > 0
     # The calc model calls `add` (served by verifiers' tool server in the runtime) and answers with its result.
     assert max(m["reward/calc"] for m in orch) > 0 and max(m["turns/calc"] for m in orch) > 1
