@@ -225,6 +225,8 @@ def why_not_run(line: Line) -> str | None:
         or re.search(r"configs/examples/(reverse_text|calc|distill)/", c)
     ):
         return "a minutes-to-hours example run (test_example_reverse_text.py runs reverse-text scaled down)"
+    if "configs/examples/agents/" in c:
+        return "minutes of verifiers-played episodes: tests/integration/test_rl_verifiers.py runs that file's envs"
     if "torchrun" in c:
         return "several trainer ranks or nodes (tests/integration/test_trainer.py runs torchrun on CPU)"
     if "..." in c.split() or "@" in c.split() and c.split()[c.split().index("@") + 1] in PLACEHOLDER_CONFIGS:

@@ -23,47 +23,9 @@ MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
 TASKSETS = Path(__file__).resolve().parents[1] / "tasksets"
 NULL_AGENT = 'agent = { harness = { id = "null" }, runtime = { type = "subprocess" } }'
 
-ENVS = f"""
-[orchestrator]
-batch_size = 14
-rollouts_per_example = 2
-seq_len = 2048  # the bash harness's system prompt (its tools' schemas): ~1,300 tokens
-sampling.max_tokens = 96  # byte-level tokens: a tool call is ~70
-
-[[orchestrator.env]]
-id = "verifiers-env"
-name = "reverse"
-max_tokens = 16
-[orchestrator.env.args]
-taskset = {{ id = "prime_rl_reverse", min_chars = 5, max_chars = 12 }}
-{NULL_AGENT}
-
-[[orchestrator.env]]
-id = "verifiers-env"
-name = "calc"
-[orchestrator.env.args]
-taskset = {{ id = "prime_rl_calc" }}
-renderer = {{ name = "custom", import_path = "prime_rl.envs.hermes_renderer.HermesTextRenderer" }}
-{NULL_AGENT}
-
-[[orchestrator.env]]
-id = "verifiers-env"
-name = "bash"
-[orchestrator.env.args]
-taskset = {{ id = "prime_rl_calc" }}
-agent = {{ harness = {{ id = "bash" }}, runtime = {{ type = "subprocess" }}, max_turns = 2 }}
-renderer = {{ name = "custom", import_path = "prime_rl.envs.hermes_renderer.HermesTextRenderer" }}
-
-[[orchestrator.env]]
-id = "verifiers-env"
-name = "sim"
-max_tokens = 16
-[orchestrator.env.args]
-id = "user_sim"
-taskset = {{ id = "prime_rl_reverse" }}
-user = {{ max_turns = 2, runtime = {{ type = "subprocess" }} }}
-assistant = {{ harness = {{ id = "null" }}, runtime = {{ type = "subprocess" }} }}
-
+# The shipped example's five envs (docs/examples/agents.md), and two whose scorer fails on purpose.
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "examples" / "agents" / "rl.toml"
+FAULTY = f"""
 [[orchestrator.env]]
 id = "verifiers-env"
 name = "broken"
@@ -80,15 +42,8 @@ max_tokens = 16
 taskset = {{ id = "faulty_taskset", task = {{ fault = "hang-some" }} }}
 timeout = {{ episode = 20 }}
 {NULL_AGENT}
-
-[[orchestrator.env]]
-id = "verifiers-env"
-name = "game"
-max_tokens = 16
-[orchestrator.env.args]
-taskset = {{ id = "textarena", game = "Hangman-v0" }}  # TextArenaEnv: the game engine answers each move
-player = {{ harness = {{ id = "null" }}, runtime = {{ type = "subprocess" }}, max_turns = 4 }}
 """
+ENVS = EXAMPLE.read_text() + FAULTY
 # textarena's games draw their words from nltk's word lists, which nltk downloads from GitHub at load: this machine
 # cannot reach it (the download fails at once, and the games read what NLTK_DATA holds), so the tests give Hangman
 # a word list of their own.
@@ -117,13 +72,13 @@ def needs_verifiers_and_uv():
         pytest.skip("verifiers' harness programs run with uv, which is not on PATH")
 
 
-def run(tmp_path, free_port, config: str, steps: int) -> tuple[subprocess.CompletedProcess, Path]:
+def run(tmp_path, free_port, config: str, steps: int, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
     (tmp_path / "rl.toml").write_text(config)
     args = [
         "@", str(tmp_path / "rl.toml"), "--model.name", str(MODEL), "--output-dir", str(out), "--max-steps",
         str(steps), "--async-level", "0", "--inference.server.port", str(free_port), "--inference.max-model-len",
-        "2048", "--trainer.optim.lr", "1e-4",
+        "2048", "--trainer.optim.lr", "1e-4", *extra,
     ]  # fmt: skip
     words = tmp_path / "nltk_data" / "corpora" / "words"
     words.mkdir(parents=True)
@@ -147,7 +102,7 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     On-policy, the trainer's logprobs of the trained tokens match the servers' (mismatch KL < 1e-3); every failed
     group is counted and replaced."""
     start = time.perf_counter()
-    result, out = run(tmp_path, free_port, ENVS, 5)
+    result, out = run(tmp_path, free_port, ENVS, 5, "--orchestrator.batch-size", "14")  # 7 groups of 2
     assert result.returncode == 0, result.stderr + show_logs(out)
     orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
     envs = ("reverse", "calc", "bash", "sim", "broken", "slow", "game")
