@@ -76,7 +76,8 @@ def test_each_node_runs_its_part_and_each_service_loads_its_config(tmp_path, lau
     node = tmp_path / "node"
     (node / ".venv" / "bin").mkdir(parents=True)
     stub = node / ".venv" / "bin" / "python"
-    stub.write_text('#!/bin/bash\nprintf "%s\\0" "$@" >> "$RECORD"; echo >> "$RECORD"\n')
+    # One file per call: a node's services start side by side, and two calls appending to one file interleave.
+    stub.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$(mktemp "$RECORD.XXXXXX")"\n')
     stub.chmod(0o755)
     rank_var, ips_var, _ = LAUNCHERS[launcher]
     ran = {}
@@ -85,7 +86,7 @@ def test_each_node_runs_its_part_and_each_service_loads_its_config(tmp_path, lau
         env = os.environ | {rank_var: str(rank), ips_var: "\n".join(IPS), "RECORD": str(record)}
         done = subprocess.run(["bash", "-c", script_of(task)], cwd=node, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-        ran[rank] = [line.split("\0")[:-1] for line in record.read_text().splitlines()]
+        ran[rank] = [call.read_text().split("\0")[:-1] for call in tmp_path.glob(f"rank{rank}.*")]
     for rank in (0, 1):
         assert ran[rank] == [["-m", "prime_rl.entrypoints.inference", "@", "/prime-rl/config/inference.toml"]]
     clear, orchestrator, trainer = sorted(ran[2], key=lambda args: args[1])  # -c, -m ...launch, -m ...orchestrator
