@@ -19,6 +19,21 @@ One training row (`messages` + `tools`, the format `prime_rl.trainer.sft.data` r
 
 Questions whose (a, b) pair is in `held_out_pairs()` (10 % of the pairs, seeded) never appear in the data;
 `check` asks only those.
+
+`--bash` (data, check): the same questions as verifiers' `bash` harness asks them on the `prime_rl_calc` taskset
+(its system prompt, its `bash` and `edit` tools, then the taskset's `add` as verifiers' tool server describes it),
+answered through bash, for `assets/calc-bash-qwen3`, which fine-tunes calc-qwen3 on those rows mixed with the plain
+ones (docs/examples/agents.md):
+
+    uv run python scripts/make_calc_model.py data outputs/calc/bash.jsonl --bash --rows 16000
+    uv run sft @ configs/examples/calc/sft_bash.toml
+    uv run python scripts/make_calc_model.py check outputs/calc/sft-bash/weights/final --bash
+
+    system     You are a coding agent. You have access to a bash tool ... (and the tools)
+    user       What is 37 + 5?
+    assistant  tool_calls = [bash({"command": "echo $((37 + 5))"})]
+    tool       42\n
+    assistant  42
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 from prime_rl.utils.tool_calls import parse_tool_calls
@@ -46,6 +62,21 @@ TOOLS = [
         },
     }
 ]
+# `add` as verifiers' tool server (MCP) describes it to a harness: pydantic's titles kept, in its key order.
+ADD_SERVED = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}},
+            "required": ["a", "b"],
+            "title": "addArguments",
+        },
+    },
+}
+BASH_CALL = re.compile(r"echo \$\(\((\d+) \+ (\d+)\)\)")
 QUESTIONS = ["What is {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?"]
 
 # Hermes/Qwen-style tool calling on ChatML. Every message only appends to the text of the ones before it
@@ -100,8 +131,33 @@ def conversation(a: int, b: int, question: str) -> list[dict]:
     ]
 
 
-def write_data(path: Path, rows: int, seed: int) -> None:
+def bash_harness() -> tuple[str, list[dict]]:
+    """The system prompt and tools verifiers' bash harness (edit on, search off) gives the model on prime_rl_calc."""
+    from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT, EDIT_SYSTEM_PROMPT
+    from verifiers.v1.harnesses.utils.core import BASH_TOOL, EDIT_TOOL
+
+    return f"{BASH_SYSTEM_PROMPT} {EDIT_SYSTEM_PROMPT}", [BASH_TOOL, EDIT_TOOL, ADD_SERVED]
+
+
+def bash_conversation(a: int, b: int, system: str) -> list[dict]:
+    """The exchange as the bash harness plays it: the sum through `bash`, whose output is the command's stdout."""
+    call = {
+        "type": "function",
+        "function": {"name": "bash", "arguments": json.dumps({"command": f"echo $(({a} + {b}))"})},
+    }
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"What is {a} + {b}?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", **call}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": f"{a + b}\n"},
+        {"role": "assistant", "content": str(a + b)},
+    ]
+
+
+def write_data(path: Path, rows: int, seed: int, bash: bool = False) -> None:
+    """`rows` conversations; with `bash`, every other one is the bash harness's (the rest keep the plain skill)."""
     rng, held_out = random.Random(seed), held_out_pairs()
+    system, bash_tools = bash_harness() if bash else ("", [])
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         written = 0
@@ -109,7 +165,11 @@ def write_data(path: Path, rows: int, seed: int) -> None:
             a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
             if (a, b) in held_out:
                 continue
-            f.write(json.dumps({"messages": conversation(a, b, rng.choice(QUESTIONS)), "tools": TOOLS}) + "\n")
+            if bash and written % 2 == 0:
+                row = {"messages": bash_conversation(a, b, system), "tools": bash_tools}
+            else:
+                row = {"messages": conversation(a, b, rng.choice(QUESTIONS)), "tools": TOOLS}
+            f.write(json.dumps(row) + "\n")
             written += 1
     print(f"wrote {rows} rows to {path}")
 
@@ -128,11 +188,11 @@ def init_model(path: Path, seed: int) -> None:
     print(f"wrote the initial model to {path}")
 
 
-def _greedy(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
+def _greedy(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, tools=TOOLS) -> list[str]:
     import torch
 
     texts = [
-        tokenizer.apply_chat_template(c, tools=TOOLS, tokenize=False, add_generation_prompt=True) for c in conversations
+        tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in conversations
     ]
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -181,6 +241,43 @@ def check(model_dir: Path, num: int, seed: int) -> dict:
     return counts
 
 
+def check_bash(model_dir: Path, num: int, seed: int) -> dict:
+    """`check` for the bash harness's conversation: a `bash` call `echo $((x + y))` (read, not run: the check
+    executes nothing the model wrote), then the answer after its output `x + y`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    system, tools = bash_harness()
+    pairs = random.Random(seed).sample(sorted(held_out_pairs()), num)
+    questions = [bash_conversation(a, b, system)[:2] for a, b in pairs]
+    first = _greedy(model, tokenizer, questions, max_new_tokens=100, tools=tools)
+    counts = {"questions": num, "valid_call": 0, "right_args": 0, "answer_is_result": 0, "all_right": 0}
+    followups, right = [], []
+    for (a, b), question, text in zip(pairs, questions, first, strict=True):
+        _, calls = parse_tool_calls(text)
+        if len(calls) != 1 or calls[0]["function"]["name"] != "bash":
+            continue
+        command = json.loads(calls[0]["function"]["arguments"]).get("command", "")
+        if not (match := BASH_CALL.fullmatch(str(command))):
+            continue
+        counts["valid_call"] += 1
+        x, y = map(int, match.groups())
+        right.append((x, y) == (a, b))
+        counts["right_args"] += right[-1]
+        call = {"type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": command})}}
+        followups.append([*question, {"role": "assistant", "content": "", "tool_calls": [call]},
+                          {"role": "tool", "content": f"{x + y}\n"}])  # fmt: skip
+    answers = _greedy(model, tokenizer, followups, max_new_tokens=16, tools=tools) if followups else []
+    for convo, args_right, answer in zip(followups, right, answers, strict=True):
+        ok = answer.strip() == convo[-1]["content"].strip()
+        counts["answer_is_result"] += ok
+        counts["all_right"] += ok and args_right
+    print(f"first generation: {first[0]!r}")
+    print(json.dumps(counts))
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,17 +288,19 @@ def main() -> None:
     p.add_argument("path", type=Path)
     p.add_argument("--rows", type=int, default=24000)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--bash", action="store_true", help="every other row as verifiers' bash harness asks it")
     p = sub.add_parser("check", help="greedy tool-call accuracy on held-out questions")
     p.add_argument("model", type=Path)
     p.add_argument("--num", type=int, default=200)
     p.add_argument("--seed", type=int, default=2)
+    p.add_argument("--bash", action="store_true", help="the bash harness's conversation")
     args = parser.parse_args()
     if args.command == "init":
         init_model(args.path, args.seed)
     elif args.command == "data":
-        write_data(args.path, args.rows, args.seed)
+        write_data(args.path, args.rows, args.seed, args.bash)
     else:
-        check(args.model, args.num, args.seed)
+        (check_bash if args.bash else check)(args.model, args.num, args.seed)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,8 @@ WRITTEN_BY = {
     "outputs/calc/init": ("docs/examples/calc_tool.md", "make_calc_model.py init outputs/calc/init"),
     "outputs/calc/train.jsonl": ("docs/examples/calc_tool.md", "make_calc_model.py data outputs/calc/train.jsonl"),
     "outputs/calc/sft/weights/step_1000": ("docs/examples/calc_tool.md", "configs/examples/calc/sft.toml"),
+    "outputs/calc/bash.jsonl": ("docs/examples/calc_tool.md", "make_calc_model.py data outputs/calc/bash.jsonl"),
+    "outputs/calc/sft-bash/weights/final": ("docs/examples/calc_tool.md", "configs/examples/calc/sft_bash.toml"),
     "outputs/checkpoints/step_20/trainer": ("docs/trainer.md", "uv run trainer ... --max-steps 20"),
     "outputs/distill/student": ("docs/examples/distillation.md", "uv run tiny-model outputs/distill/student"),
     "outputs/distill/sft/weights/final": ("docs/examples/distillation.md", "--output-dir outputs/distill/sft"),
@@ -116,6 +118,8 @@ STAND_IN = {
     "outputs/reverse-text/sft/weights/final": "assets/reverse-qwen3",
     "outputs/calc/init": "assets/calc-qwen3",
     "outputs/calc/train.jsonl": "configs/sft/debug/data.jsonl",
+    "outputs/calc/bash.jsonl": "configs/sft/debug/data.jsonl",
+    "outputs/calc/sft-bash/weights/final": "assets/calc-bash-qwen3",
     "outputs/distill/sft/weights/final": "assets/reverse-qwen3",
     "outputs/reverse-text/rl/weights/step_60": "assets/reverse-qwen3",
 }

@@ -2,8 +2,8 @@
 server and multi-agent envs through the pool endpoint, with faults in the env's own code counted and survived.
 
 The tasksets: `prime_rl_reverse` (shipped), tests/tasksets/faulty_taskset.py (its scorer raises or hangs on
-purpose) and verifiers' textarena games (Hangman), on the tiny calc model. verifiers' chat program needs its
-dependencies from PyPI once (uv caches them).
+purpose) and verifiers' textarena games (Hangman), on the tiny calc model taught the bash harness
+(assets/calc-bash-qwen3). verifiers' chat program needs its dependencies from PyPI once (uv caches them).
 """
 
 import os
@@ -19,7 +19,7 @@ from prime_rl.utils.metrics import read_metrics
 from tests.integration.test_rl import show_logs
 
 pytestmark = pytest.mark.slow
-MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
+MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-bash-qwen3"
 TASKSETS = Path(__file__).resolve().parents[1] / "tasksets"
 NULL_AGENT = 'agent = { harness = { id = "null" }, runtime = { type = "subprocess" } }'
 
@@ -129,6 +129,8 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     assert errors["broken"] > 0 and errors["slow"] > 0
     # The calc model calls `add` (served by verifiers' tool server in the runtime) and answers with its result.
     assert max(m["reward/calc"] for m in orch) > 0 and max(m["turns/calc"] for m in orch) > 1
+    # Under the bash harness it runs `echo $((a + b))` through the harness's bash tool and answers with the output.
+    assert max(m["reward/bash"] for m in orch) > 0 and max(m["turns/bash"] for m in orch) > 1
     log = (out / "logs" / "orchestrator.log").read_text()
     assert "the scorer broke on purpose" in log and "exceeded its 20s deadline" in log
 
