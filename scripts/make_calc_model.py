@@ -201,11 +201,32 @@ def _greedy(model, tokenizer, conversations: list[list[dict]], max_new_tokens: i
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def check(model_dir: Path, num: int, seed: int) -> dict:
+def _read_add(calls: list[dict], a: int, b: int) -> tuple[dict, int, bool] | None:
+    """A valid `add` call's arguments, their sum and whether they are the question's; None if it is not one."""
+    if len(calls) != 1 or calls[0]["function"]["name"] != "add":
+        return None
+    args = json.loads(calls[0]["function"]["arguments"])
+    if not all(isinstance(args.get(k), int) for k in "ab"):
+        return None
+    return args, args["a"] + args["b"], args == {"a": a, "b": b}
+
+
+def _read_bash(calls: list[dict], a: int, b: int) -> tuple[dict, int, bool] | None:
+    """`_read_add` for a `bash` call `echo $((x + y))`: read, not run (the check executes nothing the model wrote)."""
+    if len(calls) != 1 or calls[0]["function"]["name"] != "bash":
+        return None
+    command = json.loads(calls[0]["function"]["arguments"]).get("command", "")
+    if not (match := BASH_CALL.fullmatch(str(command))):
+        return None
+    x, y = map(int, match.groups())
+    return {"command": command}, x + y, (x, y) == (a, b)
+
+
+def check(model_dir: Path, num: int, seed: int, bash: bool = False) -> dict:
     """Greedy accuracy on `num` held-out questions: the tool call, then the answer after the tool's result.
 
-    The second turn is played as an agent would: the model's own call is run (if it is a valid `add` call)
-    and its result sent back; the answer counts if it equals that result.
+    The second turn is played as an agent would: the model's own call is read (if it is a valid `add` call, or
+    with `bash` an `echo $((x + y))`) and its result sent back; the answer counts if it equals that result.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,61 +234,26 @@ def check(model_dir: Path, num: int, seed: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
     pairs = rng.sample(sorted(held_out_pairs()), num)
-    questions = [conversation(a, b, rng.choice(QUESTIONS))[:1] for a, b in pairs]
-    first = _greedy(model, tokenizer, questions, max_new_tokens=100)
-    counts = {"questions": num, "valid_call": 0, "right_args": 0, "answer_is_result": 0, "all_right": 0}
-    followups, right = [], []
-    for (a, b), question, text in zip(pairs, questions, first, strict=True):
-        _, calls = parse_tool_calls(text)
-        if len(calls) != 1 or calls[0]["function"]["name"] != "add":
-            continue
-        args = json.loads(calls[0]["function"]["arguments"])
-        if not all(isinstance(args.get(k), int) for k in "ab"):
-            continue
-        counts["valid_call"] += 1
-        right.append(args == {"a": a, "b": b})
-        counts["right_args"] += right[-1]
-        call = {"type": "function", "function": {"name": "add", "arguments": json.dumps(args)}}
-        result = str(args["a"] + args["b"])
-        followups.append([*question, {"role": "assistant", "content": "", "tool_calls": [call]},
-                          {"role": "tool", "content": result}])  # fmt: skip
-    answers = _greedy(model, tokenizer, followups, max_new_tokens=16) if followups else []
-    for convo, args_right, answer in zip(followups, right, answers, strict=True):
-        ok = answer.strip() == convo[-1]["content"]
-        counts["answer_is_result"] += ok
-        counts["all_right"] += ok and args_right
-    print(f"first generation: {first[0]!r}")
-    print(json.dumps(counts))
-    return counts
-
-
-def check_bash(model_dir: Path, num: int, seed: int) -> dict:
-    """`check` for the bash harness's conversation: a `bash` call `echo $((x + y))` (read, not run: the check
-    executes nothing the model wrote), then the answer after its output `x + y`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    system, tools = bash_harness()
-    pairs = random.Random(seed).sample(sorted(held_out_pairs()), num)
-    questions = [bash_conversation(a, b, system)[:2] for a, b in pairs]
+    if bash:
+        system, tools = bash_harness()
+        name, read, output = "bash", _read_bash, "{}\n"
+        questions = [bash_conversation(a, b, system)[:2] for a, b in pairs]
+    else:
+        tools, name, read, output = TOOLS, "add", _read_add, "{}"
+        questions = [conversation(a, b, rng.choice(QUESTIONS))[:1] for a, b in pairs]
     first = _greedy(model, tokenizer, questions, max_new_tokens=100, tools=tools)
     counts = {"questions": num, "valid_call": 0, "right_args": 0, "answer_is_result": 0, "all_right": 0}
     followups, right = [], []
     for (a, b), question, text in zip(pairs, questions, first, strict=True):
-        _, calls = parse_tool_calls(text)
-        if len(calls) != 1 or calls[0]["function"]["name"] != "bash":
+        if (read_call := read(parse_tool_calls(text)[1], a, b)) is None:
             continue
-        command = json.loads(calls[0]["function"]["arguments"]).get("command", "")
-        if not (match := BASH_CALL.fullmatch(str(command))):
-            continue
+        args, result, args_right = read_call
         counts["valid_call"] += 1
-        x, y = map(int, match.groups())
-        right.append((x, y) == (a, b))
-        counts["right_args"] += right[-1]
-        call = {"type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": command})}}
+        right.append(args_right)
+        counts["right_args"] += args_right
+        call = {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
         followups.append([*question, {"role": "assistant", "content": "", "tool_calls": [call]},
-                          {"role": "tool", "content": f"{x + y}\n"}])  # fmt: skip
+                          {"role": "tool", "content": output.format(result)}])  # fmt: skip
     answers = _greedy(model, tokenizer, followups, max_new_tokens=16, tools=tools) if followups else []
     for convo, args_right, answer in zip(followups, right, answers, strict=True):
         ok = answer.strip() == convo[-1]["content"].strip()
@@ -300,7 +286,7 @@ def main() -> None:
     elif args.command == "data":
         write_data(args.path, args.rows, args.seed, args.bash)
     else:
-        (check_bash if args.bash else check)(args.model, args.num, args.seed)
+        check(args.model, args.num, args.seed, args.bash)
 
 
 if __name__ == "__main__":
