@@ -79,6 +79,8 @@ if [[ $play -eq 1 ]]; then
     export DOCKER_HOST="unix://$sock"
     for _ in $(seq 50); do docker version >/dev/null 2>&1 && break; sleep 0.2; done
   fi
-  PRIME_RL_HARNESS_IMAGE=$tag uv run pytest tests/integration/test_container_runtime.py -p no:cacheprovider -s
+  # its own cache-less temp dirs: CI runs it beside the suite's pytest
+  PRIME_RL_HARNESS_IMAGE=$tag uv run pytest tests/integration/test_container_runtime.py -p no:cacheprovider -s \
+    --basetemp "$(mktemp -d)"
   echo "image_check: bash-harness episodes on verifiers' podman and docker runtimes in $tag: $((SECONDS - start)) s"
 fi
