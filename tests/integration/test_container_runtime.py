@@ -109,13 +109,15 @@ def test_bash_harness_episodes_run_in_containers_and_train_on_the_servers_tokens
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    from prime_rl.trainer.model import build_model
+
+    tokenizer, trainer_model = AutoTokenizer.from_pretrained(model), build_model(model)
     gaps, texts = [], []
     for episode, answers in played:
         (rollout,), untrained = episode_rollouts(episode, answers, example, 2048, "bash")
         assert untrained == 0 and rollout.turns == 2
         texts.append(tokenizer.decode(rollout.completion_ids))
-        trainer = trainer_logprobs(MODEL, rollout.prompt_ids, rollout.completion_ids, 0.7)
+        trainer = trainer_logprobs(trainer_model, rollout.prompt_ids, rollout.completion_ids, 0.7)
         gaps += [abs(rollout.logprobs[i] - trainer[i]) for i, m in enumerate(rollout.completion_mask) if m]
     print(f"{engine} ({image}): 2 episodes in {seconds:.0f} s, {len(created)} containers, "
           f"max |recorded - trainer| {max(gaps):.1e}\n" + "\n".join(texts))  # fmt: skip
