@@ -62,4 +62,6 @@ if __name__ == "__main__":
     parser.add_argument("path", type=Path)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
+    if not args.path.is_file():
+        parser.error(f"{args.path}: no such file (record one with `python -m pytest -p tests.timing`)")
     print(report(args.path, args.top))
