@@ -14,6 +14,7 @@ from prime_rl.configs.rl import RLConfig
 from prime_rl.launch.watchdog import Watchdog
 from prime_rl.protocol import checkpoint_steps, stopped_file
 from prime_rl.utils.logging import logger
+from prime_rl.utils.net import probe_client
 from prime_rl.utils.process import (
     FATAL,
     PEER_LOST,
@@ -108,23 +109,24 @@ def wait_for_inference(services: list[Service], url: str, timeout: float, restar
     (a short run's orchestrator finishes within a second of it)."""
     import httpx
 
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if signal_name := stop_requested():
-            raise StopRequested(f"{signal_name} received while waiting for the inference server; nothing to save")
-        for service in list(services):
-            if service.returncode is not None and (service.returncode != 0 or service.name in SERVERS):
-                if restart is None or service.name in SERVERS:
-                    raise ServiceFailed(service)
-                restart(services, service)
-        if restart is not None:
-            restart.start_due(services)
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    with probe_client() as client:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if signal_name := stop_requested():
+                raise StopRequested(f"{signal_name} received while waiting for the inference server; nothing to save")
+            for service in list(services):
+                if service.returncode is not None and (service.returncode != 0 or service.name in SERVERS):
+                    if restart is None or service.name in SERVERS:
+                        raise ServiceFailed(service)
+                    restart(services, service)
+            if restart is not None:
+                restart.start_due(services)
+            try:
+                if client.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
     logs = ", ".join(str(s.log_path) for s in services if s.name in SERVERS)
     raise TimeoutError(f"inference server not healthy at {url} after {timeout:.0f}s; see {logs}")
 

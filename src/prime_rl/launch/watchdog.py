@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from prime_rl.protocol.liveness import LONG, read_beat
+from prime_rl.utils.net import probe_client
 
 
 class Watchdog:
@@ -37,15 +38,16 @@ class Watchdog:
     def _probe_health(self) -> None:
         import httpx
 
-        while not self._stop.wait(2.0):
-            pid = self._inference_pid
-            if pid is None:
-                continue
-            try:
-                if httpx.get(self.health_url, timeout=5).status_code == 200:
-                    self.healthy_at[pid] = time.time()
-            except httpx.HTTPError:
-                pass
+        with probe_client(timeout=5) as client:
+            while not self._stop.wait(2.0):
+                pid = self._inference_pid
+                if pid is None:
+                    continue
+                try:
+                    if client.get(self.health_url).status_code == 200:
+                        self.healthy_at[pid] = time.time()
+                except httpx.HTTPError:
+                    pass
 
     def hung(self, service) -> str | None:
         """Why `service` (alive) counts as hung, or None; marks `service.worked` once it did a unit of work."""

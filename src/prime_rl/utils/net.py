@@ -34,3 +34,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # the range is full: any free port
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def probe_client(timeout: float = 5.0):
+    """An `httpx.Client` for repeated probes of a loopback service (health polls). One client for all of them:
+    each module-level `httpx.get` builds a TLS context, loading the CA bundle (~40 ms of CPU), even for plain
+    http. No keep-alive: every probe opens its own connection, as a new client would."""
+    import httpx
+
+    return httpx.Client(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
