@@ -22,7 +22,7 @@ from prime_rl.protocol.records import MicroBatch, write_rank_file
 from prime_rl.trainer.model import build_model
 from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
-from prime_rl.utils.net import free_port
+from prime_rl.utils.net import free_port, probe_client
 from prime_rl.utils.tiny_model import create_tiny_model
 from tests.processes import finish
 from tests.samples import on_policy_sample
@@ -308,12 +308,13 @@ def _serve(model: Path, out: Path, port: int) -> subprocess.Popen:
            "--output-dir", str(out), "--no-log.file", "--weight-transfer", "broadcast"]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240  # it starts while the module's trainer runs import torch on 2 cores
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            time.sleep(0.2)
+    with probe_client(timeout=1) as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return server
+            except httpx.TransportError:
+                time.sleep(0.2)
     server.kill()
     pytest.fail(f"inference server did not start:\n{server.communicate()[0][-3000:]}")
 
