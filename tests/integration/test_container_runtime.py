@@ -5,7 +5,8 @@ server sampled, at the trainer's logprobs.
 Needs podman and an image with python3 and uv (verifiers installs the harness program's dependencies in each
 container from PyPI): `PRIME_RL_HARNESS_IMAGE`. scripts/image_check.sh runs this module against the image it
 builds (localhost/prime-rl:cpu) once the build is done; the suite's run skips it, saying so. Behind a proxy that
-re-signs TLS the containers need its CA bundle: a derived image carries this machine's (`SSL_CERT_FILE`). The
+re-signs TLS the containers need its CA bundle: a derived image carries this machine's (`SSL_CERT_FILE`), and
+STOPSIGNAL SIGKILL (the `image` fixture says why). The
 docker runtime runs where `docker version` answers: a Docker daemon, or podman's Docker API (`DOCKER_HOST`, which
 image_check.sh serves where no daemon runs), which shares podman's images.
 """
@@ -48,20 +49,22 @@ def docker_answers() -> str | None:
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory) -> str:
-    """The image named by PRIME_RL_HARNESS_IMAGE, with this machine's CA bundle added where it has one."""
+    """The image named by PRIME_RL_HARNESS_IMAGE as a harness image: stopped by SIGKILL, with this machine's CA
+    bundle where it has one. verifiers' containers run `sleep infinity` as PID 1, which ignores SIGTERM: at the
+    image's SIGTERM each `rm --force` waited podman's 10 s, and beside the suite ran past verifiers' 30 s bound on
+    it, which leaves the container behind (CI, 2 cores)."""
     base = os.environ.get(IMAGE_VAR)
     if not base:
         pytest.skip(f"needs an image with python3 and uv in {IMAGE_VAR}: scripts/image_check.sh runs this module "
                     "against the image it builds (.ci/run, beside the suite)")  # fmt: skip
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed (apt-get install podman runc)")
-    if not CA_BUNDLE.is_file():
-        return base
     context = tmp_path_factory.mktemp("harness-image")
-    shutil.copy(CA_BUNDLE, context / "ca.crt")
-    (context / "Containerfile").write_text(
-        f"FROM {base}\nCOPY ca.crt /etc/prime-rl-ca.crt\nENV SSL_CERT_FILE=/etc/prime-rl-ca.crt\n"
-    )
+    lines = [f"FROM {base}", "STOPSIGNAL SIGKILL"]
+    if CA_BUNDLE.is_file():
+        shutil.copy(CA_BUNDLE, context / "ca.crt")
+        lines += ["COPY ca.crt /etc/prime-rl-ca.crt", "ENV SSL_CERT_FILE=/etc/prime-rl-ca.crt"]
+    (context / "Containerfile").write_text("\n".join(lines) + "\n")
     podman("build", "-q", "-t", DERIVED, str(context), timeout=300)
     return DERIVED
 
