@@ -77,6 +77,19 @@ def server(inference_process, tmp_path_factory):
     server.stop()
 
 
+def test_an_image_stopping_by_sigterm_is_named_at_load_and_one_stopping_by_sigkill_is_not(image, caplog):
+    from prime_rl.envs import load_environment
+
+    base = os.environ[IMAGE_VAR]  # the Containerfile's image: no STOPSIGNAL, so SIGTERM
+    with caplog.at_level("WARNING", logger="prime_rl"):
+        for name in (base, image):
+            runtime = {"type": "podman", "image": name}
+            load_environment("verifiers-env", taskset={"id": "prime_rl_calc"},
+                             agent={"harness": {"id": "bash"}, "runtime": runtime})  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "STOPSIGNAL SIGKILL" in r.getMessage()]
+    assert len(said) == 1 and f"image {base} stops by SIGTERM" in said[0], said
+
+
 @pytest.mark.parametrize("engine", ["podman", "docker"])
 def test_bash_harness_episodes_run_in_containers_and_train_on_the_servers_tokens(engine, image, server):
     if engine == "docker" and (why := docker_answers()):

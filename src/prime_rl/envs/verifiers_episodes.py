@@ -18,6 +18,8 @@ rollout's `completion` carries it (`{"reward": ..., <metric>: ...}`), which `sco
 
 from __future__ import annotations
 
+import logging
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +30,9 @@ ID = "verifiers-env"
 # what the in-process path's refusals suggest
 PLAYED_BY_VERIFIERS = 'id = "verifiers-env" has verifiers play it (docs/orchestrator.md)'
 EPISODE_TIMEOUT = 900.0  # seconds, verifiers' `timeout.episode` where args set none: every episode has a bound
+KILL_SIGNALS = {"SIGKILL", "KILL", "9"}
+
+logger = logging.getLogger("prime_rl")
 
 
 class EpisodeEnv:
@@ -60,7 +65,39 @@ def load_episode_env(**args: Any) -> EpisodeEnv:
     if not isinstance(args.get("taskset"), dict) or not args["taskset"].get("id"):
         raise EnvError(f'{ID}: args must name a taskset: args = {{ taskset = {{ id = "..." }}, ... }}; got {args}')
     try:
-        env = load_environment(resolve_env_config(args))
+        config = resolve_env_config(args)
+        env = load_environment(config)
     except Exception as e:
         raise EnvError(f"{ID}: verifiers could not load the env {args}: {type(e).__name__}: {e}") from None
+    for engine, image in container_images(config.model_dump()):
+        warn_if_slow_to_stop(engine, image)
     return EpisodeEnv(env, args, renderer)
+
+
+def container_images(config: Any) -> set[tuple[str, str]]:
+    """The (engine, image) of every podman or docker runtime a resolved env config names, at any depth.
+
+    Example: {"agent": {"runtime": {"type": "podman", "image": "x:1"}}} → {("podman", "x:1")}."""
+    if isinstance(config, list):
+        return set().union(*map(container_images, config))
+    if not isinstance(config, dict):
+        return set()
+    engine, image = config.get("type"), config.get("image")
+    found = {(engine, image)} if engine in ("podman", "docker") and image else set()
+    return found.union(*map(container_images, config.values()))
+
+
+def warn_if_slow_to_stop(engine: str, image: str) -> None:
+    """verifiers' containers run `sleep infinity` as PID 1, which ignores SIGTERM: at an image's SIGTERM every
+    episode's `rm --force` waits the engine's 10 s, and past verifiers' 30 s bound (a loaded host) the container
+    is left behind. Said once per image at load; an image not here yet (the engine pulls it) is not checked."""
+    try:
+        inspect = subprocess.run([engine, "image", "inspect", "--format", "{{.Config.StopSignal}}", image],
+                                 capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return  # no engine (verifiers says so when an episode starts) or one that does not answer: nothing to read
+    signal = inspect.stdout.strip() or "SIGTERM"
+    if inspect.returncode == 0 and signal.upper() not in KILL_SIGNALS:
+        logger.warning(f"{ID}: {engine} image {image} stops by {signal}, which its containers' `sleep infinity` "
+                       "ignores: each episode's teardown waits 10 s, and on a loaded host may leave the container "
+                       "behind; give the image `STOPSIGNAL SIGKILL` (docs/orchestrator.md)")  # fmt: skip

@@ -283,6 +283,7 @@ def breakdowns(batch: Batch, gaps: list[int]) -> dict[str, Any]:
         metrics[f"groups/{env}"] = sum(g.env == env for g in batch.groups)
         metrics[f"seq_len/{env}"] = statistics.fmean(r.num_tokens for r in mine)
         metrics[f"turns/{env}"] = statistics.fmean(r.turns for r in mine)
+        metrics[f"truncated_fraction/{env}"] = statistics.fmean(r.truncated for r in mine)
         episodes = sum(g.episodes or len(g.rollouts) for g in batch.groups if g.env == env)
         metrics[f"samples_per_episode/{env}"] = len(mine) / episodes
         metrics[f"untrained_traces/{env}"] = sum(g.untrained for g in batch.groups if g.env == env)

@@ -305,3 +305,18 @@ def test_a_factory_must_return_a_taskset():
         load_environment("verifiers:builtins:dict", x=1)
     with pytest.raises(EnvError, match="rejected its arguments"):
         load_environment(f"{EXAMPLES}:sums", num_tasks="many")
+
+
+@needs_verifiers
+def test_the_container_images_an_env_config_names_are_found_and_a_subprocess_runtime_names_none():
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    from prime_rl.envs.verifiers_episodes import container_images
+
+    def images(runtime: dict) -> set:
+        args = {"taskset": {"id": "prime_rl_calc"}, "agent": {"harness": {"id": "bash"}, "runtime": runtime}}
+        return container_images(resolve_env_config(args).model_dump())
+
+    assert images({"type": "podman", "image": "localhost/a:1"}) == {("podman", "localhost/a:1")}
+    assert images({"type": "docker", "image": "b:2"}) == {("docker", "b:2")}
+    assert images({"type": "subprocess"}) == set()

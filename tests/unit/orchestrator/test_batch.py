@@ -147,6 +147,7 @@ def test_two_environments_mix_by_ratio_and_get_their_own_metrics():
     m = step_metrics(batches[0], {"step": 1.0}, 0)
     assert m["groups/big"] == 30 and m["groups/small"] == 10
     assert m["reward/small"] == 1.0 and 0 < m["reward/big"] < 1
+    assert m["truncated_fraction/big"] == m["truncated_fraction/small"] == 0.5  # each group's 2nd is cut (handler)
     # Resuming after 73 picks continues the rotation where it stopped.
     again = EnvMix([slot(OddOnly(), config, "big", 3), slot(AllRight(), config, "small", 1)], picks=73)
     assert [again.next().name for _ in range(4)] == envs[73:77]
