@@ -24,7 +24,7 @@ from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port, probe_client
 from prime_rl.utils.tiny_model import create_tiny_model
-from tests.processes import finish
+from tests.processes import finish, first_line
 from tests.samples import on_policy_sample
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,8 @@ def runs(tiny_model, tmp_path_factory):
                 "--weight-transfer.port", str(ports[name]), "--weight-transfer.timeout", "20", *extra]  # fmt: skip
 
     procs["bcast"] = _torchrun(2, broadcasting("bcast", "--data.timeout", "120"))
-    procs["stall"] = _torchrun(2, broadcasting("stall", "--data.timeout", "120"))
+    # Its test runs after most of this file's (~2 min in): the trainer waits longer than that for the ask.
+    procs["stall"] = _torchrun(2, broadcasting("stall", "--data.timeout", "400"))
     procs["lonely"] = subprocess.Popen([str(TRAINER), *broadcasting("lonely", "--data.timeout", "3")],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     # The export's memory: 2 ranks, a 14 M-parameter model (55 MB in fp32), one step on generated data.
@@ -367,8 +368,10 @@ import sys, time, torch
 from prime_rl.protocol.broadcast import Rendezvous, ask_for, connect_store, join_group, read_marker
 from prime_rl.protocol.weight_stream import receive_step
 port, out, stall = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "stall"
-marker = read_marker(out)
+marker, deadline = read_marker(out), time.monotonic() + 300
 while marker is None or marker["group"] == sys.argv[4]:  # a group other than the one given
+    if time.monotonic() > deadline:
+        sys.exit(f"no weight step announced in a group other than {sys.argv[4]!r} within 300 s")
     time.sleep(0.05)
     marker = read_marker(out)
 senders = marker["senders"]
@@ -398,8 +401,8 @@ def test_a_receiver_killed_mid_broadcast_has_the_trainer_send_the_step_again_in_
 
     stalled = receiver("stall")
     try:
-        first = stalled.stdout.readline().strip()  # the header arrived
-        assert first, _finish(proc)[1][-4000:]
+        first = first_line(stalled, 300)  # the header arrived
+        assert first, f"the receiver got no header ({first!r}); the trainer: {_finish(proc, 5)[1][-4000:]}"
         stalled.kill()
         killed = time.monotonic()
         while read_marker(out)["group"] == first and time.monotonic() < killed + 30:
