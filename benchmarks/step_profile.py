@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="timed runs per side (median reported)")
     p.add_argument("--top", type=int, default=10, help="ops / frames listed per profile")
     p.add_argument("--only", choices=("train", "decode"), help="one of the two comparisons")
+    p.add_argument("--no-share-prompts", action="store_true", help="ours: every completion computes its prompt again")
     p.add_argument("--default-malloc", action="store_true", help="glibc's default malloc, not the trainer's tuning")
     p.add_argument("--apart", action="store_true", help="one side in memory at a time (28 layers: 24 GiB hold one)")
     add_json_argument(p, "step_profile")
@@ -97,7 +98,8 @@ def ours_train(path: Path, args, prompts, completions) -> Callable[[], None]:
     from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.train import rl_loss, train_step
 
-    config = TrainerConfig(model={"name": str(path)}, device="cpu", optim={"lr": 1e-5})
+    config = TrainerConfig(model={"name": str(path)}, device="cpu", optim={"lr": 1e-5},
+                           share_prompts=not args.no_share_prompts)  # fmt: skip
     dist = init_distributed("cpu")
     model, optimizer, _ = build_training(config, dist, max_steps=1)
     samples = []

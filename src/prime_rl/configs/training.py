@@ -88,6 +88,13 @@ class TrainingConfig(BaseConfig):
         bool,
         Field(description="torch.compile each decoder layer (fused elementwise ops; the first step compiles, ~30 s)"),
     ] = False
+    share_prompts: Annotated[
+        bool,
+        Field(
+            description="compute a prompt that several samples of a micro batch share (an RL group's) once, its "
+            "completions attending to it; CPU (trainer/prefix.py)"
+        ),
+    ] = True
     cpu_offload: Annotated[
         bool, Field(description="CUDA: keep sharded params, grads and optimizer state in host memory")
     ] = False

@@ -146,17 +146,40 @@ def _our_kernel(q: torch.Tensor, cu_seqlens: torch.Tensor):
     return cpu_kernel()
 
 
+def serves_prefixes(dtype: torch.dtype, cu_seqlens_k: torch.Tensor) -> bool:
+    """Whether our kernel takes rows whose samples attend to a shared prefix's keys too (trainer/prefix.py):
+    torch's fallback knows plain causal samples only."""
+    return dtype == torch.float32 and int(cu_seqlens_k.diff().max()) < LONG_FROM and cpu_kernel() is not None
+
+
+def _prefix_kernel(q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    if not serves_prefixes(q.dtype, cu_seqlens_k):
+        raise RuntimeError("samples with shared-prefix keys need our CPU kernel (float32, every sample's keys "
+                           f"under {LONG_FROM}), which cannot serve this row")  # fmt: skip
+    return cpu_kernel()
+
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @torch.library.custom_op("prime_rl::packed_causal_attention", mutates_args=(), device_types="cpu")
 def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [1, H, L, D], k/v [1, KV, L, D] (KV divides H) → out [1, L, H, D], logsumexp [1, H, L]."""
+    """q [1, H, L, D], k/v [1, KV, L, D] (KV divides H) → out [1, L, H, D], logsumexp [1, H, L].
+
+    With `cu_seqlens_k` the keys are laid out per sample on their own ([1, KV, Lk, D]), a sample's first keys
+    beyond its queries' count being a prefix it sees whole (causal from the bottom right, as flash-attn's)."""
+    if cu_seqlens_k is not None:
+        return tuple(_prefix_kernel(q, cu_seqlens_k).forward(q, k, v, cu_seqlens, cu_seqlens_k, scale, BLOCK))
     if kernel := _our_kernel(q, cu_seqlens):
-        return tuple(kernel.forward(q, k, v, cu_seqlens, scale, BLOCK))
+        return tuple(kernel.forward(q, k, v, cu_seqlens, cu_seqlens, scale, BLOCK))
     lengths = cu_seqlens.diff().tolist()
     per_sample = zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
     parts = [_flash(*qkv, 0.0, True, scale=scale)[:2] for qkv in per_sample]
@@ -166,7 +189,7 @@ def packed_causal_attention(
 
 
 @packed_causal_attention.register_fake
-def _(q, k, v, cu_seqlens, scale):
+def _(q, k, v, cu_seqlens, scale, cu_seqlens_k=None):
     batch, heads, length, dim = q.shape
     return q.new_empty(batch, length, heads, dim), q.new_empty(batch, heads, length, dtype=torch.float32)
 
@@ -181,9 +204,13 @@ def packed_causal_attention_backward(
     lse: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if cu_seqlens_k is not None:
+        kernel = _prefix_kernel(q, cu_seqlens_k)
+        return tuple(kernel.backward(grad, q, k, v, out, lse, cu_seqlens, cu_seqlens_k, scale, BLOCK))
     if kernel := _our_kernel(q, cu_seqlens):
-        return tuple(kernel.backward(grad, q, k, v, out, lse, cu_seqlens, scale, BLOCK))
+        return tuple(kernel.backward(grad, q, k, v, out, lse, cu_seqlens, cu_seqlens, scale, BLOCK))
     lengths = cu_seqlens.diff().tolist()
     per_sample = (t.split(lengths, 2) for t in (grad.transpose(1, 2), q, k, v, out.transpose(1, 2), lse))
     grads = [_flash_backward(*tensors, 0.0, True, scale=scale) for tensors in zip(*per_sample, strict=True)]
@@ -191,20 +218,21 @@ def packed_causal_attention_backward(
 
 
 @packed_causal_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, scale):
+def _(grad, q, k, v, out, lse, cu_seqlens, scale, cu_seqlens_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, scale = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    q, k, v, cu_seqlens, scale, *cu_k = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens, *(t for t in cu_k if t is not None))
     ctx.scale = scale
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    grads = packed_causal_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale)
-    return *grads, None, None
+    q, k, v, out, lse, cu_seqlens, *cu_k = ctx.saved_tensors
+    grad = grad_out.contiguous()
+    grads = packed_causal_attention_backward(grad, q, k, v, out, lse, cu_seqlens, ctx.scale, *cu_k)
+    return *grads, None, None, None
 
 
 packed_causal_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -233,11 +261,19 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    for unused in ("cu_seq_lens_k", "max_length_k", "is_causal"):
+    kv_index, cu_k = kwargs.pop("kv_index", None), kwargs.pop("cu_seq_lens_k", None)
+    for unused in ("max_length_k", "is_causal"):
         kwargs.pop(unused, None)
     longest = kwargs.pop("max_length_q", None)
     softcap, window = kwargs.pop("softcap", None), kwargs.pop("sliding_window", None)
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    if kv_index is not None:  # a row with shared prompts (trainer/prefix.py): each sample's keys gathered
+        if softcap is not None or window is not None or kwargs.get("dropout"):
+            raise TrainerError("shared prompts (share_prompts) know plain causal attention only")
+        key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
+        if query.device.type == "cpu" and serves_prefixes(query.dtype, cu_k):
+            return packed_causal_attention(query, key, value, cu_seq_lens_q, scale, cu_k)[0], None
+        return prefixed_sdpa(query, key, value, cu_seq_lens_q, cu_k, scale), None
     if cu_seq_lens_q is None:
         if softcap is None and window is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -263,6 +299,18 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
         for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
     ]
     return torch.cat(outs, dim=1), None
+
+
+def prefixed_sdpa(query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [1, H, L, D], key/value [1, KV, Lk, D] laid out per sample (`cu_k`) → out [1, L, H, D]: each
+    sample's queries causal from the bottom right over its keys, by SDPA with a mask per sample."""
+    q_lengths, k_lengths = cu_q.diff().tolist(), cu_k.diff().tolist()
+    outs = []
+    per_sample = zip(query.split(q_lengths, 2), key.split(k_lengths, 2), value.split(k_lengths, 2), strict=True)
+    for (q, k, v), n, m in zip(per_sample, q_lengths, k_lengths, strict=True):
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
+    return torch.cat(outs, 2).transpose(1, 2)
 
 
 def _cuda_varlen(query: torch.Tensor):

@@ -25,9 +25,12 @@ class PolicyOutput:
     entropy: torch.Tensor  # [1, L], detached unless asked for with entropy_grad
 
 
-def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device, keep=None) -> torch.Tensor:
-    """Logits [1, L, V] of one packed row, every sample attending only to itself; with `keep` (positions,
-    long [K]) only those rows, [1, K, V]: the lm_head then never runs on the rest."""
+def forward_logits(
+    model: torch.nn.Module, mb: MicroBatch, device: torch.device, keep=None, keys: dict | None = None
+) -> torch.Tensor:
+    """Logits [1, L, V] of one packed row, every sample attending only to itself (and, with `keys`, to the
+    prompt it shares: trainer/prefix.py `SharedRow.attention_kwargs`); with `keep` (positions, long [K]) only
+    those rows, [1, K, V]: the lm_head then never runs on the rest."""
     vocab = model.get_input_embeddings().num_embeddings
     if bad := outside_vocab(mb.input_ids, vocab):  # else an index error on CPU, a device-side assert on CUDA
         raise TrainerError(
@@ -41,9 +44,8 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
         use_cache=False,
         logits_to_keep=0 if keep is None else keep,  # 0 = every position
         cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
         max_length_q=longest,
-        max_length_k=longest,
+        **(keys or {"cu_seq_lens_k": cu, "max_length_k": longest}),
     ).logits
 
 
@@ -53,21 +55,23 @@ def forward_logprobs(
     device: torch.device,
     entropy_grad: bool = False,
     where: torch.Tensor | None = None,
+    keys: dict | None = None,
 ) -> PolicyOutput:
     """Token logprobs and entropies of the policy on one packed micro batch.
 
     With `where` (bool [1, L], e.g. the loss mask) only those positions are computed and the rest are 0:
-    the lm_head and the [L, V] log-softmax then skip the prompts, which the loss never reads.
+    the lm_head and the [L, V] log-softmax then skip the prompts, which the loss never reads. `keys`: the
+    attention's shared-prompt keys of a row laid out by trainer/prefix.py.
     """
     ids = mb.input_ids.to(device)
     if where is None:
-        logits = forward_logits(model, mb, device)
+        logits = forward_logits(model, mb, device, keys=keys)
         kept = kept_at(mb, torch.arange(1, ids.shape[1]))
         logprobs, entropy = token_logprobs_and_entropy(logits, ids, mb.temperature, entropy_grad, kept)
         return PolicyOutput(logprobs=logprobs, entropy=entropy)
     # Token t is predicted by the logits at t − 1 of the same sample, so a sample's first token has none.
     targets = (where.to(device) & ~sample_starts(mb).to(device))[0].nonzero().squeeze(-1)
-    logits = forward_logits(model, mb, device, keep=targets - 1)
+    logits = forward_logits(model, mb, device, keep=targets - 1, keys=keys)
     kept = kept_at(mb, targets.cpu())
     logprobs, entropy = target_logprobs_and_entropy(logits, ids[:, targets], mb.temperature, entropy_grad, kept=kept)
     index = targets[None]

@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, sample_starts
+from prime_rl.trainer.logprobs import PolicyOutput, sample_starts
+from prime_rl.trainer.prefix import policy_output, shares_prompts
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
 from prime_rl.utils.memory import peak_rss_gib
 
@@ -78,8 +79,10 @@ def train_step(
     max_norm: float,
     norm: Literal["token", "sequence"] = "token",
     entropy_grad: bool = False,
+    share_prompts: bool = False,
 ) -> StepStats:
-    """Accumulate `loss_fn`'s gradient over the micro batches, clip to `max_norm`, take one optimizer step."""
+    """Accumulate `loss_fn`'s gradient over the micro batches, clip to `max_norm`, take one optimizer step;
+    `share_prompts`: a prompt that several samples of a row share is computed once (trainer/prefix.py)."""
     # The first token of each sample has no prefix, so it never carries a logprob to train on.
     masks = [(mb.loss_mask & ~sample_starts(mb)).to(dist.device) for mb in micro_batches]
     local_counts = [
@@ -96,9 +99,10 @@ def train_step(
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}  # keys reported as (sum, count) pairs
     peaks: dict[str, torch.Tensor] = {}  # keys reported as Peak
+    share = share_prompts and shares_prompts(model, dist.device)
     for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
         set_micro_batch_sync(model, dist, last=i == len(micro_batches) - 1)
-        out = forward_logprobs(model, mb, dist.device, entropy_grad, where=mask)
+        out = policy_output(model, mb, dist.device, mask, entropy_grad, share)
         term, reported = loss_fn(out, mb, mask, scale)
         term.backward()
         stamp()  # a step of a big model takes minutes: each micro batch shows the launcher it advances

@@ -79,8 +79,8 @@ def test_our_kernel_gives_the_same_result_for_any_query_block_size():
     grad = torch.randn(1, sum(LENGTHS), 8, 32, generator=torch.Generator().manual_seed(1))
     results = []
     for block in (7, attention.BLOCK, 1000):
-        out, lse = attention.cpu_kernel().forward(q, k, v, cu, 0.2, block)
-        results.append((out, lse, *attention.cpu_kernel().backward(grad, q, k, v, out, lse, cu, 0.2, block)))
+        out, lse = attention.cpu_kernel().forward(q, k, v, cu, cu, 0.2, block)
+        results.append((out, lse, *attention.cpu_kernel().backward(grad, q, k, v, out, lse, cu, cu, 0.2, block)))
     for other in results[1:]:
         for got, want in zip(other, results[0], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -88,8 +88,8 @@ def test_our_kernel_gives_the_same_result_for_any_query_block_size():
 
 def test_our_kernel_rejects_sample_boundaries_that_do_not_cover_the_row():
     (q, k, v), cu = _qkv(4, 2)
-    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to the row length"):
-        attention.cpu_kernel().forward(q, k, v, cu[:-1], 0.2, attention.BLOCK)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must run from 0 to its length"):
+        attention.cpu_kernel().forward(q, k, v, cu[:-1], cu[:-1], 0.2, attention.BLOCK)
 
 
 def test_packed_causal_attention_op_registration_is_consistent(kernel):
@@ -97,6 +97,39 @@ def test_packed_causal_attention_op_registration_is_consistent(kernel):
     (q, k, v), cu = _qkv(4, 2)
     torch.library.opcheck(packed_causal_attention, (q, k, v, cu, 0.2))
 
+
+# (queries, keys) per sample: a sample with more keys sees a prefix of keys - queries whole (trainer/prefix.py),
+# lengths around the 64-row blocks; (n, n) is a plain causal sample.
+PREFIXED = [(70, 150), (5, 5), (1, 81), (129, 129), (64, 65), (200, 300)]
+
+
+def test_samples_attending_to_a_prefix_match_sdpa_with_a_bottom_right_causal_mask():
+    g = torch.Generator().manual_seed(0)
+    nq, nk = (sum(n for n, _ in PREFIXED), sum(m for _, m in PREFIXED))
+    q = torch.randn(1, nq, 8, 32, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(1, nk, 2, 32, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *side], dtype=torch.int32).cumsum(0) for side in zip(*PREFIXED, strict=True))
+    grad = torch.randn(1, nq, 8, 32, generator=g)
+
+    def reference():
+        outs = []
+        for qs, ks, vs, (n, m) in zip(q.split([n for n, _ in PREFIXED], 2), k.split([m for _, m in PREFIXED], 2),
+                                      v.split([m for _, m in PREFIXED], 2), PREFIXED, strict=True):  # fmt: skip
+            mask = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+            ks, vs = ks.repeat_interleave(4, 1), vs.repeat_interleave(4, 1)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.2))
+        return torch.cat(outs, 2).transpose(1, 2)
+
+    results = []
+    for fn in (lambda: packed_causal_attention(q, k, v, cu_q, 0.2, cu_k)[0], reference):
+        out = fn()
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.library.opcheck(packed_causal_attention, (q, k, v, cu_q, 0.2, cu_k))
+    with pytest.raises(RuntimeError, match="sample 0 has fewer keys than queries"):
+        attention.cpu_kernel().forward(k.transpose(1, 2).repeat(1, 1, 4, 1).transpose(1, 2), q[:, :2], q[:, :2],
+                                       cu_k, cu_q, 0.2, attention.BLOCK)  # fmt: skip
 
 def test_packed_attention_mask_is_causal_within_samples_and_blocks_across():
     mask = packed_attention_mask(torch.tensor([0, 2, 3, 5], dtype=torch.int32), 5, torch.device("cpu"))

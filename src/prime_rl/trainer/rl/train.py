@@ -218,7 +218,8 @@ def train_step(
     and max_token_lag applied against it; None: no lag is measured or masked."""
     c = config.loss
     loss_fn = functools.partial(loss_fn or rl_loss(c), step=step)
-    return optimize(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, c.entropy_coef > 0)
+    entropy_grad, share = c.entropy_coef > 0, config.share_prompts
+    return optimize(model, optimizer, micro_batches, dist, loss_fn, config.optim.max_norm, c.norm, entropy_grad, share)
 
 
 def rl_loss(c: LossConfig, sampled: SampledMismatch | None = None) -> LossFn:

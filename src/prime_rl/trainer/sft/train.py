@@ -107,7 +107,10 @@ def train(
         with timer(times, "data"):
             batch, epoch, position = step_batch(samples, progress, config, dist)
         with timer(times, "train"):
-            stats = train_step(state.model, state.optimizer, batch, dist, nll_loss, config.optim.max_norm)
+            stats = train_step(
+                state.model, state.optimizer, batch, dist, nll_loss, config.optim.max_norm,
+                share_prompts=config.share_prompts,
+            )  # fmt: skip
             lr = state.scheduler.get_last_lr()[0]
             state.scheduler.step()
         progress = Progress(

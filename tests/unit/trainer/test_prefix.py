@@ -1,0 +1,102 @@
+"""Shared prompts computed once (trainer/prefix.py): the row laid out again, and the same logprobs, loss and update
+as the row as packed."""
+
+import copy
+
+import pytest
+import torch
+
+from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.model import build_model
+from prime_rl.trainer.optim import build_optimizer
+from prime_rl.trainer.parallel import apply_fsdp
+from prime_rl.trainer.prefix import policy_output, share_prompts, shares_prompts
+from prime_rl.trainer.rl.train import train_step
+from tests.samples import on_policy_sample, sample
+
+
+def test_a_group_s_prompt_is_laid_out_once_and_its_members_attend_to_it():
+    """Two samples share p = [5, 6, 7] (loss from their 4th token), a third has its own prompt."""
+    mb = MicroBatch.pack(
+        [sample([5, 6, 7, 10], 3, env=0), sample([9, 9, 1, 2], 2, env=1), sample([5, 6, 7, 20, 21], 3, env=1)],
+        temperature=1.0,
+        env_names=["a", "b"],
+    )
+    shared = share_prompts(mb, mb.loss_mask)
+    # The prompt's tokens before the last one once; each member keeps the last (7), whose logits predict its first.
+    assert shared.mb.input_ids.tolist() == [[5, 6, 7, 10, 7, 20, 21, 9, 9, 1, 2]]
+    assert shared.mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1, 2, 3]]
+    assert shared.mb.cu_seqlens.tolist() == [0, 2, 4, 7, 11]
+    assert shared.kv_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10]
+    assert shared.cu_seqlens_k.tolist() == [0, 2, 6, 11, 15]
+    assert shared.mb.sample_env.tolist() == [0, 0, 1, 1]
+    assert shared.where.tolist() == [[False, False, False, True, False, True, True, False, False, True, True]]
+    assert shared.index.tolist() == [0, 1, 2, 3, 10, 11, 12, 4, 5, 6, 7]
+    # Only the last prompt token differs: the rest is shared. Otherwise nothing is, and the row stays as it is.
+    last = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 6, 8, 10], 3)], 1.0)
+    assert share_prompts(last, last.loss_mask).mb.input_ids.tolist() == [[5, 6, 7, 10, 8, 10]]
+    apart = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 9, 7, 10], 3)], 1.0)
+    assert share_prompts(apart, apart.loss_mask) is None
+
+
+def _groups(model, seed: int) -> MicroBatch:
+    """Three groups of completions of three prompts, as an RL step packs them, with one lone sample between."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for prompt_len, size in ((9, 4), (5, 1), (14, 3), (1, 3)):
+        prompt = torch.randint(3, 1000, (prompt_len,), generator=g).tolist()
+        for _ in range(size):
+            completion = torch.randint(3, 1000, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            advantage = float(torch.randn(1, generator=g))
+            samples.append(on_policy_sample(model, prompt + completion, prompt_len, advantage, shift=0.1))
+    perm = torch.randperm(len(samples), generator=g).tolist()  # members need not be neighbours
+    return MicroBatch.pack([samples[i] for i in perm], temperature=0.7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model, seed):
+    model = build_model(str(tiny_model))
+    cpu = torch.device("cpu")
+    assert shares_prompts(model, cpu)
+    mb = _groups(model, seed)
+    where = mb.loss_mask
+    shared = share_prompts(mb, where)
+    assert shared is not None and shared.mb.num_tokens < mb.num_tokens
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        out = policy_output(model, mb, cpu, where, entropy_grad=True, share=share)
+        (out.logprobs * mb.advantages + 0.01 * out.entropy).sum().backward()
+        results.append((out.logprobs.detach(), out.entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp, ent, grads), (lp_shared, ent_shared, grads_shared) = results
+    torch.testing.assert_close(lp_shared[where], lp[where], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_shared[where], ent[where], atol=1e-5, rtol=0)
+    for got, want in zip(grads_shared, grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_step_with_shared_prompts_reports_and_updates_as_one_without(tiny_model, tmp_path, one_rank):
+    runs = []
+    base = build_model(str(tiny_model))
+    mbs = [_groups(base, 3), _groups(base, 4)]
+    for share in (False, True):
+        config = TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, optim={"lr": 1e-3},
+                               share_prompts=share)  # fmt: skip
+        model = copy.deepcopy(base)
+        apply_fsdp(model, one_rank, torch.float32)
+        stats = train_step(model, build_optimizer(model, config.optim), mbs, config, one_rank)
+        runs.append((stats, [p.detach().clone() for p in model.parameters()]))
+    (plain, plain_weights), (shared, shared_weights) = runs
+    assert (shared.num_tokens, shared.num_loss_tokens, shared.num_samples) == (
+        plain.num_tokens, plain.num_loss_tokens, plain.num_samples,
+    )  # fmt: skip
+    assert shared.loss == pytest.approx(plain.loss, abs=1e-6)
+    assert shared.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
+    for key, value in plain.means.items():
+        assert shared.means[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    # AdamW moves a weight by ~lr whatever its gradient's size, so a gradient near 0 (1e-9 against 2e-9, float
+    # summation order) can move it differently: within a tenth of that step, and all but a few within 1e-6.
+    for got, want in zip(shared_weights, plain_weights, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert int(((got - want).abs() > 1e-6).sum()) <= max(2, got.numel() // 1000)
