@@ -33,8 +33,8 @@ from prime_rl.protocol.liveness import stamp
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput, sample_starts
-from prime_rl.trainer.prefix import policy_output, shares_prompts
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
+from prime_rl.trainer.prefix import policy_output, shares_prompts
 from prime_rl.utils.memory import peak_rss_gib
 
 if TYPE_CHECKING:

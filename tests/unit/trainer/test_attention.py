@@ -131,6 +131,7 @@ def test_samples_attending_to_a_prefix_match_sdpa_with_a_bottom_right_causal_mas
         attention.cpu_kernel().forward(k.transpose(1, 2).repeat(1, 1, 4, 1).transpose(1, 2), q[:, :2], q[:, :2],
                                        cu_k, cu_q, 0.2, attention.BLOCK)  # fmt: skip
 
+
 def test_packed_attention_mask_is_causal_within_samples_and_blocks_across():
     mask = packed_attention_mask(torch.tensor([0, 2, 3, 5], dtype=torch.int32), 5, torch.device("cpu"))
     expected = torch.tensor(

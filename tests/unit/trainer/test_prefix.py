@@ -19,7 +19,11 @@ from tests.samples import on_policy_sample, sample
 def test_a_group_s_prompt_is_laid_out_once_and_its_members_attend_to_it():
     """Two samples share p = [5, 6, 7] (loss from their 4th token), a third has its own prompt."""
     mb = MicroBatch.pack(
-        [sample([5, 6, 7, 10], 3, env=0), sample([9, 9, 1, 2], 2, env=1), sample([5, 6, 7, 20, 21], 3, env=1)],
+        [
+            sample([5, 6, 7, 10], 3, env=0),
+            sample([9, 9, 1, 2], 2, env=1),
+            sample([5, 6, 7, 20, 21], 3, env=1, kept=[[], [], [], [4, 5], []], policy_steps=[-1, -1, -1, 3, 3]),
+        ],
         temperature=1.0,
         env_names=["a", "b"],
     )
@@ -33,6 +37,11 @@ def test_a_group_s_prompt_is_laid_out_once_and_its_members_attend_to_it():
     assert shared.mb.sample_env.tolist() == [0, 0, 1, 1]
     assert shared.where.tolist() == [[False, False, False, True, False, True, True, False, False, True, True]]
     assert shared.index.tolist() == [0, 1, 2, 3, 10, 11, 12, 4, 5, 6, 7]
+    # Every per-token field follows its token: the kept set of 20's successor, the policy steps.
+    assert shared.mb.policy_steps.tolist() == [[-1, -1, -1, -1, -1, 3, 3, -1, -1, -1, -1]]
+    assert shared.mb.kept_offsets.tolist() == [0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2]
+    assert shared.mb.kept_ids.tolist() == [4, 5] and shared.mb.kept_ids.dtype == torch.int32
+    shared.mb.validate()
     # Only the last prompt token differs: the rest is shared. Otherwise nothing is, and the row stays as it is.
     last = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 6, 8, 10], 3)], 1.0)
     assert share_prompts(last, last.loss_mask).mb.input_ids.tolist() == [[5, 6, 7, 10, 8, 10]]
