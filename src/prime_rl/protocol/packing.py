@@ -12,7 +12,9 @@ to end by `MicroBatch.pack`.
                             row2 [2]
 
    As indices: [[2, 3], [0, 4], [1]]. A sample longer than `seq_len` is an error (`SampleTooLong`), never
-   truncated: a cut completion would train on a sequence the policy never produced.
+   truncated: a cut completion would train on a sequence the policy never produced. Among the rows with room,
+   one already holding a sample of the same prompt (`shareable_prompt`) comes first: the trainer computes a
+   prompt once per row (trainer/prefix.py).
 2. `pack_rows`: each of those rows becomes one `MicroBatch` (positions restarting at 0 per sample).
 3. `pad_rows`: a rank with fewer rows than the others gets all-masked padding rows up to `count`, so every
    rank runs the same number of forward/backward passes and FSDP collectives stay in lockstep. Rows [r0, r1]
@@ -37,8 +39,18 @@ class SampleTooLong(ValueError):
     """A sample does not fit in one micro batch row."""
 
 
-def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins of total length <= capacity (see the module docstring)."""
+def shareable_prompt(ids: list[int], wanted: list[bool]) -> tuple[int, ...]:
+    """The leading tokens of a sample that the trainer computes once for every sample of a row holding the same
+    ones (trainer/prefix.py): those before the token whose logits predict its first `wanted` position (the
+    first loss token past its start); () where it has none. [5, 6, 7, 10] with the loss on 10 → (5, 6)."""
+    first = next((t for t, w in enumerate(wanted) if w and t > 0), 0)
+    return tuple(ids[: first - 1]) if first > 1 else ()
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int, groups: list | None = None) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins of total length <= capacity (see the module docstring). With
+    `groups` (a key per item, None: none) an item goes to the first bin with room that holds its group, else to
+    the first with room: samples of one prompt share rows, where the trainer computes the prompt once."""
     for i, n in enumerate(lengths):
         if n > capacity:
             raise SampleTooLong(
@@ -47,16 +59,23 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
             )
     bins: list[list[int]] = []
     room: list[int] = []
+    held: list[set] = []  # the groups each bin holds
     # Stable sort: equal lengths keep their original order, so packing is deterministic.
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
+        group = None if groups is None else groups[i]
+        fits = [b for b, free in enumerate(room) if lengths[i] <= free]
+        mates = [b for b in fits if group is not None and group in held[b]]
+        if fits:
+            b = (mates or fits)[0]
+            bins[b].append(i)
+            room[b] -= lengths[i]
         else:
+            b = len(bins)
             bins.append([i])
             room.append(capacity - lengths[i])
+            held.append(set())
+        if group is not None:
+            held[b].add(group)
     return bins
 
 
@@ -65,7 +84,8 @@ def pack_rows(samples: list[Sample], seq_len: int, temperature: float, env_names
     (`env_names`: the labels the samples' `env` indexes, carried by every row)."""
     from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
 
-    bins = first_fit_decreasing([s.num_tokens for s in samples], seq_len)
+    groups = [shareable_prompt(s.input_ids, s.loss_mask) or None for s in samples]
+    bins = first_fit_decreasing([s.num_tokens for s in samples], seq_len, groups)
     return [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
 
 

@@ -14,7 +14,8 @@ position t's logprob from the logits at t − 1 of the same sample. Positions ke
 everywhere), so every token sees the same keys at the same positions as in the original row: the logprobs are
 the same up to float summation order, and the loss and its gradient with them (tests/unit/trainer/
 test_prefix.py). Only positions the loss never reads are computed once: a prompt is shared when every member
-holds the same tokens before its first loss position.
+holds the same tokens before its first loss position (protocol/packing.py `shareable_prompt`, the rule by which
+the packer puts a prompt's samples in one row).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from prime_rl.protocol.packing import shareable_prompt
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, kept_at
 
@@ -54,18 +56,16 @@ class SharedRow:
         return PolicyOutput(logprobs=back(out.logprobs), entropy=back(out.entropy))
 
 
-def share_prompts(mb: MicroBatch, where: torch.Tensor) -> SharedRow | None:
+def shared_row(mb: MicroBatch, where: torch.Tensor) -> SharedRow | None:
     """`mb` with each prompt that several of its samples share computed once; None where none shares one.
     `where` (bool [1, L]) marks the positions whose logprobs are wanted (the loss mask)."""
     cu = mb.cu_seqlens.tolist()
-    wanted = where[0].cpu()
+    wanted = where[0].tolist()
     ids = mb.input_ids[0].tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for s in range(len(cu) - 1):
-        hits = wanted[cu[s] : cu[s + 1]].nonzero()
-        shareable = int(hits[0]) - 1 if len(hits) else 0  # the tokens before the last one the loss reads from
-        if shareable > 0:
-            groups.setdefault(tuple(ids[cu[s] : cu[s] + shareable]), []).append(s)
+        if prompt := shareable_prompt(ids[cu[s] : cu[s + 1]], wanted[cu[s] : cu[s + 1]]):
+            groups.setdefault(prompt, []).append(s)
     shared = {members[0]: (len(prompt), members) for prompt, members in groups.items() if len(members) > 1}
     if not shared:
         return None
@@ -134,11 +134,15 @@ def shares_prompts(model: torch.nn.Module, device: torch.device) -> bool:
 
 
 def policy_output(
-    model: torch.nn.Module, mb: MicroBatch, device: torch.device, where: torch.Tensor, entropy_grad: bool, share: bool
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    where: torch.Tensor,
+    entropy_grad: bool,
+    shared: SharedRow | None,
 ) -> PolicyOutput:
-    """`forward_logprobs(model, mb, device, entropy_grad, where)`, with each prompt that several samples of the
-    row share computed once where `share` is set (and the row has one)."""
-    shared = share_prompts(mb, where) if share else None
+    """`forward_logprobs(model, mb, device, entropy_grad, where)`, computed on `shared` (`shared_row(mb, where)`)
+    where given: each prompt that several samples of the row share computed once."""
     if shared is None:
         return forward_logprobs(model, mb, device, entropy_grad, where=where)
     keys = shared.attention_kwargs(device)

@@ -34,7 +34,7 @@ from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput, sample_starts
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
-from prime_rl.trainer.prefix import policy_output, shares_prompts
+from prime_rl.trainer.prefix import policy_output, shared_row, shares_prompts
 from prime_rl.utils.memory import peak_rss_gib
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class StepStats:
     loss: float  # Σ loss / N
     grad_norm: float  # before clipping
     num_tokens: int  # tokens processed (all ranks, padding included)
+    num_computed_tokens: int  # of those, the ones the forward ran on (a shared prompt counts once: trainer/prefix.py)
     num_loss_tokens: int
     num_samples: int  # packed samples with at least one loss token
     peak_memory_gib: float  # max over ranks: the device's (CUDA: allocated by torch; CPU: the process's RSS)
@@ -85,12 +86,15 @@ def train_step(
     `share_prompts`: a prompt that several samples of a row share is computed once (trainer/prefix.py)."""
     # The first token of each sample has no prefix, so it never carries a logprob to train on.
     masks = [(mb.loss_mask & ~sample_starts(mb)).to(dist.device) for mb in micro_batches]
+    share = share_prompts and shares_prompts(model, dist.device)
+    rows = [shared_row(mb, m) if share else None for mb, m in zip(micro_batches, masks, strict=True)]
     local_counts = [
         sum(mb.num_tokens for mb in micro_batches),
+        sum((mb if row is None else row.mb).num_tokens for mb, row in zip(micro_batches, rows, strict=True)),
         sum(int(m.sum()) for m in masks),
         sum(samples_with_loss(mb.cu_seqlens, m) for mb, m in zip(micro_batches, masks, strict=True)),
     ]
-    num_tokens, num_loss_tokens, num_samples = all_reduce(local_counts, dist.device)
+    num_tokens, computed, num_loss_tokens, num_samples = all_reduce(local_counts, dist.device)
     denominator = max(num_loss_tokens if norm == "token" else num_samples, 1)
     scale = dist.world_size / denominator
 
@@ -99,10 +103,9 @@ def train_step(
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}  # keys reported as (sum, count) pairs
     peaks: dict[str, torch.Tensor] = {}  # keys reported as Peak
-    share = share_prompts and shares_prompts(model, dist.device)
-    for i, (mb, mask) in enumerate(zip(micro_batches, masks, strict=True)):
+    for i, (mb, mask, row) in enumerate(zip(micro_batches, masks, rows, strict=True)):
         set_micro_batch_sync(model, dist, last=i == len(micro_batches) - 1)
-        out = policy_output(model, mb, dist.device, mask, entropy_grad, share)
+        out = policy_output(model, mb, dist.device, mask, entropy_grad, row)
         term, reported = loss_fn(out, mb, mask, scale)
         term.backward()
         stamp()  # a step of a big model takes minutes: each micro batch shows the launcher it advances
@@ -131,6 +134,7 @@ def train_step(
         loss=totals.pop("loss", 0.0) / denominator,
         grad_norm=grad_norm,
         num_tokens=int(num_tokens),
+        num_computed_tokens=int(computed),
         num_loss_tokens=int(num_loss_tokens),
         num_samples=int(num_samples),
         peak_memory_gib=peak,
@@ -194,6 +198,7 @@ def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress:
         "grad_norm": stats.grad_norm,
         "lr": lr,
         "num_tokens": stats.num_tokens,
+        "num_computed_tokens": stats.num_computed_tokens,
         "num_loss_tokens": stats.num_loss_tokens,
         "num_samples": stats.num_samples,
         "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prime_rl.orchestrator.packing import pack_micro_batches, rollout_sample, split_over_ranks
-from prime_rl.protocol.packing import PADDING_LENGTH, SampleTooLong, first_fit_decreasing
+from prime_rl.protocol.packing import PADDING_LENGTH, SampleTooLong, first_fit_decreasing, shareable_prompt
 from prime_rl.protocol.records import Sample
 from tests.samples import scored_rollout
 
@@ -35,6 +35,15 @@ def test_ffd_fills_rows_exactly_to_capacity():
     bins = first_fit_decreasing([4, 6, 10, 5, 5], 10)
     assert sorted(sorted(b) for b in bins) == [[0, 1], [2], [3, 4]]
 
+
+def test_ffd_puts_a_sample_with_the_row_of_its_prompt_where_that_row_has_room():
+    """Lengths [6, 5, 4, 4] into 10: plain FFD pairs 6+4 and 5+4; with the 4s of the prompts of 5 and 6 (b, a),
+    each goes to its own prompt's row."""
+    assert first_fit_decreasing([6, 5, 4, 4], 10) == [[0, 2], [1, 3]]
+    assert first_fit_decreasing([6, 5, 4, 4], 10, ["a", "b", "b", "a"]) == [[0, 3], [1, 2]]
+    assert first_fit_decreasing([6, 5, 4, 4], 10, ["a", "b", None, None]) == [[0, 2], [1, 3]]
+    assert shareable_prompt([5, 6, 7, 10], [False, False, False, True]) == (5, 6)
+    assert shareable_prompt([5, 6], [True, True]) == ()  # the loss from the 2nd token: its prompt is 5 alone
 
 def test_sample_longer_than_seq_len_raises_naming_lengths():
     with pytest.raises(SampleTooLong, match="sample 1 has 11 tokens but seq_len is 10"):

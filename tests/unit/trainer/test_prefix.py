@@ -11,7 +11,7 @@ from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
-from prime_rl.trainer.prefix import policy_output, share_prompts, shares_prompts
+from prime_rl.trainer.prefix import policy_output, shared_row, shares_prompts
 from prime_rl.trainer.rl.train import train_step
 from tests.samples import on_policy_sample, sample
 
@@ -27,7 +27,7 @@ def test_a_group_s_prompt_is_laid_out_once_and_its_members_attend_to_it():
         temperature=1.0,
         env_names=["a", "b"],
     )
-    shared = share_prompts(mb, mb.loss_mask)
+    shared = shared_row(mb, mb.loss_mask)
     # The prompt's tokens before the last one once; each member keeps the last (7), whose logits predict its first.
     assert shared.mb.input_ids.tolist() == [[5, 6, 7, 10, 7, 20, 21, 9, 9, 1, 2]]
     assert shared.mb.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1, 2, 3]]
@@ -44,9 +44,9 @@ def test_a_group_s_prompt_is_laid_out_once_and_its_members_attend_to_it():
     shared.mb.validate()
     # Only the last prompt token differs: the rest is shared. Otherwise nothing is, and the row stays as it is.
     last = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 6, 8, 10], 3)], 1.0)
-    assert share_prompts(last, last.loss_mask).mb.input_ids.tolist() == [[5, 6, 7, 10, 8, 10]]
+    assert shared_row(last, last.loss_mask).mb.input_ids.tolist() == [[5, 6, 7, 10, 8, 10]]
     apart = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 9, 7, 10], 3)], 1.0)
-    assert share_prompts(apart, apart.loss_mask) is None
+    assert shared_row(apart, apart.loss_mask) is None
 
 
 def _groups(model, seed: int) -> MicroBatch:
@@ -70,12 +70,12 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model, seed):
     assert shares_prompts(model, cpu)
     mb = _groups(model, seed)
     where = mb.loss_mask
-    shared = share_prompts(mb, where)
+    shared = shared_row(mb, where)
     assert shared is not None and shared.mb.num_tokens < mb.num_tokens
     results = []
     for share in (False, True):
         model.zero_grad()
-        out = policy_output(model, mb, cpu, where, entropy_grad=True, share=share)
+        out = policy_output(model, mb, cpu, where, True, shared if share else None)
         (out.logprobs * mb.advantages + 0.01 * out.entropy).sum().backward()
         results.append((out.logprobs.detach(), out.entropy.detach(), [p.grad.clone() for p in model.parameters()]))
     (lp, ent, grads), (lp_shared, ent_shared, grads_shared) = results
@@ -100,6 +100,7 @@ def test_a_step_with_shared_prompts_reports_and_updates_as_one_without(tiny_mode
     assert (shared.num_tokens, shared.num_loss_tokens, shared.num_samples) == (
         plain.num_tokens, plain.num_loss_tokens, plain.num_samples,
     )  # fmt: skip
+    assert plain.num_computed_tokens == plain.num_tokens > shared.num_computed_tokens
     assert shared.loss == pytest.approx(plain.loss, abs=1e-6)
     assert shared.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
     for key, value in plain.means.items():
