@@ -56,6 +56,8 @@ MAX_TOKENS, LR = 32, 1e-5
 
 def config_text(model: Path, out: Path, args, transfer: str, backend: str, ckpt_async: bool) -> str:
     ckpt = f"\n[ckpt]\ninterval = {args.ckpt_interval}\nasync_save = {str(ckpt_async).lower()}\n"
+    if args.no_share_prompts:  # still in the [trainer] table rl_config_toml ends with
+        ckpt = "share_prompts = false\n" + ckpt
     return rl_config_toml(model, out, steps=args.steps, async_level=0, transfer=transfer, port=free_port(),
                           backend=backend, batch_size=args.batch_size, rollouts=args.rollouts, max_tokens=MAX_TOKENS,
                           lr=LR, extra=ckpt)  # fmt: skip
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step (prompts x --rollouts)")
     parser.add_argument("--rollouts", type=int, default=4, help="completions per prompt")
     parser.add_argument("--ckpt-interval", type=int, default=2)
+    parser.add_argument("--no-share-prompts", action="store_true", help="ours: each completion computes its prompt")
     parser.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer beside ours (.venv-trl)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     add_json_argument(parser, "real_size")
