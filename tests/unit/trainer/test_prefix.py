@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from prime_rl.configs.shared import LoraConfig
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.model import build_model
@@ -13,6 +14,7 @@ from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.trainer.prefix import policy_output, shared_row, shares_prompts
 from prime_rl.trainer.rl.train import train_step
+from prime_rl.utils.tiny_model import create_tiny_model
 from tests.samples import on_policy_sample, sample
 
 
@@ -63,9 +65,16 @@ def _groups(model, seed: int) -> MicroBatch:
     return MicroBatch.pack([samples[i] for i in perm], temperature=0.7)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model, seed):
-    model = build_model(str(tiny_model))
+@pytest.mark.parametrize(
+    ("seed", "kind"), [(0, "qwen3"), (1, "qwen3"), (2, "qwen3"), (0, "lora"), (0, "qwen3_moe"), (0, "llama")]
+)
+def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model, tmp_path, seed, kind):
+    """Over seeds; through a LoRA adapter (peft's forward), an MoE's (routing per token) and Llama's attention."""
+    if kind in ("qwen3", "lora"):
+        lora = LoraConfig(rank=4, alpha=8) if kind == "lora" else None
+        model = build_model(str(tiny_model), lora=lora)
+    else:
+        model = build_model(str(create_tiny_model(tmp_path / kind, kind)))
     cpu = torch.device("cpu")
     assert shares_prompts(model, cpu)
     mb = _groups(model, seed)
@@ -77,7 +86,8 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model, seed):
         model.zero_grad()
         out = policy_output(model, mb, cpu, where, True, shared if share else None)
         (out.logprobs * mb.advantages + 0.01 * out.entropy).sum().backward()
-        results.append((out.logprobs.detach(), out.entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((out.logprobs.detach(), out.entropy.detach(), grads))
     (lp, ent, grads), (lp_shared, ent_shared, grads_shared) = results
     torch.testing.assert_close(lp_shared[where], lp[where], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_shared[where], ent[where], atol=1e-5, rtol=0)
