@@ -45,6 +45,7 @@ def test_ffd_puts_a_sample_with_the_row_of_its_prompt_where_that_row_has_room():
     assert shareable_prompt([5, 6, 7, 10], [False, False, False, True]) == (5, 6)
     assert shareable_prompt([5, 6], [True, True]) == ()  # the loss from the 2nd token: its prompt is 5 alone
 
+
 def test_sample_longer_than_seq_len_raises_naming_lengths():
     with pytest.raises(SampleTooLong, match="sample 1 has 11 tokens but seq_len is 10"):
         first_fit_decreasing([3, 11], 10)
