@@ -240,3 +240,28 @@ def test_cuda_packed_attention_matches_sdpa_per_sample_in_value_and_gradient(kv_
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
     print(f"torch {torch.__version__}: varlen kernel {'used' if attention._varlen_params() else 'absent'}")
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_attention_takes_prefix_keys_causal_from_the_bottom_right():
+    """What shared prompts on CUDA would rest on (trainer/prefix.py, CPU-only until this holds on a GPU): torch's
+    varlen flash attention, given a sample more keys than queries, lets query r see keys 0 .. m - n + r, as our
+    CPU kernel and `prefixed_sdpa` do."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not attention._varlen_params():
+        pytest.skip(f"torch {torch.__version__} has no varlen attention")
+    from torch.nn.attention.varlen import varlen_attn
+
+    torch.manual_seed(0)
+    q_lengths, k_lengths, heads, dim = [70, 5, 1, 64], [150, 5, 81, 65], 4, 64
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in (q_lengths, k_lengths))  # fmt: skip
+    q = torch.randn(1, heads, sum(q_lengths), dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, heads, sum(k_lengths), dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want = attention.prefixed_sdpa(q, k, v, cu_q, cu_k, dim**-0.5)
+    params = attention._varlen_params()
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    got = varlen_attn(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)), cu_q, cu_k, max(q_lengths),
+                      max(k_lengths), scale=dim**-0.5, **kwargs)[None]  # fmt: skip
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
