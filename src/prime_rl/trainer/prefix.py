@@ -72,45 +72,49 @@ def shared_row(mb: MicroBatch, where: torch.Tensor) -> SharedRow | None:
     members_of = {m for _, members in shared.values() for m in members}
     spans: list[tuple[int, int]] = []  # (start, end) in the original row, one per sample of the new row
     prefix: list[int] = []  # per sample of the new row: the new-row sample whose positions it attends to first
-    env: list[int] = []
-    envs = mb.sample_env.tolist()
+    source: list[int] = []  # per sample of the new row: the original sample it holds tokens of
+
+    def add(start: int, end: int, of: int, first: int = -1) -> None:
+        spans.append((start, end))
+        prefix.append(first)
+        source.append(of)
+
     for s in range(len(cu) - 1):
         if s in shared:
             length, members = shared[s]
             prompt = len(spans)
-            spans.append((cu[s], cu[s] + length))
-            prefix.append(-1)
-            env.append(envs[s] if envs else -1)
+            add(cu[s], cu[s] + length, s)
             for m in members:
-                spans.append((cu[m] + length, cu[m + 1]))
-                prefix.append(prompt)
-                env.append(envs[m] if envs else -1)
+                add(cu[m] + length, cu[m + 1], m, prompt)
         elif s not in members_of:
-            spans.append((cu[s], cu[s + 1]))
-            prefix.append(-1)
-            env.append(envs[s] if envs else -1)
+            add(cu[s], cu[s + 1], s)
     index = torch.cat([torch.arange(a, b) for a, b in spans])
-    lengths = torch.tensor([b - a for a, b in spans])
-    cu_q = torch.zeros(len(spans) + 1, dtype=torch.int32)
-    cu_q[1:] = lengths.cumsum(0)
+    lengths = [b - a for a, b in spans]
+    cu_q = _offsets(lengths)
     starts = cu_q[:-1].tolist()
     kv = []
     for i, p in enumerate(prefix):
-        own = torch.arange(starts[i], starts[i] + int(lengths[i]))
-        kv.append(own if p < 0 else torch.cat([torch.arange(starts[p], starts[p] + int(lengths[p])), own]))
-    cu_k = torch.zeros(len(spans) + 1, dtype=torch.int32)
-    cu_k[1:] = torch.tensor([len(k) for k in kv]).cumsum(0)
+        own = torch.arange(starts[i], starts[i] + lengths[i])
+        kv.append(own if p < 0 else torch.cat([torch.arange(starts[p], starts[p] + lengths[p]), own]))
     return SharedRow(
-        mb=_take(mb, index, cu_q, env),
+        mb=_take(mb, index, cu_q, source),
         where=where[:, index.to(where.device)],
         index=index,
         kv_index=torch.cat(kv),
-        cu_seqlens_k=cu_k,
+        cu_seqlens_k=_offsets([len(k) for k in kv]),
     )
 
 
-def _take(mb: MicroBatch, index: torch.Tensor, cu_seqlens: torch.Tensor, env: list[int]) -> MicroBatch:
-    """The micro batch of the original row's positions `index`, in that order, as the samples `cu_seqlens`."""
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    """int32 [n + 1]: the boundaries of consecutive spans of `lengths`."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu
+
+
+def _take(mb: MicroBatch, index: torch.Tensor, cu_seqlens: torch.Tensor, source: list[int]) -> MicroBatch:
+    """The micro batch of the original row's positions `index`, in that order, as the samples `cu_seqlens`, each
+    holding tokens of the original sample `source` gives (its env)."""
     per_token = {
         name: getattr(mb, name)[:, index]
         for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
@@ -121,7 +125,7 @@ def _take(mb: MicroBatch, index: torch.Tensor, cu_seqlens: torch.Tensor, env: li
     if mb.has_kept_sets:
         offsets, ids = kept_at(mb, index)
         per_token |= {"kept_offsets": offsets, "kept_ids": ids.to(torch.int32)}
-    sample_env = torch.tensor(env, dtype=torch.int32) if mb.sample_env.numel() else mb.sample_env
+    sample_env = mb.sample_env[source] if mb.sample_env.numel() else mb.sample_env
     return replace(mb, cu_seqlens=cu_seqlens, sample_env=sample_env, **per_token)
 
 
