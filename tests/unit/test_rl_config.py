@@ -188,6 +188,17 @@ def test_rl_with_top_p_or_top_k_needs_a_backend_that_returns_sampling_masks():
     assert load_config(RLConfig, masked).orchestrator.sampling.top_p == 0.9  # the server refuses it on a CPU
 
 
+def test_rows_counting_shared_prompts_once_need_a_trainer_that_computes_them_once():
+    """orchestrator.share_prompts packs more than seq_len tokens into a row; a trainer that does not share prompts
+    (share_prompts off, or on CUDA) would compute all of them, so rl refuses the pair up front."""
+    on = ["--orchestrator.share-prompts", "true"]
+    assert load_config(RLConfig, on).orchestrator.share_prompts is True
+    with pytest.raises(ConfigError, match=r"orchestrator.share_prompts.*trainer.share_prompts is off"):
+        load_config(RLConfig, [*on, "--trainer.share-prompts", "false"])
+    with pytest.raises(ConfigError, match=r"orchestrator.share_prompts.*trainer.device is cuda"):
+        load_config(RLConfig, [*on, "--trainer.device", "cuda"])
+
+
 def test_config_mistakes_are_one_line_errors_not_tracebacks(tmp_path):
     """Each of these was a traceback, or silently resolved (issue: config errors as tracebacks)."""
     import os

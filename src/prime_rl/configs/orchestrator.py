@@ -242,6 +242,14 @@ class OrchestratorConfig(BaseConfig):
     batch_size: Annotated[int, Field(ge=1, description="rollouts per step")] = 64
     rollouts_per_example: Annotated[int, Field(ge=1, description="samples per prompt (the advantage group)")] = 8
     seq_len: Annotated[int, Field(ge=1, description="tokens per packed micro batch row")] = 2048
+    share_prompts: Annotated[
+        bool,
+        Field(
+            description="count a prompt that several samples of a row share once toward seq_len, as a trainer "
+            "with share_prompts computes it (CPU): rows hold more samples; a trainer that does not share computes "
+            "such a row whole"
+        ),
+    ] = False
     num_train_workers: Annotated[int, Field(ge=1, description="trainer world size (one rank file per rank)")] = 1
     seed: Annotated[int, Field(description="seed for the data order")] = 0
     sampling: Annotated[SamplingConfig, Field(description="sampling parameters")] = SamplingConfig()

@@ -245,6 +245,21 @@ class RLConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _trainer_shares_what_the_rows_count_once(self) -> RLConfig:
+        """Rows that count a shared prompt once hold more tokens than seq_len: only a trainer that computes
+        such a prompt once (share_prompts, on the CPU) keeps to seq_len's compute and memory."""
+        trainer = self.trainer
+        if self.orchestrator.share_prompts and (not trainer.share_prompts or trainer.device == "cuda"):
+            why = "trainer.share_prompts is off" if not trainer.share_prompts else "trainer.device is cuda"
+            raise FieldError(
+                "orchestrator.share_prompts",
+                f"counts a prompt that several samples of a row share once toward seq_len, but {why}: the trainer "
+                "would compute those rows whole (the CPU trainer alone computes shared prompts once); set it false",
+                also=("trainer.share_prompts" if not trainer.share_prompts else "trainer.device",),
+            )
+        return self
+
+    @model_validator(mode="after")
     def _backend_can_replay_the_sampling(self) -> RLConfig:
         """top-p / top-k training replays each token's kept set, which vLLM returns only when started with
         `--return-sampling-mask` (a GPU: vLLM's CPU build cannot, and its server refuses the flag at start)."""

@@ -237,6 +237,7 @@ def write_batch(config: OrchestratorConfig, step: int, batch: Batch, times: dict
             config.num_train_workers,
             config.sampling.temperature,
             env_names=env_names,
+            share_prompts=config.share_prompts,
         )
     with timer(times, "write"):
         write_rank_files(config, step, per_rank)

@@ -6,10 +6,12 @@ The packing rules shared with the trainer (first-fit-decreasing rows, all-masked
 1. `rollout_sample`: one rollout becomes one `Sample` (protocol/records.py): prompt + completion tokens, the loss
    mask (sampled completion tokens only), the rollout's advantage on those tokens, the sampler's logprobs (μ)
    there and the policy step that sampled each token (-1 on the prompt and env replies).
-2. `pack_rows` (protocol): samples are packed first-fit-decreasing into rows of at most `seq_len` tokens;
-   a sample longer than that is `SampleTooLong`, never truncated.
+2. `packed_rows` (protocol): samples are packed first-fit-decreasing into rows of at most `seq_len` tokens
+   (`share_prompts`: the tokens a trainer sharing prompts computes); a sample longer than that is
+   `SampleTooLong`, never truncated.
 3. `split_over_ranks`: rows are dealt out longest first, each to the rank with the fewest rows (ties:
-   fewest tokens), so every rank gets ceil(rows / ranks) or one fewer, with tokens balanced. Row sizes
+   fewest tokens, as `seq_len` counts them), so every rank gets ceil(rows / ranks) or one fewer, with tokens
+   balanced. Row sizes
    [10, 9, 8, 2, 1] over 2 ranks → [[0, 3, 4], [1, 2]] (rank 0: 10 + 2 + 1 tokens, rank 1: 9 + 8).
 4. `pad_rows` (protocol): ranks with fewer rows get all-masked padding rows, so each rank runs the same
    number of forward/backward passes and FSDP collectives stay in lockstep.
@@ -18,7 +20,7 @@ The packing rules shared with the trainer (first-fit-decreasing rows, all-masked
 from __future__ import annotations
 
 from prime_rl.orchestrator.rollout import Rollout
-from prime_rl.protocol.packing import SampleTooLong, pack_rows, pad_rows
+from prime_rl.protocol.packing import SampleTooLong, packed_rows, pad_rows
 from prime_rl.protocol.records import MicroBatch, Sample
 
 # SampleTooLong is re-exported: the orchestrator catches what `pack_micro_batches` raises by this module.
@@ -63,10 +65,13 @@ def pack_micro_batches(
     temperature: float,
     pad_id: int = 0,
     env_names: list[str] = (),
+    share_prompts: bool = False,
 ) -> list[list[MicroBatch]]:
     """The micro batches of each rank, all ranks with the same number of them (every row carries `env_names`,
-    the labels the samples' `env` index, so each rank reports the same per-env metrics)."""
-    rows = pack_rows(samples, seq_len, temperature, env_names)
-    per_rank = [[rows[i] for i in idx] for idx in split_over_ranks([r.num_tokens for r in rows], num_ranks)]
+    the labels the samples' `env` index, so each rank reports the same per-env metrics; `share_prompts`: a
+    prompt that several samples of a row share counts once toward `seq_len`)."""
+    bins, sizes = packed_rows(samples, seq_len, share_prompts)
+    rows = [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
+    per_rank = [[rows[i] for i in idx] for idx in split_over_ranks(sizes, num_ranks)]
     count = max(1, max(len(mbs) for mbs in per_rank))
     return [pad_rows(mbs, count, temperature, pad_id=pad_id, env_names=env_names) for mbs in per_rank]

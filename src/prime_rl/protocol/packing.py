@@ -14,7 +14,9 @@ to end by `MicroBatch.pack`.
    As indices: [[2, 3], [0, 4], [1]]. A sample longer than `seq_len` is an error (`SampleTooLong`), never
    truncated: a cut completion would train on a sequence the policy never produced. Among the rows with room,
    one already holding a sample of the same prompt (`shareable_prompt`) comes first: the trainer computes a
-   prompt once per row (trainer/prefix.py).
+   prompt once per row (trainer/prefix.py). With `share_prompts` (a trainer that does so) `seq_len` counts the
+   tokens the trainer computes: a sample joining a row that holds its prompt costs only its tokens past it.
+   Two samples of 9 tokens whose first 6 are one prompt, seq_len 12: rows [9], [9] without, [9, 9] (9 + 3) with.
 2. `pack_rows`: each of those rows becomes one `MicroBatch` (positions restarting at 0 per sample).
 3. `pad_rows`: a rank with fewer rows than the others gets all-masked padding rows up to `count`, so every
    rank runs the same number of forward/backward passes and FSDP collectives stay in lockstep. Rows [r0, r1]
@@ -47,10 +49,18 @@ def shareable_prompt(ids: list[int], wanted: list[bool]) -> tuple[int, ...]:
     return tuple(ids[: first - 1]) if first > 1 else ()
 
 
-def first_fit_decreasing(lengths: list[int], capacity: int, groups: list | None = None) -> list[list[int]]:
+def first_fit_decreasing(
+    lengths: list[int], capacity: int, groups: list | None = None, shared: list[int] | None = None
+) -> list[list[int]]:
     """Indices of `lengths` grouped into bins of total length <= capacity (see the module docstring). With
     `groups` (a key per item, None: none) an item goes to the first bin with room that holds its group, else to
-    the first with room: samples of one prompt share rows, where the trainer computes the prompt once."""
+    the first with room: samples of one prompt share rows, where the trainer computes the prompt once. With
+    `shared` (per item, the tokens of its group's prompt) an item costs that much less in a bin holding its group."""
+    return _fit(lengths, capacity, groups, shared)[0]
+
+
+def _fit(lengths: list[int], capacity: int, groups: list | None, shared: list[int] | None) -> tuple[list, list]:
+    """`first_fit_decreasing`'s bins and the length each bin holds (its cost, with `shared`)."""
     for i, n in enumerate(lengths):
         if n > capacity:
             raise SampleTooLong(
@@ -63,12 +73,14 @@ def first_fit_decreasing(lengths: list[int], capacity: int, groups: list | None 
     # Stable sort: equal lengths keep their original order, so packing is deterministic.
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         group = None if groups is None else groups[i]
-        fits = [b for b, free in enumerate(room) if lengths[i] <= free]
-        mates = [b for b in fits if group is not None and group in held[b]]
+        mates = {b for b in range(len(bins)) if group is not None and group in held[b]}
+        discount = 0 if shared is None else shared[i]
+        cost = [lengths[i] - (discount if b in mates else 0) for b in range(len(bins))]
+        fits = [b for b in range(len(bins)) if cost[b] <= room[b]]
         if fits:
-            b = (mates or fits)[0]
+            b = ([b for b in fits if b in mates] or fits)[0]
             bins[b].append(i)
-            room[b] -= lengths[i]
+            room[b] -= cost[b]
         else:
             b = len(bins)
             bins.append([i])
@@ -76,16 +88,26 @@ def first_fit_decreasing(lengths: list[int], capacity: int, groups: list | None 
             held.append(set())
         if group is not None:
             held[b].add(group)
-    return bins
+    return bins, [capacity - free for free in room]
 
 
-def pack_rows(samples: list[Sample], seq_len: int, temperature: float, env_names: list[str] = ()) -> list[MicroBatch]:
-    """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens, one MicroBatch each
-    (`env_names`: the labels the samples' `env` indexes, carried by every row)."""
+def packed_rows(samples: list[Sample], seq_len: int, share_prompts: bool = False) -> tuple[list, list[int]]:
+    """The indices of `samples` in each row (first-fit-decreasing into rows of `seq_len`; with `share_prompts`
+    counting a prompt that a row's samples share once) and the tokens each row counts toward `seq_len`."""
+    groups = [shareable_prompt(s.input_ids, s.loss_mask) or None for s in samples]
+    shared = [len(g or ()) for g in groups] if share_prompts else None
+    return _fit([s.num_tokens for s in samples], seq_len, groups, shared)
+
+
+def pack_rows(
+    samples: list[Sample], seq_len: int, temperature: float, env_names: list[str] = (), share_prompts: bool = False
+) -> list[MicroBatch]:
+    """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens (`share_prompts`: counting a
+    shared prompt once), one MicroBatch each (`env_names`: the labels the samples' `env` indexes, carried by
+    every row)."""
     from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
 
-    groups = [shareable_prompt(s.input_ids, s.loss_mask) or None for s in samples]
-    bins = first_fit_decreasing([s.num_tokens for s in samples], seq_len, groups)
+    bins, _ = packed_rows(samples, seq_len, share_prompts)
     return [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
 
 

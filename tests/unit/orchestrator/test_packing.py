@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from prime_rl.orchestrator.packing import pack_micro_batches, rollout_sample, split_over_ranks
-from prime_rl.protocol.packing import PADDING_LENGTH, SampleTooLong, first_fit_decreasing, shareable_prompt
+from prime_rl.protocol.packing import (
+    PADDING_LENGTH,
+    SampleTooLong,
+    first_fit_decreasing,
+    packed_rows,
+    shareable_prompt,
+)
 from prime_rl.protocol.records import Sample
 from tests.samples import scored_rollout
 
@@ -44,6 +50,24 @@ def test_ffd_puts_a_sample_with_the_row_of_its_prompt_where_that_row_has_room():
     assert first_fit_decreasing([6, 5, 4, 4], 10, ["a", "b", None, None]) == [[0, 2], [1, 3]]
     assert shareable_prompt([5, 6, 7, 10], [False, False, False, True]) == (5, 6)
     assert shareable_prompt([5, 6], [True, True]) == ()  # the loss from the 2nd token: its prompt is 5 alone
+
+
+def test_with_share_prompts_a_row_counts_its_shared_prompt_once():
+    """Two prompts of 20 tokens, 4 completions of 5 each (25 tokens a sample), rows of 64: two samples a row as
+    packed, a whole group a row when the 19 prompt tokens the trainer computes once count once (25 + 3 x 6)."""
+    samples = []
+    for uid in range(2):
+        prompt = [uid * 1000 + i for i in range(20)]
+        samples += [rollout_sample(scored_rollout(prompt, [7 + j] * 5, [-0.5] * 5, 0.5)) for j in range(4)]
+    bins, sizes = packed_rows(samples, 64)
+    assert [len(b) for b in bins] == [2, 2, 2, 2] and sizes == [50] * 4
+    bins, sizes = packed_rows(samples, 64, share_prompts=True)
+    assert bins == [[0, 1, 2, 3], [4, 5, 6, 7]] and sizes == [43, 43]
+    per_rank = pack_micro_batches(samples, 64, num_ranks=2, temperature=1.0, share_prompts=True)
+    assert [[mb.num_tokens for mb in mbs] for mbs in per_rank] == [[100], [100]]
+    # A sample longer than seq_len is still refused, whatever it would share.
+    with pytest.raises(SampleTooLong):
+        packed_rows(samples, 24, share_prompts=True)
 
 
 def test_sample_longer_than_seq_len_raises_naming_lengths():

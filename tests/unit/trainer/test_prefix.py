@@ -8,7 +8,9 @@ import torch
 
 from prime_rl.configs.shared import LoraConfig
 from prime_rl.configs.trainer import TrainerConfig
+from prime_rl.protocol.packing import packed_rows
 from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.logprobs import sample_starts
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
@@ -63,6 +65,27 @@ def _groups(model, seed: int) -> MicroBatch:
             samples.append(on_policy_sample(model, prompt + completion, prompt_len, advantage, shift=0.1))
     perm = torch.randperm(len(samples), generator=g).tolist()  # members need not be neighbours
     return MicroBatch.pack([samples[i] for i in perm], temperature=0.7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_packed_counting_shared_prompts_once_compute_at_most_seq_len_tokens(seed):
+    """The orchestrator's share_prompts packing (protocol/packing.py) and this layout agree: each row's
+    computed tokens are what the packer counted, so none exceeds seq_len, while the rows hold more samples."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(6):
+        prompt = torch.randint(3, 1000, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(int(torch.randint(1, 9, (1,), generator=g))):
+            completion = torch.randint(3, 1000, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
+            samples.append(sample(prompt + completion.tolist(), len(prompt)))
+    seq_len = 96
+    bins, sizes = packed_rows(samples, seq_len, share_prompts=True)
+    assert len(bins) < len(packed_rows(samples, seq_len)[0])
+    for b, size in zip(bins, sizes, strict=True):
+        mb = MicroBatch.pack([samples[i] for i in b], temperature=1.0)
+        shared = shared_row(mb, mb.loss_mask & ~sample_starts(mb))
+        computed = mb.num_tokens if shared is None else shared.mb.num_tokens
+        assert computed == size <= seq_len
 
 
 @pytest.mark.parametrize(
