@@ -96,10 +96,12 @@ def rl_config_toml(
     rollouts: int,
     max_tokens: int,
     lr: float,
+    share_prompts: bool = False,
     extra: str = "",
 ) -> str:
     """An `rl` config of reverse-text steps at a model's size (vLLM eager: no compile in the timings); `extra`
-    is appended (more TOML tables)."""
+    is appended (more TOML tables). `share_prompts`: rows count a group's shared prompt once (the CPU trainer's
+    default computes it once either way)."""
     return f"""
 output_dir = "{output_dir}"
 max_steps = {steps}
@@ -122,6 +124,7 @@ seq_len = 256
 sampling.max_tokens = {max_tokens}
 sampling.temperature = 1.0
 env.id = "reverse-text"
+share_prompts = {str(share_prompts).lower()}
 
 [trainer]
 optim.lr = {lr}

@@ -3,6 +3,7 @@
     uv run python benchmarks/loop.py handoffs             # ~9 min: both models, sync and async_level 1
     uv run python benchmarks/loop.py handoffs --models tiny --modes sync --transfers filesystem,broadcast
     uv run python benchmarks/loop.py handoffs --models 10m --modes sync --backends builtin,vllm   # vLLM: its CPU build
+    uv run python benchmarks/loop.py handoffs --models 10m --cores shared,split --steps 6  # cores of their own
     uv run python benchmarks/loop.py overhead             # ~1 min: orchestrator overhead at batch 256, both servers
     uv run python benchmarks/loop.py overhead --server real   # or --server fake
 
@@ -20,6 +21,9 @@ CPU, fp32) on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, fro
   async_level 0 the services alternate, so every instant of a step is one side's work or waiting for the
   other to notice something (bookkeeping outside the timers, such as metrics lines and the orchestrator's
   progress record, counts here too). With async_level 1 they overlap, and a negative figure is the overlap.
+- limit: max(generate, train) + transfer, the step of a loop whose generation and training fully overlap.
+`--cores split` runs the server on this machine's first core and the trainer on its last (`--inference-cpus`,
+`--trainer-cpus`: each on a core of its own, where `shared` lets both use every core in turn).
 Medians over the steps after `--warmup`.
 
 `overhead`: the real orchestrator loop in-process (reverse-text, async_level = steps so no trainer is needed)
@@ -41,6 +45,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import sys
 import tempfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -73,16 +78,21 @@ MODELS = {  # name: (hidden, layers); both with the char-level tokenizer reverse
 
 
 def config_text(
-    model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int, backend: str
+    model: Path, output_dir: Path, steps: int, async_level: int, transfer: str, port: int, backend: str, cores: str
 ) -> str:
-    return rl_config_toml(model, output_dir, steps=steps, async_level=async_level, transfer=transfer, port=port,
-                          backend=backend, batch_size=64, rollouts=8, max_tokens=32, lr=1e-4)  # fmt: skip
+    mine = sorted(os.sched_getaffinity(0))
+    pins = f"inference_cpus = [{mine[0]}]\ntrainer_cpus = [{mine[-1]}]\n" if cores == "split" else ""
+    config = rl_config_toml(model, output_dir, steps=steps, async_level=async_level, transfer=transfer, port=port,
+                            backend=backend, batch_size=64, rollouts=8, max_tokens=32, lr=1e-4)  # fmt: skip
+    return pins + config
 
 
-def handoff_case(model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int, backend: str) -> dict:
-    output_dir = work / f"{model.name}-a{async_level}-{transfer}-{backend}"
+def handoff_case(
+    model: Path, work: Path, steps: int, async_level: int, transfer: str, port: int, backend: str, cores: str
+) -> dict:
+    output_dir = work / f"{model.name}-a{async_level}-{transfer}-{backend}-{cores}"
     cfg = work / f"{output_dir.name}.toml"
-    cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port, backend))
+    cfg.write_text(config_text(model, output_dir, steps, async_level, transfer, port, backend, cores))
     seconds = run_rl(cfg)
     orch_records, trainer_records = read_metrics(output_dir, "orchestrator"), read_metrics(output_dir, "trainer")
     orch, trainer = {r["step"]: r for r in orch_records}, {r["step"]: r for r in trainer_records}
@@ -99,7 +109,8 @@ def handoff_case(model: Path, work: Path, steps: int, async_level: int, transfer
         w = o["weight_step"]  # the step the servers were given before this step's requests
         latency = o["weights_served_at"] - trainer[w - 1]["optimized_at"] if "weights_served_at" in o and w else None
         rows.append({"generate": generate, "train": t["time/train"], "transfer": transfer_s, "work": busy,
-                     "step": wall, "handoffs": handoff[step], "to_served": latency})  # fmt: skip
+                     "step": wall, "handoffs": handoff[step], "to_served": latency,
+                     "limit": max(generate, t["time/train"]) + transfer_s})  # fmt: skip
     return {"rows": rows, "seconds": seconds}
 
 
@@ -110,22 +121,24 @@ def main_handoffs(args: argparse.Namespace) -> None:
         for name in args.models.split(","):
             hidden, layers = MODELS[name]
             model = create_tiny_model(work / name, hidden_size=hidden, num_layers=layers, tokenizer_vocab_size=259)
-            split = [getattr(args, k).split(",") for k in ("backends", "modes", "transfers")]
-            for backend, mode, transfer in itertools.product(*split):
+            split = [getattr(args, k).split(",") for k in ("cores", "backends", "modes", "transfers")]
+            for cores, backend, mode, transfer in itertools.product(*split):
                 level = {"sync": 0, "async": 1}[mode]
-                case = handoff_case(model, work, args.steps + args.warmup + 1, level, transfer, args.port, backend)
+                steps = args.steps + args.warmup + 1
+                case = handoff_case(model, work, steps, level, transfer, args.port, backend, cores)
                 rows = case["rows"][args.warmup :]
-                results[f"{name}/{backend}/{mode}/{transfer}"] = rows
-                print(f"{name:>5} {backend:>7} {mode:>5} {transfer:>10}: {len(rows)} steps measured, "
+                results[f"{name}/{cores}/{backend}/{mode}/{transfer}"] = rows
+                print(f"{name:>5} {cores:>6} {backend:>7} {mode:>5} {transfer:>10}: {len(rows)} steps measured, "
                       f"run {case['seconds']:.0f}s", file=sys.stderr)  # fmt: skip
 
-    header = ["model", "backend", "mode", "transfer", "generate", "train", "transfer", "to served", "step",
-              "hand-offs", "share"]  # fmt: skip
+    header = ["model", "cores", "backend", "mode", "transfer", "generate", "train", "transfer", "to served", "step",
+              "hand-offs", "share", "step / limit"]  # fmt: skip
     table = []
     for key, rows in results.items():
         step, handoff = median_of(rows, "step"), median_of(rows, "handoffs")
         cells = [f"{median_of(rows, k):.3f} s" for k in ("generate", "train", "transfer", "to_served", "step")]
-        table.append([*key.split("/"), *cells, f"{handoff:.3f} s", f"{handoff / step:.1%}"])
+        limit = median(r["step"] / r["limit"] for r in rows)
+        table.append([*key.split("/"), *cells, f"{handoff:.3f} s", f"{handoff / step:.1%}", f"{limit:.2f}"])
     print(markdown_table(header, table))
     write_json(args, "loop-handoffs", {"cases": results})
 
@@ -217,6 +230,8 @@ def main() -> None:
     h.add_argument("--modes", default="sync,async", help="sync = async_level 0, async = async_level 1")
     h.add_argument("--transfers", default="filesystem,broadcast")
     h.add_argument("--backends", default="builtin", help="inference backends: builtin, vllm")
+    h.add_argument("--cores", default="shared", help="shared: every service on every core; split: server and trainer "
+                   "each on a core of its own")  # fmt: skip
     h.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
     h.add_argument("--warmup", type=int, default=2)
     h.add_argument("--port", type=int, default=8791)

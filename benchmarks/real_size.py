@@ -4,12 +4,15 @@
     uv run python benchmarks/real_size.py --backends builtin --transfers filesystem --steps 3
     uv run python benchmarks/real_size.py --trl      # + TRL's GRPOTrainer beside it (bash benchmarks/trl_env.sh)
     uv run python benchmarks/real_size.py --layers 2 --steps 2  # real layer shapes, 2 of them (what CI runs)
+    uv run python benchmarks/real_size.py --size tiny --backends builtin --transfers filesystem --steps 12 --trl
 
 The model: `tiny-model --preset qwen3-0.6b --vocab-size 2048` (hidden 1024, 28 layers, 16 q / 8 kv heads,
 head_dim 128, MLP 3072, tied embeddings; a 2,048-id BPE vocabulary, so 0.44 B parameters: the transformer of
-Qwen3-0.6B without its 152k-row embedding, which a CPU cannot afford to train). Each case is one real `rl` run
-(a 1-rank trainer, fp32, synchronous: async_level 0, so every phase is on the step's critical path) on
-reverse-text with a checkpoint every `--ckpt-interval` steps. Per step, medians over the steps after the first:
+Qwen3-0.6B without its 152k-row embedding, which a CPU cannot afford to train). `--size tiny`: the 0.8 M
+Qwen3 (hidden 128 x 4 layers, the char-level tokenizer) at `benchmarks/loop.py handoffs`' batch, 8 prompts x 8.
+Each case is one real `rl` run (a 1-rank trainer, fp32, synchronous: async_level 0, so every phase is on the
+step's critical path) on reverse-text with a checkpoint every `--ckpt-interval` steps. Per step, medians over the
+steps after the first:
 - generate: the orchestrator's generation requests (and scoring);
 - train: the trainer's forward/backward/optimizer step;
 - export: the trainer writing the weights (filesystem) or sending them (broadcast);
@@ -55,12 +58,16 @@ MAX_TOKENS, LR = 32, 1e-5
 
 
 def config_text(model: Path, out: Path, args, transfer: str, backend: str, ckpt_async: bool) -> str:
-    ckpt = f"\n[ckpt]\ninterval = {args.ckpt_interval}\nasync_save = {str(ckpt_async).lower()}\n"
+    ckpt = (
+        f"\n[ckpt]\ninterval = {args.ckpt_interval}\nasync_save = {str(ckpt_async).lower()}\n"
+        if args.ckpt_interval
+        else ""
+    )
     if args.no_share_prompts:  # still in the [trainer] table rl_config_toml ends with
         ckpt = "share_prompts = false\n" + ckpt
     return rl_config_toml(model, out, steps=args.steps, async_level=0, transfer=transfer, port=free_port(),
                           backend=backend, batch_size=args.batch_size, rollouts=args.rollouts, max_tokens=MAX_TOKENS,
-                          lr=LR, extra=ckpt)  # fmt: skip
+                          lr=LR, share_prompts=not args.no_share_prompts, extra=ckpt)  # fmt: skip
 
 
 class ServiceMemory(threading.Thread):
@@ -170,24 +177,35 @@ def seconds(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("real", "tiny"), default="real", help="Qwen3-0.6B's shape or 0.8 M")
     parser.add_argument("--layers", type=int, default=28, help="layers of the 0.6B shape (28 = all: 0.44 B)")
     parser.add_argument("--backends", default="builtin,vllm")
     parser.add_argument("--transfers", default="filesystem,broadcast")
     parser.add_argument("--ckpt-modes", default="async", help="async, sync or both: the trainer's checkpoint save")
     parser.add_argument("--steps", type=int, default=4, help="rl steps per case (the first is left out)")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per step (prompts x --rollouts)")
-    parser.add_argument("--rollouts", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--ckpt-interval", type=int, default=2)
-    parser.add_argument("--no-share-prompts", action="store_true", help="ours: each completion computes its prompt")
+    parser.add_argument("--batch-size", type=int, help="samples per step (prompts x --rollouts): 16, tiny 64")
+    parser.add_argument("--rollouts", type=int, help="completions per prompt: 4, tiny 8")
+    parser.add_argument("--ckpt-interval", type=int, default=2, help="0: no checkpoints (as TRL's side saves none)")
+    parser.add_argument(
+        "--no-share-prompts",
+        action="store_true",
+        help="ours: each completion computes its prompt (else rows count a group's prompt once)",
+    )
     parser.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer beside ours (.venv-trl)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     add_json_argument(parser, "real_size")
     args = parser.parse_args()
+    tiny = args.size == "tiny"
+    args.batch_size = args.batch_size or (64 if tiny else 16)
+    args.rollouts = args.rollouts or (8 if tiny else 4)
 
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
         work = Path(tmp)
-        model = create_tiny_model(work / "qwen3-0.6b-shape", preset="qwen3-0.6b", num_layers=args.layers,
-                                  vocab_size=2048, tokenizer_vocab_size=2048)  # fmt: skip
+        if tiny:
+            model = create_tiny_model(work / "tiny", hidden_size=128, num_layers=4, tokenizer_vocab_size=259)
+        else:
+            model = create_tiny_model(work / "qwen3-0.6b-shape", preset="qwen3-0.6b", num_layers=args.layers,
+                                      vocab_size=2048, tokenizer_vocab_size=2048)  # fmt: skip
         cases = []
         for backend, transfer, mode in itertools.product(
             *(getattr(args, k).split(",") for k in ("backends", "transfers", "ckpt_modes"))

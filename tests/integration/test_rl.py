@@ -518,7 +518,8 @@ def alive(pids) -> list[int]:
 
 def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
     """kill -9 of torchrun (two trainer ranks) takes its workers with it; kill -9 of `rl` takes every service
-    with it, a lone trainer process (one rank) included (both used to leave processes running forever)."""
+    with it, a lone trainer process (one rank) included (both used to leave processes running forever). That
+    second run pins the server and the trainer to cores of their own (--inference-cpus, --trainer-cpus)."""
     import os
     import signal
     import time
@@ -544,13 +545,18 @@ def test_no_process_outlives_a_killed_parent(tiny_model, tmp_path, free_port):
         assert rl.returncode != 0
 
         # Again, now killing rl itself.
-        rl = start_rl(args)
+        cores = sorted(os.sched_getaffinity(0))
+        pins = {"inference": {cores[0]}, "trainer": {cores[-1]}, "orchestrator": set(cores)}
+        rl = start_rl([*args, "--inference-cpus", str(cores[0]), "--trainer-cpus", str(cores[-1])])
         deadline = time.monotonic() + 180
         while len(descendants(rl.pid)) < 3 or "serving" not in _read(out / "logs" / "inference.log"):
             assert rl.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
         family = descendants(rl.pid)
         assert not [cmd for cmd in family.values() if "torchrun" in cmd], family  # one rank: no launcher
+        for name, want in pins.items():  # taskset execs the service: its pid is the service's
+            pid = next(p for p, cmd in family.items() if f"prime_rl.entrypoints.{name}" in cmd)
+            assert os.sched_getaffinity(pid) == want, (name, family[pid])
         rl.kill()
         rl.wait()
         deadline = time.monotonic() + 30

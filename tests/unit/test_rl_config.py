@@ -1,12 +1,14 @@
 """`rl` copies the shared keys into each sub-config and rejects inconsistent ones."""
 
+import os
+
 import pytest
 
 from prime_rl.configs import ConfigError, load_config, to_toml_dict
 from prime_rl.configs.inference import InferenceConfig
 from prime_rl.configs.rl import RLConfig
 from prime_rl.inference.vllm.args import vllm_serve_args
-from prime_rl.launch.services import assign_devices, service_configs
+from prime_rl.launch.services import assign_devices, pin_cpus, service_commands, service_configs
 
 
 def test_shared_keys_reach_every_sub_config():
@@ -69,6 +71,22 @@ def test_device_assignment():
         assign_devices(config, num_gpus=0)
     with pytest.raises(ValueError, match=r"GPU ids \[2, 3\] do not exist"):
         assign_devices(config, num_gpus=2)
+
+
+def test_pinned_services_start_under_taskset_on_their_cores_and_others_on_every_core(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    commands = service_commands(tmp_path, 1, teacher=True)
+    assert pin_cpus(load_config(RLConfig, []), commands) == commands
+    config = load_config(RLConfig, ["--inference-cpus", str(cores[0]), "--trainer-cpus", str(cores[-1])])
+    pinned = pin_cpus(config, commands)
+    for name, core in (("inference", cores[0]), ("teacher", cores[0]), ("trainer", cores[-1])):
+        assert pinned[name][1:] == ["--cpu-list", str(core), *commands[name]] and pinned[name][0].endswith("taskset")
+    assert pinned["orchestrator"] == commands["orchestrator"]
+    absent = max(cores) + 1
+    with pytest.raises(ValueError, match=rf"--trainer-cpus {absent}: cores \[{absent}\] are not among this node's"):
+        pin_cpus(load_config(RLConfig, ["--trainer-cpus", str(absent)]), commands)
+    with pytest.raises(ConfigError, match="inference_cpus: pins a service of a one-node rl; slurm places"):
+        load_config(RLConfig, ["--inference-cpus", "0", "--slurm.partition", "p"])
 
 
 def test_a_broadcast_between_services_on_one_gpu_goes_over_gloo():

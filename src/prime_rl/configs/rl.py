@@ -108,6 +108,10 @@ class RLConfig(BaseConfig):
     inference_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for inference; default [0]")] = None
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="GPUs for the trainer; default [1]")] = None
     trainer_cpu_ranks: Annotated[int, Field(ge=1, description="trainer processes when running on CPU")] = 1
+    inference_cpus: Annotated[
+        list[int] | None, Field(description="CPU cores the inference server runs on (taskset); default: all")
+    ] = None
+    trainer_cpus: Annotated[list[int] | None, Field(description="CPU cores the trainer runs on; default: all")] = None
     startup_timeout: Annotated[float, Field(gt=0, description="seconds to wait for the inference server")] = 600.0
     restart: Annotated[
         int,
@@ -282,6 +286,9 @@ class RLConfig(BaseConfig):
         if len(chosen) > 1:
             raise FieldError(chosen[1], f"one launcher at a time: {' and '.join(chosen)} are both set",
                              also=tuple(chosen[:1]))  # fmt: skip
+        pinned = [name for name in ("inference_cpus", "trainer_cpus") if getattr(self, name)]
+        if chosen and pinned:
+            raise FieldError(pinned[0], f"pins a service of a one-node rl; {chosen[0]} places the services itself")
         return self
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from prime_rl.launch.memory_check import memory_warning
 from prime_rl.launch.services import (
     assign_devices,
     count_gpus,
+    pin_cpus,
     prometheus_ports,
     resume_step,
     service_commands,
@@ -50,6 +51,9 @@ def _run(config: RLConfig, lock_token: str) -> None:
     if said := memory_warning(config, count_gpus()):
         logger.warning(said)
     env, trainer_procs = service_env(config, lock_token)
+    commands = pin_cpus(
+        config, service_commands(run_dir(output_dir), trainer_procs, teacher=config.teacher is not None)
+    )
     config, scrape = prometheus_ports(config)
     logger.info(scrape)
     subs = service_configs(config, trainer_procs, key_in_env=bool(config.inference.api_key), env=env)
@@ -63,7 +67,6 @@ def _run(config: RLConfig, lock_token: str) -> None:
     # Before anything starts: the trainer, started first, must not train on an earlier run's rollouts.
     if said := prepare_output_dir(output_dir, resumed_from, launcher=True):
         logger.warning(said)
-    commands = service_commands(run_dir(output_dir), trainer_procs, teacher=config.teacher is not None)
     services: list[Service] = []
     stop_following = threading.Event()
     status = StatusLine(output_dir, config.trainer.max_steps, since=started)

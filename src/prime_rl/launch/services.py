@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -74,6 +75,24 @@ def service_commands(
             "-m", "prime_rl.entrypoints.trainer", "@", str(run_dir / "trainer.toml"),
         ],
     }  # fmt: skip
+
+
+def pin_cpus(config: RLConfig, commands: dict[str, list[str]]) -> dict[str, list[str]]:
+    """`commands` with each service given cores (--inference-cpus, --trainer-cpus) run under `taskset` on them; a
+    teacher server shares the policy server's, the orchestrator and an unpinned service every core of `rl`'s."""
+    cores = {"inference": config.inference_cpus, "teacher": config.inference_cpus, "trainer": config.trainer_cpus}
+    if not any(cores.values()):
+        return commands
+    mine = os.sched_getaffinity(0)
+    for flag, ids in (("--inference-cpus", config.inference_cpus), ("--trainer-cpus", config.trainer_cpus)):
+        if ids and (bad := sorted(set(ids) - mine)):
+            raise ValueError(f"{flag} {','.join(map(str, ids))}: cores {bad} are not among this node's {sorted(mine)}")
+    if (taskset := shutil.which("taskset")) is None:
+        raise ValueError("--inference-cpus / --trainer-cpus start the services under taskset (util-linux): not found")
+    return {
+        name: [taskset, "--cpu-list", ",".join(map(str, cores[name])), *cmd] if cores.get(name) else cmd
+        for name, cmd in commands.items()
+    }
 
 
 def prometheus_ports(config: RLConfig) -> tuple[RLConfig, str]:

@@ -57,6 +57,25 @@ def test_left_padded_batch_gives_the_same_logits_as_each_sequence_alone(engine):
             torch.testing.assert_close(batch[b, width - len(p) :], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_requests_reaching_an_idle_engine_a_few_ms_apart_share_one_prefill(engine):
+    """A client's requests sent together reach the worker one by one (the server parses and templates each);
+    admitted as they come, the later ones would pay a prefill and a decode pass of their own."""
+
+    async def go():
+        tasks = []
+        for ids in [PROMPT, *OTHERS]:
+            tasks.append(asyncio.create_task(engine.generate(ids, GREEDY)))
+            await asyncio.sleep(0.002)  # < ARRIVAL_GAP
+        return await asyncio.gather(*tasks)
+
+    prefills, iterations = engine.prefills, engine.iterations
+    results = asyncio.run(go())
+    assert engine.prefills == prefills + 1
+    assert engine.iterations - iterations == max(len(s.token_ids) for (s,) in results) - 1  # the prefill draws one
+    for (sample,), ids in zip(results, [PROMPT, *OTHERS], strict=True):  # the same tokens as alone
+        assert sample.token_ids == generate_together(engine, (ids, GREEDY))[0][0].token_ids
+
+
 def test_greedy_output_does_not_depend_on_what_else_is_in_the_batch(engine):
     (alone,) = generate_together(engine, (PROMPT, GREEDY))
     together = generate_together(engine, *[(p, GREEDY) for p in OTHERS], (PROMPT, GREEDY))
