@@ -18,6 +18,7 @@ from prime_rl.inference.weights import (
     check_adapter_dir,
     check_weight_dir,
     linear_shapes,
+    nonfinite,
     read_adapter,
     targeted,
 )
@@ -143,3 +144,22 @@ def test_the_model_a_generation_request_names_is_read_from_its_body():
     assert requested_model(b'{"prompt": [1]}') is None
     assert requested_model(b"[1]") is None
     assert requested_model(b"{") is None
+
+
+def test_nonfinite_names_exactly_the_tensors_holding_a_nan_or_an_inf():
+    """The float64 sum is finite exactly when every value is: values at each dtype's largest finite magnitude,
+    whose sum overflows the dtype itself, stay finite; one inf, inf beside -inf, one NaN do not."""
+    big = {dtype: torch.finfo(dtype).max for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    tensors = {f"max_{d}": torch.full((1000,), m, dtype=d) for d, m in big.items()}
+    tensors |= {f"neg_{d}": torch.full((1000,), -m, dtype=d) for d, m in big.items()}
+    tensors["f64_overflowing_sum"] = torch.full((4,), 1e308, dtype=torch.float64)  # sums to inf, values finite
+    tensors["ids"] = torch.arange(10)  # not floating: never checked
+    broken = {
+        "inf": torch.tensor([1.0, float("inf")]),
+        "inf_minus_inf": torch.tensor([float("inf"), float("-inf")], dtype=torch.bfloat16),
+        "nan": torch.tensor([0.0, float("nan")], dtype=torch.float16),
+        "f64_nan": torch.tensor([float("nan")], dtype=torch.float64),
+    }
+    assert nonfinite(tensors) == []
+    assert nonfinite(tensors | broken) == list(broken)
+    assert nonfinite({}) == []

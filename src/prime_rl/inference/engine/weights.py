@@ -23,7 +23,7 @@ import torch
 
 from prime_rl.configs import LoraConfig
 from prime_rl.inference.broadcast import BroadcastReceiver
-from prime_rl.inference.weights import WeightsError, check_weight_dir, read_adapter, targeted
+from prime_rl.inference.weights import WeightsError, check_weight_dir, nonfinite, read_adapter, targeted
 from prime_rl.protocol.parity import checksum_of
 from prime_rl.utils.hf_layout import TensorSpecs, checkpoint_state_dict, iter_safetensors, to_model_layout
 from prime_rl.utils.lora import merge_weight
@@ -73,8 +73,7 @@ def load_weight_dir(weight_dir: Path, model: torch.nn.Module, specs: TensorSpecs
 def servable(tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], source: str) -> dict:
     """Finite tensors cast to the served parameters' device and precision, else WeightsError naming `source`."""
     # NaN or inf weights would be served and make every logprob NaN (unserialisable: each request a 500).
-    broken = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if broken:
+    if broken := nonfinite(tensors):
         raise WeightsError(f"{source}: non-finite values (NaN or inf) in {', '.join(broken[:5])}")
     return {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in tensors.items()}
 
