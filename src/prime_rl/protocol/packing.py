@@ -13,10 +13,12 @@ to end by `MicroBatch.pack`.
 
    As indices: [[2, 3], [0, 4], [1]]. A sample longer than `seq_len` is an error (`SampleTooLong`), never
    truncated: a cut completion would train on a sequence the policy never produced. Among the rows with room,
-   one already holding a sample of the same prompt (`shareable_prompt`) comes first: the trainer computes a
-   prompt once per row (trainer/prefix.py). With `share_prompts` (a trainer that does so) `seq_len` counts the
-   tokens the trainer computes: a sample joining a row that holds its prompt costs only its tokens past it.
-   Two samples of 9 tokens whose first 6 are one prompt, seq_len 12: rows [9], [9] without, [9, 9] (9 + 3) with.
+   one already holding a sample of the same prompt (`shareable_prompt`) comes first: the trainer computes once
+   the leading tokens that several samples of a row hold alike (trainer/prefix.py), an RL group's prompt or a
+   system prompt every sample opens with. With `share_prompts` (a trainer that does so) `seq_len` counts the
+   tokens the trainer computes: a sample costs only its tokens past the longest start of its prompt that the
+   row already holds. Two samples of 9 tokens whose first 6 are one prompt, seq_len 12: rows [9], [9] without,
+   [9, 9] (9 + 3) with.
 2. `pack_rows`: each of those rows becomes one `MicroBatch` (positions restarting at 0 per sample).
 3. `pad_rows`: a rank with fewer rows than the others gets all-masked padding rows up to `count`, so every
    rank runs the same number of forward/backward passes and FSDP collectives stay in lockstep. Rows [r0, r1]
@@ -42,25 +44,26 @@ class SampleTooLong(ValueError):
 
 
 def shareable_prompt(ids: list[int], wanted: list[bool]) -> tuple[int, ...]:
-    """The leading tokens of a sample that the trainer computes once for every sample of a row holding the same
-    ones (trainer/prefix.py): those before the token whose logits predict its first `wanted` position (the
-    first loss token past its start); () where it has none. [5, 6, 7, 10] with the loss on 10 → (5, 6)."""
+    """The leading tokens of a sample that the trainer may compute once for the samples of a row that start with
+    the same ones (trainer/prefix.py): those before the token whose logits predict its first `wanted` position
+    (the first loss token past its start); () where it has none. [5, 6, 7, 10] with the loss on 10 → (5, 6)."""
     first = next((t for t, w in enumerate(wanted) if w and t > 0), 0)
     return tuple(ids[: first - 1]) if first > 1 else ()
 
 
 def first_fit_decreasing(
-    lengths: list[int], capacity: int, groups: list | None = None, shared: list[int] | None = None
+    lengths: list[int], capacity: int, groups: list | None = None, prompts: list | None = None
 ) -> list[list[int]]:
     """Indices of `lengths` grouped into bins of total length <= capacity (see the module docstring). With
     `groups` (a key per item, None: none) an item goes to the first bin with room that holds its group, else to
     the first with room: samples of one prompt share rows, where the trainer computes the prompt once. With
-    `shared` (per item, the tokens of its group's prompt) an item costs that much less in a bin holding its group."""
-    return _fit(lengths, capacity, groups, shared)[0]
+    `prompts` (per item, the tokens the trainer may share: `shareable_prompt`) an item costs only its tokens past
+    the longest start of its prompt that the bin's items already hold."""
+    return _fit(lengths, capacity, groups, prompts)[0]
 
 
-def _fit(lengths: list[int], capacity: int, groups: list | None, shared: list[int] | None) -> tuple[list, list]:
-    """`first_fit_decreasing`'s bins and the length each bin holds (its cost, with `shared`)."""
+def _fit(lengths: list[int], capacity: int, groups: list | None, prompts: list | None) -> tuple[list, list]:
+    """`first_fit_decreasing`'s bins and the length each bin holds (its cost, with `prompts`)."""
     for i, n in enumerate(lengths):
         if n > capacity:
             raise SampleTooLong(
@@ -70,33 +73,49 @@ def _fit(lengths: list[int], capacity: int, groups: list | None, shared: list[in
     bins: list[list[int]] = []
     room: list[int] = []
     held: list[set] = []  # the groups each bin holds
+    tries: list[dict] = []  # the prompts each bin holds, as a prefix tree (token -> subtree)
     # Stable sort: equal lengths keep their original order, so packing is deterministic.
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         group = None if groups is None else groups[i]
         mates = {b for b in range(len(bins)) if group is not None and group in held[b]}
-        discount = 0 if shared is None else shared[i]
-        cost = [lengths[i] - (discount if b in mates else 0) for b in range(len(bins))]
-        fits = [b for b in range(len(bins)) if cost[b] <= room[b]]
+        # A bin holding the item's group holds its whole prompt; elsewhere the item may cost less than counted
+        # here (a shared system prompt), which is what it is charged once placed.
+        discount = 0 if prompts is None else len(prompts[i])
+        fits = [b for b in range(len(bins)) if lengths[i] - (discount if b in mates else 0) <= room[b]]
         if fits:
             b = ([b for b in fits if b in mates] or fits)[0]
-            bins[b].append(i)
-            room[b] -= cost[b]
         else:
             b = len(bins)
-            bins.append([i])
-            room.append(capacity - lengths[i])
+            bins.append([])
+            room.append(capacity)
             held.append(set())
+            tries.append({})
+        bins[b].append(i)
+        room[b] -= lengths[i] - (0 if prompts is None else _held_start(tries[b], prompts[i]))
         if group is not None:
             held[b].add(group)
     return bins, [capacity - free for free in room]
 
 
+def _held_start(trie: dict, prompt: tuple[int, ...]) -> int:
+    """How many leading tokens of `prompt` `trie` already holds; adds the rest to it."""
+    node, held = trie, 0
+    for token in prompt:
+        if token in node:
+            held += 1
+        else:
+            node[token] = {}
+        node = node[token]
+    return held
+
+
 def packed_rows(samples: list[Sample], seq_len: int, share_prompts: bool = False) -> tuple[list, list[int]]:
     """The indices of `samples` in each row (first-fit-decreasing into rows of `seq_len`; with `share_prompts`
-    counting a prompt that a row's samples share once) and the tokens each row counts toward `seq_len`."""
-    groups = [shareable_prompt(s.input_ids, s.loss_mask) or None for s in samples]
-    shared = [len(g or ()) for g in groups] if share_prompts else None
-    return _fit([s.num_tokens for s in samples], seq_len, groups, shared)
+    counting the leading tokens that a row's samples hold alike once) and the tokens each row counts toward
+    `seq_len`."""
+    prompts = [shareable_prompt(s.input_ids, s.loss_mask) for s in samples]
+    groups = [p or None for p in prompts]
+    return _fit([s.num_tokens for s in samples], seq_len, groups, prompts if share_prompts else None)
 
 
 def pack_rows(

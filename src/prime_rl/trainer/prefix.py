@@ -1,21 +1,24 @@
-"""A prompt that several samples of a row share, computed once (`TrainingConfig.share_prompts`).
+"""Leading tokens that several samples of a row hold alike, computed once (`TrainingConfig.share_prompts`).
 
-An RL step trains every prompt's group of completions: in a packed row each sample carries its copy of the
-prompt, and the forward and backward compute it again for every completion. `share_prompts` lays such a row out
-again before its forward: each group's prompt once, then each member's own tokens, which attend to the prompt's
-keys and values as well as their own (the attention kernel's prefix keys, trainer/attention.py). For a group of
-two samples p0 p1 p2 a0 and p0 p1 p2 b0 b1 (loss from a0 / b0 on):
+An RL step trains every prompt's group of completions, and a chat data set's samples open with one system
+prompt: in a packed row each sample carries its copy, and the forward and backward compute it again for every
+sample. `share_prompts` lays such a row out again before its forward, as a prefix tree of the samples'
+prompts: each start that several samples hold alike once, then each sample's own tokens, which attend to the
+keys and values of every start above them as well as their own (the attention kernel's prefix keys,
+trainer/attention.py). For a group of two samples p0 p1 p2 a0 and p0 p1 p2 b0 b1 (loss from a0 / b0 on):
 
     row            p0 p1 p2 a0 | p0 p1 p2 b0 b1
     shared row     p0 p1 | p2 a0 | p2 b0 b1       keys of p2 a0: p0 p1 p2 a0; of p2 b0 b1: p0 p1 p2 b0 b1
 
-A member keeps its last prompt token (p2): its logits predict the member's first loss token, and the loss reads
+and where two groups open with one system prompt s0 s1 (prompts s0 s1 p0 p1 and s0 s1 q0), the tree has two
+levels: s0 s1 once, then p0 (the p-group's start) and each sample's own tokens below them.
+
+A sample keeps its last prompt token (p2): its logits predict the sample's first loss token, and the loss reads
 position t's logprob from the logits at t − 1 of the same sample. Positions keep their values (p2 is at 2
 everywhere), so every token sees the same keys at the same positions as in the original row: the logprobs are
 the same up to float summation order, and the loss and its gradient with them (tests/unit/trainer/
-test_prefix.py). Only positions the loss never reads are computed once: a prompt is shared when every member
-holds the same tokens before its first loss position (protocol/packing.py `shareable_prompt`, the rule by which
-the packer puts a prompt's samples in one row).
+test_prefix.py). Only positions the loss never reads are computed once: those before each sample's first loss
+position (protocol/packing.py `shareable_prompt`; the packer counts a row's tokens by the same tree).
 """
 
 from __future__ import annotations
@@ -57,52 +60,68 @@ class SharedRow:
 
 
 def shared_row(mb: MicroBatch, where: torch.Tensor) -> SharedRow | None:
-    """`mb` with each prompt that several of its samples share computed once; None where none shares one.
+    """`mb` with the leading tokens that several of its samples hold alike computed once; None where none do.
     `where` (bool [1, L]) marks the positions whose logprobs are wanted (the loss mask)."""
     cu = mb.cu_seqlens.tolist()
     wanted = where[0].tolist()
     ids = mb.input_ids[0].tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for s in range(len(cu) - 1):
-        if prompt := shareable_prompt(ids[cu[s] : cu[s + 1]], wanted[cu[s] : cu[s + 1]]):
-            groups.setdefault(prompt, []).append(s)
-    shared = {members[0]: (len(prompt), members) for prompt, members in groups.items() if len(members) > 1}
-    if not shared:
+    samples = range(len(cu) - 1)
+    spans = _tree([shareable_prompt(ids[cu[s] : cu[s + 1]], wanted[cu[s] : cu[s + 1]]) for s in samples],
+                  [cu[s + 1] - cu[s] for s in samples])  # fmt: skip
+    if len(spans) == len(samples):  # every sample whole: nothing is shared
         return None
-    members_of = {m for _, members in shared.values() for m in members}
-    spans: list[tuple[int, int]] = []  # (start, end) in the original row, one per sample of the new row
-    prefix: list[int] = []  # per sample of the new row: the new-row sample whose positions it attends to first
-    source: list[int] = []  # per sample of the new row: the original sample it holds tokens of
-
-    def add(start: int, end: int, of: int, first: int = -1) -> None:
-        spans.append((start, end))
-        prefix.append(first)
-        source.append(of)
-
-    for s in range(len(cu) - 1):
-        if s in shared:
-            length, members = shared[s]
-            prompt = len(spans)
-            add(cu[s], cu[s] + length, s)
-            for m in members:
-                add(cu[m] + length, cu[m + 1], m, prompt)
-        elif s not in members_of:
-            add(cu[s], cu[s + 1], s)
-    index = torch.cat([torch.arange(a, b) for a, b in spans])
-    lengths = [b - a for a, b in spans]
+    index = torch.cat([torch.arange(cu[s] + a, cu[s] + b) for s, a, b, _ in spans])
+    lengths = [b - a for _, a, b, _ in spans]
     cu_q = _offsets(lengths)
     starts = cu_q[:-1].tolist()
     kv = []
-    for i, p in enumerate(prefix):
-        own = torch.arange(starts[i], starts[i] + lengths[i])
-        kv.append(own if p < 0 else torch.cat([torch.arange(starts[p], starts[p] + lengths[p]), own]))
+    for i, (*_, parent) in enumerate(spans):
+        chain = [i]
+        while parent >= 0:
+            chain.append(parent)
+            parent = spans[parent][3]
+        kv.append(torch.cat([torch.arange(starts[j], starts[j] + lengths[j]) for j in reversed(chain)]))
     return SharedRow(
-        mb=_take(mb, index, cu_q, source),
+        mb=_take(mb, index, cu_q, [s for s, *_ in spans]),
         where=where[:, index.to(where.device)],
         index=index,
         kv_index=torch.cat(kv),
         cu_seqlens_k=_offsets([len(k) for k in kv]),
     )
+
+
+def _tree(prompts: list[tuple[int, ...]], lengths: list[int]) -> list[tuple[int, int, int, int]]:
+    """The spans of the shared row, parents first, each (sample, start, end, parent span or -1): a start that
+    several samples' prompts hold alike once (the sample's tokens [start, end) stand for all of them), then each
+    sample's tokens past the starts it shares, [start, its length). With no start held twice: every sample whole,
+    (s, 0, length, -1)."""
+    spans: list[tuple[int, int, int, int]] = []
+    # Depth first, each branch's subtree before its next sibling: (samples holding the same first `depth`
+    # tokens, depth, parent span, end of their common start or None: to be split by their next token).
+    todo: list[tuple[list[int], int, int, int | None]] = [(list(range(len(prompts))), 0, -1, None)]
+    while todo:
+        members, depth, parent, end = todo.pop()
+        if end is not None:  # a start several samples hold: once, then what lies below it
+            spans.append((members[0], depth, end, parent))
+            todo.append((members, end, len(spans) - 1, None))
+            continue
+        if len(members) == 1:
+            spans.append((members[0], depth, lengths[members[0]], parent))
+            continue
+        branches: dict[int | None, list[int]] = {}  # by the next prompt token (None: the prompt ends here)
+        for m in members:
+            branches.setdefault(prompts[m][depth] if len(prompts[m]) > depth else None, []).append(m)
+        work = []
+        for token, branch in branches.items():
+            if token is None or len(branch) == 1:
+                work += [([m], depth, parent, None) for m in branch]
+                continue
+            first, end = prompts[branch[0]], depth + 1
+            while all(len(prompts[m]) > end and prompts[m][end] == first[end] for m in branch):
+                end += 1
+            work.append((branch, depth, parent, end))
+        todo.extend(reversed(work))
+    return spans
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

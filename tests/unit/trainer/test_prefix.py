@@ -46,11 +46,39 @@ def test_a_group_s_prompt_is_laid_out_once_and_its_members_attend_to_it():
     assert shared.mb.kept_offsets.tolist() == [0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2]
     assert shared.mb.kept_ids.tolist() == [4, 5] and shared.mb.kept_ids.dtype == torch.int32
     shared.mb.validate()
-    # Only the last prompt token differs: the rest is shared. Otherwise nothing is, and the row stays as it is.
+    # Only the last prompt token differs: the rest is shared. Prompts that part earlier share their common start
+    # (a system prompt); with none, nothing is, and the row stays as it is.
     last = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 6, 8, 10], 3)], 1.0)
     assert shared_row(last, last.loss_mask).mb.input_ids.tolist() == [[5, 6, 7, 10, 8, 10]]
-    apart = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 9, 7, 10], 3)], 1.0)
+    part = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([5, 9, 7, 10], 3)], 1.0)
+    start = shared_row(part, part.loss_mask)
+    assert start.mb.input_ids.tolist() == [[5, 6, 7, 10, 9, 7, 10]]
+    assert start.kv_index.tolist() == [0, 0, 1, 2, 3, 0, 4, 5, 6]
+    apart = MicroBatch.pack([sample([5, 6, 7, 10], 3), sample([4, 6, 7, 10], 3)], 1.0)
     assert shared_row(apart, apart.loss_mask) is None
+
+
+def test_groups_that_open_with_one_system_prompt_share_it_as_a_second_level():
+    """Prompts s s p p (two samples), s s q (two) and s s (one): s s once, p p and q once for their groups, each
+    sample's own tokens attending to every start above it."""
+    s, p, q = [3, 4], [5, 6], [7]
+    mb = MicroBatch.pack(
+        [sample(s + p + [8, 1], 5), sample(s + q + [8, 2], 4), sample(s + p + [8, 3, 3], 5),
+         sample(s + q + [8, 4], 4), sample(s + [9, 5], 3)],
+        temperature=1.0,
+    )  # fmt: skip
+    shared = shared_row(mb, mb.loss_mask)
+    # s s | p p | 8 1 | 8 3 3 | 7 | 8 2 | 8 4 | 9 5: each sample keeps the token before its first loss token (8,
+    # 9); the q group's start past s s is its 7.
+    assert shared.mb.input_ids.tolist() == [[3, 4, 5, 6, 8, 1, 8, 3, 3, 7, 8, 2, 8, 4, 9, 5]]
+    assert shared.mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 4, 5, 6, 2, 3, 4, 3, 4, 2, 3]]
+    keys, cu_k = shared.kv_index.tolist(), shared.cu_seqlens_k.tolist()
+    assert [keys[a:b] for a, b in zip(cu_k, cu_k[1:], strict=False)] == [
+        [0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 7, 8],
+        [0, 1, 9], [0, 1, 9, 10, 11], [0, 1, 9, 12, 13], [0, 1, 14, 15],
+    ]  # fmt: skip
+    assert shared.mb.num_tokens == 16 < mb.num_tokens == 27
+    shared.mb.validate()
 
 
 def _groups(model, seed: int) -> MicroBatch:
