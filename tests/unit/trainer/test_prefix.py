@@ -82,11 +82,14 @@ def test_groups_that_open_with_one_system_prompt_share_it_as_a_second_level():
 
 
 def _groups(model, seed: int) -> MicroBatch:
-    """Three groups of completions of three prompts, as an RL step packs them, with one lone sample between."""
+    """Three groups of completions of three prompts, as an RL step packs them, with one lone sample between; the
+    first three prompts open with one system prompt (a tree of two levels)."""
     g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 1000, (4,), generator=g).tolist()
     samples = []
     for prompt_len, size in ((9, 4), (5, 1), (14, 3), (1, 3)):
-        prompt = torch.randint(3, 1000, (prompt_len,), generator=g).tolist()
+        own = torch.randint(3, 1000, (prompt_len,), generator=g).tolist()
+        prompt = system + own[len(system) :] if prompt_len > len(system) else own
         for _ in range(size):
             completion = torch.randint(3, 1000, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
             advantage = float(torch.randn(1, generator=g))
@@ -97,12 +100,15 @@ def _groups(model, seed: int) -> MicroBatch:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_rows_packed_counting_shared_prompts_once_compute_at_most_seq_len_tokens(seed):
-    """The orchestrator's share_prompts packing (protocol/packing.py) and this layout agree: each row's
-    computed tokens are what the packer counted, so none exceeds seq_len, while the rows hold more samples."""
+    """The orchestrator's share_prompts packing (protocol/packing.py) and this layout agree, a system prompt
+    shared across groups included: each row's computed tokens are what the packer counted, so none exceeds
+    seq_len, while the rows hold more samples."""
     g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 1000, (8,), generator=g).tolist()  # half the prompts open with it
     samples = []
-    for _ in range(6):
+    for p in range(6):
         prompt = torch.randint(3, 1000, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
+        prompt = system + prompt if p % 2 else prompt
         for _ in range(int(torch.randint(1, 9, (1,), generator=g))):
             completion = torch.randint(3, 1000, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
             samples.append(sample(prompt + completion.tolist(), len(prompt)))
