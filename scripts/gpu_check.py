@@ -336,8 +336,11 @@ def main() -> int:
             notes.append(f"{i}. {step.name}: not run (--budget spent)")
             continue
         outcome = run_step(step, log, min(step.timeout, left))
+        # A step the budget cut short did not fail on its own: say so, or a short --budget reads as a hang.
+        cut = f" by --budget ({left:.0f} of its {step.timeout} s)" if outcome.rc == 124 and left < step.timeout else ""
         none_marked = step.name == "gpu tests" and outcome.rc == 5  # pytest: nothing selected
         said = "ok" if outcome.rc == 0 else "no test is marked gpu" if none_marked else f"FAILED, exit {outcome.rc}"
+        said = f"stopped{cut}" if cut else said
         notes.append(f"{i}. {step.name}: {said} ({outcome.seconds:.0f} s; {log})")
         if not step.column and (said_last := last_line(log)):
             notes.append(f"   {said_last}")
@@ -351,6 +354,8 @@ def main() -> int:
             try:
                 mfu = mfu or mfu_inputs(out / PRESET, args.peak_tflops)
                 columns[step.column] = figures(step, outcome, *mfu)
+                if cut:
+                    columns[step.column]["status"] = "stopped" + cut + columns[step.column]["status"].partition(":")[2]
             except Exception as e:  # a figure that cannot be read must not cost the rest of the report
                 columns[step.column] = {"status": f"exit {outcome.rc}; figures unreadable: {e!r}"}
     report = table(columns) + "\n\n" + "\n".join(notes) + "\n"
