@@ -66,6 +66,7 @@ class StepStats:
     num_computed_tokens: int  # of those, the ones the forward ran on (a shared prompt counts once: trainer/prefix.py)
     num_loss_tokens: int
     num_samples: int  # packed samples with at least one loss token
+    num_rows: int  # micro batches run (all ranks, padding rows included): how well the step packed
     peak_memory_gib: float  # max over ranks: the device's (CUDA: allocated by torch; CPU: the process's RSS)
     peak_rss_gib: float  # max over ranks: the host process's resident memory
     means: dict[str, float] = field(default_factory=dict)  # the loss callback's other values (module docstring)
@@ -93,8 +94,9 @@ def train_step(
         sum((mb if row is None else row.mb).num_tokens for mb, row in zip(micro_batches, rows, strict=True)),
         sum(int(m.sum()) for m in masks),
         sum(samples_with_loss(mb.cu_seqlens, m) for mb, m in zip(micro_batches, masks, strict=True)),
+        len(micro_batches),
     ]
-    num_tokens, computed, num_loss_tokens, num_samples = all_reduce(local_counts, dist.device)
+    num_tokens, computed, num_loss_tokens, num_samples, num_rows = all_reduce(local_counts, dist.device)
     denominator = max(num_loss_tokens if norm == "token" else num_samples, 1)
     scale = dist.world_size / denominator
 
@@ -137,6 +139,7 @@ def train_step(
         num_computed_tokens=int(computed),
         num_loss_tokens=int(num_loss_tokens),
         num_samples=int(num_samples),
+        num_rows=int(num_rows),
         peak_memory_gib=peak,
         peak_rss_gib=rss,
         means=reported_means(totals, total_counts, num_loss_tokens) | maxima,
@@ -201,6 +204,7 @@ def step_metrics(stats: StepStats, times: dict[str, float], lr: float, progress:
         "num_computed_tokens": stats.num_computed_tokens,
         "num_loss_tokens": stats.num_loss_tokens,
         "num_samples": stats.num_samples,
+        "num_rows": stats.num_rows,
         "tokens_per_s": stats.num_tokens / max(times["train"], 1e-9),
         "peak_memory_gib": stats.peak_memory_gib,
         "peak_rss_gib": stats.peak_rss_gib,

@@ -249,10 +249,10 @@ def batch_epoch(epoch: int, position: int) -> int:
     return epoch if position == 0 else epoch + 1
 
 
-def pack_rank_rows(mine: list[Sample], seq_len: int, dist: Dist) -> list[MicroBatch]:
+def pack_rank_rows(mine: list[Sample], seq_len: int, dist: Dist, share_prompts: bool = False) -> list[MicroBatch]:
     """This rank's samples packed first-fit-decreasing into rows (advantages and μ unused by SFT: none, zeros in the
-    rows), padded to the most rows any rank has (collective): FSDP's collectives need every rank to run as many
-    forwards."""
-    rows = pack_rows(mine, seq_len, temperature=1.0)
+    rows; `share_prompts`: seq_len counts a row's shared prompt once), padded to the most rows any rank has
+    (collective): FSDP's collectives need every rank to run as many forwards."""
+    rows = pack_rows(mine, seq_len, temperature=1.0, share_prompts=share_prompts)
     (most,) = all_reduce([len(rows)], dist.device, op="max")
     return pad_rows(rows, int(most), 1.0)

@@ -38,6 +38,7 @@ from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput
 from prime_rl.trainer.parallel import Dist
+from prime_rl.trainer.prefix import shares_prompts
 from prime_rl.trainer.sft.data import Sample, batch_epoch, build_samples, next_batch, pack_rank_rows
 from prime_rl.trainer.sft.val import build_val_rows, evaluate_if_due, target_reached
 from prime_rl.trainer.step import step_metrics, train_step
@@ -98,6 +99,7 @@ def train(
 ) -> tuple[Progress, str | None]:
     """The steps from `progress` on: the progress they end at, and why they ended early (None: all done)."""
     dist, first_step, val = state.dist, progress.step, {}
+    share = config.share_prompts and shares_prompts(state.model, dist.device)  # rows are packed as they are computed
     carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
     for step in range(progress.step, max_steps):
         if service.stop_agreed(dist):
@@ -105,11 +107,11 @@ def train(
         times, carried = carried, {}
         start = time.perf_counter()
         with timer(times, "data"):
-            batch, epoch, position = step_batch(samples, progress, config, dist)
+            batch, epoch, position = step_batch(samples, progress, config, dist, share)
         with timer(times, "train"):
             stats = train_step(
                 state.model, state.optimizer, batch, dist, nll_loss, config.optim.max_norm,
-                share_prompts=config.share_prompts,
+                share_prompts=share,
             )  # fmt: skip
             lr = state.scheduler.get_last_lr()[0]
             state.scheduler.step()
@@ -185,14 +187,15 @@ def resume(config: SFTConfig, state: service.Training, step: int | None) -> Prog
 
 
 def step_batch(
-    samples: list[Sample], progress: Progress, config: SFTConfig, dist: Dist
+    samples: list[Sample], progress: Progress, config: SFTConfig, dist: Dist, share_prompts: bool = False
 ) -> tuple[list[MicroBatch], int, int]:
-    """This rank's packed rows of the next batch (every rank the same row count), and the data position after it."""
+    """This rank's packed rows of the next batch (every rank the same row count; `share_prompts`: a row's shared
+    prompt counted once toward seq_len, as the trainer computes it), and the data position after it."""
     indices, epoch, position = next_batch(
         len(samples), config.batch_size, progress.epoch, progress.position, config.seed, config.data.shuffle
     )
     mine = [samples[i] for i in indices[dist.rank :: dist.world_size]]
-    return pack_rank_rows(mine, config.seq_len, dist), epoch, position
+    return pack_rank_rows(mine, config.seq_len, dist, share_prompts), epoch, position
 
 
 def nll_loss(
