@@ -181,10 +181,11 @@ def test_a_step_with_shared_prompts_reports_and_updates_as_one_without(tiny_mode
 
 def test_sft_rows_packed_as_the_trainer_computes_them_hold_more_samples_and_train_the_same_loss(tiny_model, one_rank):
     """SFT packs a batch counting its shared system prompt once (sft/data.py `pack_rank_rows` with share_prompts,
-    as sft/train.py does where the trainer shares): fewer rows, none computing more than seq_len, the same loss
-    and gradient norm as the rows packed whole."""
+    as sft/train.py does where the trainer shares): fewer rows, none computing more than seq_len, the same loss,
+    held-out loss and gradient norm as the rows packed whole."""
     from prime_rl.trainer.sft.data import pack_rank_rows
     from prime_rl.trainer.sft.train import nll_loss
+    from prime_rl.trainer.sft.val import held_out_loss
     from prime_rl.trainer.step import train_step as sft_step
 
     g = torch.Generator().manual_seed(0)
@@ -195,14 +196,16 @@ def test_sft_rows_packed_as_the_trainer_computes_them_hold_more_samples_and_trai
         answer = torch.randint(3, 1000, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
         samples.append(sample(prompt + answer, len(prompt)))
     seq_len = 96
-    base, runs = build_model(str(tiny_model)), []
+    base, runs, held_out = build_model(str(tiny_model)), [], []
     for share in (False, True):
         rows = pack_rank_rows(samples, seq_len, one_rank, share_prompts=share)
         model = copy.deepcopy(base)
         apply_fsdp(model, one_rank, torch.float32)
         optimizer = build_optimizer(model, TrainerConfig(model={"name": str(tiny_model)}).optim)
+        held_out.append(held_out_loss(model, rows, one_rank, share))  # sft/val.py, as the held-out rows are scored
         runs.append(sft_step(model, optimizer, rows, one_rank, nll_loss, 1.0, share_prompts=share))
     plain, shared = runs
+    assert held_out[1] == pytest.approx(held_out[0], abs=1e-5)
     assert shared.num_rows < plain.num_rows and plain.num_rows == len(pack_rank_rows(samples, seq_len, one_rank))
     assert shared.num_computed_tokens <= seq_len * shared.num_rows
     assert shared.num_samples == plain.num_samples == 12 and shared.num_loss_tokens == plain.num_loss_tokens

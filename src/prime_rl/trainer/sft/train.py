@@ -65,7 +65,8 @@ def run(config: SFTConfig) -> None:
     check_resume_before_end(resumed_from, max_steps, config.output_dir)  # before the model loads
     with service.training(config, max_steps) as state:
         dist = state.dist
-        val_rows = build_val_rows(config.val.data, config.seq_len, tokenizer, dist) if config.val else None
+        share = sharing(config, state)
+        val_rows = build_val_rows(config.val.data, config.seq_len, tokenizer, dist, share) if config.val else None
         progress = resume(config, state, resumed_from)
         metrics = MetricsWriter(config.output_dir, "sft", progress.step, config.prometheus) if dist.is_main else None
         if dist.is_main and config.wandb is not None:  # each record to W&B too (a resumed run: the same W&B run)
@@ -99,7 +100,7 @@ def train(
 ) -> tuple[Progress, str | None]:
     """The steps from `progress` on: the progress they end at, and why they ended early (None: all done)."""
     dist, first_step, val = state.dist, progress.step, {}
-    share = config.share_prompts and shares_prompts(state.model, dist.device)  # rows are packed as they are computed
+    share = sharing(config, state)
     carried: dict[str, float] = {}  # the checkpoint written after the previous step: in this step's record
     for step in range(progress.step, max_steps):
         if service.stop_agreed(dist):
@@ -118,7 +119,7 @@ def train(
         progress = Progress(
             step + 1, progress.tokens + stats.num_tokens, progress.samples + stats.num_samples, epoch, position
         )
-        val = evaluate_if_due(config.val, state.model, val_rows, dist, progress.step, max_steps, times)
+        val = evaluate_if_due(config.val, state.model, val_rows, dist, progress.step, max_steps, times, share)
         stop_early = target_reached(config.val, val)
         last_step = progress.step if stop_early else max_steps
         publish(config, last_step, state, progress, times)
@@ -184,6 +185,12 @@ def resume(config: SFTConfig, state: service.Training, step: int | None) -> Prog
     progress = service.load(config, state, step)
     logger.info(f"resumed from checkpoints/step_{step} (going on in epoch {progress.epoch + 1})")
     return progress
+
+
+def sharing(config: SFTConfig, state: service.Training) -> bool:
+    """Whether this run's trainer computes shared prompts once: its rows, training and held-out, are then packed
+    counting a shared start once toward seq_len, as they are computed."""
+    return config.share_prompts and shares_prompts(state.model, state.dist.device)
 
 
 def step_batch(
