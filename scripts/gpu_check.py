@@ -101,6 +101,14 @@ class Outcome:
     seconds: float
     peaks: dict[str, float] = field(default_factory=dict)  # MiB per service, from nvidia-smi
     log: Path | None = None
+    cut: str = ""  # a step the budget stopped before its own timeout: " by --budget (64 of its 160 s)"
+
+    def status(self) -> str:
+        """ok, or how it ended (a step cut by the budget did not fail on its own: a plain 'timed out' would read as
+        a hang)."""
+        if self.cut:
+            return f"stopped{self.cut}"
+        return "ok" if self.rc == 0 else "timed out" if self.rc == 124 else f"FAILED (exit {self.rc})"
 
 
 def plan(out: Path, steps: int, fs_steps: int, backend: str, quick: bool = False) -> list[Step]:
@@ -189,7 +197,7 @@ def service_of(pid: int) -> str:
 
 def run_step(step: Step, log: Path, timeout: float) -> Outcome:
     """Run `step` in its own session, output to `log`; at `timeout` SIGTERM (rl stops its services), then
-    SIGKILL 20 s later. rc 124 = timed out."""
+    SIGKILL 20 s later. rc 124 = timed out (`cut` where `timeout`, the budget's, was below the step's own)."""
     sampler = GpuMemory() if step.column else None
     if sampler:
         sampler.start()
@@ -212,7 +220,8 @@ def run_step(step: Step, log: Path, timeout: float) -> Outcome:
     if sampler:
         sampler.done.set()
         sampler.join()
-    return Outcome(rc, time.monotonic() - start, sampler.peaks if sampler else {}, log)
+    cut = f" by --budget ({timeout:.0f} of its {step.timeout} s)" if rc == 124 and timeout < step.timeout else ""
+    return Outcome(rc, time.monotonic() - start, sampler.peaks if sampler else {}, log, cut)
 
 
 def last_line(log: Path) -> str:
@@ -233,8 +242,7 @@ def figures(step: Step, outcome: Outcome, flops_per_token, peak_tflops: float | 
     bench = "--bench" in step.cmd
     warmup = 1 if bench else WARMUP
     measured = [r for s, r in trainer.items() if s >= warmup] or list(trainer.values())
-    status = "ok" if outcome.rc == 0 else ("timed out" if outcome.rc == 124 else f"FAILED (exit {outcome.rc})")
-    col = {"status": f"{status}: {len(trainer)} steps, {outcome.seconds:.0f} s"}
+    col = {"status": f"{outcome.status()}: {len(trainer)} steps, {outcome.seconds:.0f} s"}
     if not bench:
         col["inference backend"] = next((a for a in BACKEND_ARGS if a in step.cmd), "?")
     if tps := median(r["tokens_per_s"] for r in measured):
@@ -336,11 +344,8 @@ def main() -> int:
             notes.append(f"{i}. {step.name}: not run (--budget spent)")
             continue
         outcome = run_step(step, log, min(step.timeout, left))
-        # A step the budget cut short did not fail on its own: say so, or a short --budget reads as a hang.
-        cut = f" by --budget ({left:.0f} of its {step.timeout} s)" if outcome.rc == 124 and left < step.timeout else ""
         none_marked = step.name == "gpu tests" and outcome.rc == 5  # pytest: nothing selected
-        said = "ok" if outcome.rc == 0 else "no test is marked gpu" if none_marked else f"FAILED, exit {outcome.rc}"
-        said = f"stopped{cut}" if cut else said
+        said = "no test is marked gpu" if none_marked else outcome.status()
         notes.append(f"{i}. {step.name}: {said} ({outcome.seconds:.0f} s; {log})")
         if not step.column and (said_last := last_line(log)):
             notes.append(f"   {said_last}")
@@ -354,8 +359,6 @@ def main() -> int:
             try:
                 mfu = mfu or mfu_inputs(out / PRESET, args.peak_tflops)
                 columns[step.column] = figures(step, outcome, *mfu)
-                if cut:
-                    columns[step.column]["status"] = "stopped" + cut + columns[step.column]["status"].partition(":")[2]
             except Exception as e:  # a figure that cannot be read must not cost the rest of the report
                 columns[step.column] = {"status": f"exit {outcome.rc}; figures unreadable: {e!r}"}
     report = table(columns) + "\n\n" + "\n".join(notes) + "\n"

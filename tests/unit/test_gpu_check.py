@@ -142,3 +142,15 @@ def test_table_reads_the_runs_metrics(tmp_path):
     assert col["peak GPU memory: inference (nvidia-smi)"] == "20.0 GiB"
     assert col["peak GPU memory: trainer (nvidia-smi / torch allocated)"] == "12.0 GiB / 9.5 GiB"
     assert "| status | — | ok: 6 steps, 60 s |" in gpu.table({gpu.COLUMNS[1]: col})
+
+
+def test_a_step_the_budget_stops_says_so_and_one_past_its_own_timeout_times_out(tmp_path):
+    """A short --budget gives a step less than its own timeout: stopped there it reads "stopped by --budget", not
+    as a hang; a step past its own timeout still reads "timed out"."""
+    gpu = load_gpu_module()
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    cut = gpu.run_step(gpu.Step("rl", sleep, 60), tmp_path / "cut.log", timeout=1)
+    assert (cut.rc, cut.status()) == (124, "stopped by --budget (1 of its 60 s)")
+    own = gpu.run_step(gpu.Step("rl", sleep, 1), tmp_path / "own.log", timeout=1)
+    assert (own.rc, own.status()) == (124, "timed out")
+    assert gpu.Outcome(0, 1.0).status() == "ok" and gpu.Outcome(3, 1.0).status() == "FAILED (exit 3)"
