@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -179,7 +180,10 @@ CALC_SERVER_MODULES = {
     "tests/integration/test_verifiers_episodes.py", "tests/unit/orchestrator/test_sinks.py",
 }  # fmt: skip
 ONE_BY_ONE_MODULES = {"test_rl.py", "test_rl_verifiers.py"}  # ~20 runs: one worker would end long after the other
-# Handed out first (~6.5 min, CPU-bound): the other worker runs the suite's rest beside it, not after it.
+# The CPU-bound reverse-text example (~3-7 min). With xdist it is handed out first: the other worker runs the suite's
+# rest beside it. In one process (CI) the unit tests come first instead: they leave a core idle half their time
+# (util ~0.5), which CI's background jobs beside the suite's start (the image build, the GPU extra) fill, where the
+# example would only share the cores with them; then the example, then the rest.
 FIRST_MODULES = ["test_example_reverse_text.py"]
 
 
@@ -210,7 +214,14 @@ def pytest_collection_modifyitems(config, items):
     stray = {item.nodeid.split("::")[0] for item in items if "calc_servers" in item.fixturenames} - CALC_SERVER_MODULES
     if stray:
         raise pytest.UsageError(f"add {sorted(stray)} to CALC_SERVER_MODULES in tests/conftest.py")
-    items.sort(key=lambda item: item.path.name not in FIRST_MODULES)  # stable: the rest keep their order
+    xdist = bool(getattr(config.option, "numprocesses", None)) or "PYTEST_XDIST_WORKER" in os.environ
+    unit = Path(__file__).parent / "unit"
+
+    def rank(item) -> int:
+        first = item.path.name in FIRST_MODULES
+        return (not first) if xdist else (0 if item.path.is_relative_to(unit) else 2 - first)
+
+    items.sort(key=rank)  # stable: the rest keep their order
 
     if torch.cuda.is_available():
         return
