@@ -219,7 +219,11 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(item) -> int:
         first = item.path.name in FIRST_MODULES
-        return (not first) if xdist else (0 if item.path.is_relative_to(unit) else 2 - first)
+        if xdist:
+            return 0 if first else 1
+        if item.path.is_relative_to(unit):
+            return 0
+        return 1 if first else 2
 
     items.sort(key=rank)  # stable: the rest keep their order
 
