@@ -45,12 +45,18 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
+import inspect
 import logging
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from prime_rl.trainer.errors import TrainerError
 
@@ -66,7 +72,8 @@ BUILD_WAIT_S = 300  # a build takes ~40 s alone, minutes beside a busy machine's
 @functools.cache
 def cpu_kernel():
     """The compiled CPU kernel module, or None where it cannot be built (no C++ compiler, no BLAS symbols)."""
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its import warns "no CUDA"
+    # Imported here, its logger quieted first: its import warns "no CUDA" (and only CPU training builds it).
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils.cpp_extension import _get_build_directory, load
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -120,7 +127,7 @@ def build_lock(build_dir: Path, timeout: float = BUILD_WAIT_S):
 
 def torch_uses_file_baton() -> bool:
     """Whether torch's extension builds mark themselves with a plain `lock` file (FileBaton, torch <= 2.13)."""
-    import torch.utils.cpp_extension as cpp_extension
+    import torch.utils.cpp_extension as cpp_extension  # imported by cpu_kernel, its logger quieted
 
     return hasattr(cpp_extension, "FileBaton")
 
@@ -189,7 +196,9 @@ def packed_causal_attention(
 
 
 @packed_causal_attention.register_fake
-def _(q, k, v, cu_seqlens, scale, cu_seqlens_k=None):
+def _(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float, cu_seqlens_k: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     batch, heads, length, dim = q.shape
     return q.new_empty(batch, length, heads, dim), q.new_empty(batch, heads, length, dtype=torch.float32)
 
@@ -218,17 +227,27 @@ def packed_causal_attention_backward(
 
 
 @packed_causal_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, scale, cu_seqlens_k=None):
+def _(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    scale: float,
+    cu_seqlens_k: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: FunctionCtx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_seqlens, scale, *cu_k = inputs
     ctx.save_for_backward(q, k, v, *output, cu_seqlens, *(t for t in cu_k if t is not None))
     ctx.scale = scale
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx: FunctionCtx, grad_out: Tensor, grad_lse: Tensor) -> tuple:
     q, k, v, out, lse, cu_seqlens, *cu_k = ctx.saved_tensors
     grad = grad_out.contiguous()
     grads = packed_causal_attention_backward(grad, q, k, v, out, lse, cu_seqlens, ctx.scale, *cu_k)
@@ -240,27 +259,30 @@ packed_causal_attention.register_autograd(_backward, setup_context=_setup_contex
 
 def attention_implementation(device_type: str) -> str:
     """`flash_attention_2` on CUDA when flash-attn is importable, else our `packed_attention`."""
-    import importlib.util
-
     if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     if device_type == "cpu":
         cpu_kernel()  # build it now, logged, rather than inside the first step
-    from transformers import AttentionInterface
 
     AttentionInterface.register("packed_attention", packed_attention)
     return "packed_attention"
 
 
-def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+def packed_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """HF attention interface: query/key/value [1, heads, L, dim] → out [1, L, heads, dim].
 
     Without `cu_seq_lens_q` (a plain HF forward, e.g. generation) it is ordinary SDPA with the given mask.
     With `softcap` or a `sliding_window` that some sample outgrows (Gemma 2/3, Mistral, Qwen2 with
     use_sliding_window) it is `capped_window_attention`, per sample (or on the whole rows of a plain forward).
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     kv_index, cu_k = kwargs.pop("kv_index", None), kwargs.pop("cu_seq_lens_k", None)
     for unused in ("max_length_k", "is_causal"):
         kwargs.pop(unused, None)
@@ -301,7 +323,7 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
     return torch.cat(outs, dim=1), None
 
 
-def prefixed_sdpa(query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float) -> torch.Tensor:
+def prefixed_sdpa(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float) -> Tensor:
     """query [1, H, L, D], key/value [1, KV, Lk, D] laid out per sample (`cu_k`) → out [1, L, H, D]: each
     sample's queries causal from the bottom right over its keys, by SDPA with a mask per sample."""
     q_lengths, k_lengths = cu_q.diff().tolist(), cu_k.diff().tolist()
@@ -323,8 +345,6 @@ def _cuda_varlen(query: torch.Tensor):
 @functools.cache
 def _varlen_params() -> frozenset[str]:
     """The keyword arguments of torch's `varlen_attn` (they changed between releases); empty without it."""
-    import inspect
-
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -333,10 +353,12 @@ def _varlen_params() -> frozenset[str]:
     return params if {"window_size", "is_causal"} & params else frozenset()
 
 
-def varlen_causal(query, key, value, cu_seqlens: torch.Tensor, longest: int | None, scale: float) -> torch.Tensor:
+def varlen_causal(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longest: int | None, scale: float
+) -> Tensor:
     """query [1, H, L, D], key/value [1, KV, L, D] → out [1, L, H, D]: causal within each sample, by torch's
     varlen flash attention on the whole packed row."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # not in every torch release: _varlen_params checked
 
     params = _varlen_params()
     # HF's [1, H, L, D] is a transposed view of [1, L, H, D] memory: [L, H, D] is that memory again.
@@ -433,9 +455,7 @@ def check_supported(model: torch.nn.Module) -> None:
     if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
         features.append("attention sinks")
     if model.config._attn_implementation == "flash_attention_2":
-        import inspect
-
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # optional: CUDA nodes that installed it
 
         supported = inspect.signature(flash_attn_varlen_func).parameters
         if getattr(config, "sliding_window", None) is not None and "window_size" not in supported:

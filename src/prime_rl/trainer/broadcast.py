@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol import wait_until
 from prime_rl.protocol.broadcast import (
     BroadcastError,
@@ -40,6 +41,7 @@ from prime_rl.protocol.parity import RowSums
 from prime_rl.protocol.weight_stream import abandon, rows_of, send_step
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.gather import gather_to, row_counts, row_run
+from prime_rl.trainer.parallel import Dist
 from prime_rl.trainer.weights import ModelFiles, checkpoint_parts, export_specs, gathered
 
 logger = logging.getLogger("prime_rl")
@@ -60,7 +62,7 @@ class Reseat(str):
 
 
 class WeightSender:
-    def __init__(self, config, model: torch.nn.Module, files: ModelFiles, d):
+    def __init__(self, config: TrainerConfig, model: torch.nn.Module, files: ModelFiles, d: Dist):
         self.config, self.d = config, d
         b = config.weight_transfer
         self.backend = b.backend if b.backend != "auto" else "nccl" if d.device.type == "cuda" else "gloo"
@@ -214,7 +216,7 @@ class WeightSender:
         return values
 
 
-def _send_device(rdv: Rendezvous, d) -> torch.device:
+def _send_device(rdv: Rendezvous, d: Dist) -> torch.device:
     return d.device if rdv.backend == "nccl" else torch.device("cpu")
 
 
@@ -232,7 +234,7 @@ class SendPlan:
     dtype: torch.dtype  # of the exported floating tensors
 
     @classmethod
-    def of(cls, model: torch.nn.Module, dtype: torch.dtype, d) -> SendPlan:
+    def of(cls, model: torch.nn.Module, dtype: torch.dtype, d: Dist) -> SendPlan:
         """A tensor is sent where its rows are when it is its own checkpoint tensor and every rank's shard is a
         run of its rows (FSDP's Shard(0); a replica other than the first sends none), the runs in rank order;
         otherwise rank 0 sends it whole (its rows sent to rank 0 first when sharded). Collective: every rank tells

@@ -37,7 +37,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
 
 from prime_rl.protocol import (
     atomic_write,
@@ -51,7 +60,7 @@ from prime_rl.protocol import (
 )
 from prime_rl.protocol.paths import STABLE
 from prime_rl.trainer.errors import TrainerError
-from prime_rl.trainer.weights import adapter_config
+from prime_rl.trainer.weights import ModelFiles, adapter_config
 
 logger = logging.getLogger("prime_rl")
 
@@ -88,8 +97,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _safe_reader(path: Path):
     """A DCP reader of `path` whose index was read once already: a bad one is one clear CheckpointError here
     (inside dcp.load it would be wrapped per rank)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -120,28 +127,29 @@ class Progress:
     position: int = 0  # SFT: samples of the current epoch already used
 
 
-def state_dict_options(model):
+def state_dict_options(model: nn.Module) -> StateDictOptions:
     """With LoRA the base is frozen and stays the base model's: a checkpoint holds the adapter (and its
     optimizer state) only, and loading one leaves the frozen base as loaded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
-def _app_state(model, optimizer, scheduler, progress: Progress) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def _app_state(model: nn.Module, optimizer: Optimizer, scheduler: LambdaLR, progress: Progress) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
     return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "progress": asdict(progress)}
 
 
 def save_checkpoint(
-    output_dir: Path, step: int, model, optimizer, scheduler, progress: Progress, files, rank: int
+    output_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LambdaLR,
+    progress: Progress,
+    files: ModelFiles,
+    rank: int,
 ) -> Path:
     """Collective: every rank writes its shards; rank 0 adds hf/ (from `files`) and then STABLE."""
-    import torch.distributed.checkpoint as dcp
-
     path = _fresh_dir(output_dir, step, rank)
     try:
         with writing(path):
@@ -180,7 +188,7 @@ def _fresh_dir(output_dir: Path, step: int, rank: int) -> Path:
     return path
 
 
-def _write_small_files(path: Path, files, rank: int) -> None:
+def _write_small_files(path: Path, files: ModelFiles, rank: int) -> None:
     """This rank's RNG state; on rank 0 also hf/ (config, generation config, tokenizer, adapter config)."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -227,17 +235,23 @@ class AsyncCheckpointer:
         # parameters and AdamW moments change in place, so their storages stay). A fresh stager per save
         # allocates and faults in 12 B/param each time: at 0.44 B on CPU that took longer (11 s) than the
         # synchronous save it replaces (9 s); reused, a save waits for a plain copy.
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         plain = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                use_non_blocking_copy=False)  # fmt: skip
         self.stager = DefaultStager(plain)  # host memory, staged in the calling thread
         self.in_flight: InFlight | None = None
 
-    def start(self, output_dir: Path, step: int, model, optimizer, scheduler, progress: Progress, files) -> Path:
+    def start(
+        self,
+        output_dir: Path,
+        step: int,
+        model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LambdaLR,
+        progress: Progress,
+        files: ModelFiles,
+    ) -> Path:
         """Collective: stage checkpoint `step` and write it in the background (RNG and hf/ files right now)."""
-        import torch.distributed.checkpoint as dcp
-
         if self.in_flight is not None:
             raise RuntimeError(f"checkpoint {self.in_flight.path} is still being written: finish() it first")
         path = _fresh_dir(output_dir, step, self.rank)
@@ -324,11 +338,10 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, rank: int) -> Progress:
+def load_checkpoint(
+    output_dir: Path, step: int, model: nn.Module, optimizer: Optimizer, scheduler: LambdaLR, rank: int
+) -> Progress:
     """Collective: restore model, optimizer, scheduler, progress (and this rank's RNG) from step `step`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     path = trainer_checkpoint_dir(output_dir, step)
     base_lrs = list(scheduler.base_lrs)
     state = _app_state(model, optimizer, scheduler, Progress())
@@ -362,8 +375,6 @@ def load_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, ra
 
 def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The full model weights of a trainer checkpoint dir, read without a process group (any world size)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
     if not is_stable(path):
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STABLE} marker)")
     with warnings.catch_warnings():  # "no process group: loading in a single process" is exactly the intent

@@ -1,6 +1,5 @@
-"""`convert-checkpoint`: a trainer or SFT DCP checkpoint → a standalone HF safetensors model dir.
-
-    uv run convert-checkpoint outputs/checkpoints/step_20/trainer outputs/step_20-hf [--max-shard-size 5GB]
+"""A trainer or SFT DCP checkpoint → a standalone HF safetensors model dir (what `convert-checkpoint`,
+`entrypoints/convert.py`, runs).
 
 A LoRA checkpoint (it holds the adapter only) becomes a peft adapter dir, or with `--merge` the base model
 (the one `hf/adapter_config.json` names, or `--base`) with the adapter merged in: a full HF model dir.
@@ -12,54 +11,26 @@ generation config, tokenizer, `model.safetensors` or shards + `model.safetensors
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import shutil
-import sys
 from pathlib import Path
 
-from prime_rl.protocol import DiskFull
-from prime_rl.trainer.errors import TrainerError
-from prime_rl.utils.logging import setup_logging
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-logger = logging.getLogger("prime_rl")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="convert-checkpoint", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="checkpoints/step_n/trainer (or checkpoints/step_n)")
-    parser.add_argument("output", type=Path, help="HF model dir to write (must not exist or be empty)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
-    parser.add_argument("--merge", action="store_true", help="LoRA: write base + adapter merged, not the adapter")
-    parser.add_argument("--base", help="LoRA --merge: the base model (hub id or dir); default: the one it names")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_logging("convert", None, "INFO", to_file=False)
-    try:
-        out = convert(args.checkpoint, args.output, args.max_shard_size, args.merge, args.base)
-    except (FileNotFoundError, FileExistsError, ValueError, TrainerError, DiskFull) as e:
-        print(f"convert-checkpoint: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    logger.info(f"wrote {out}")
+from prime_rl.trainer.ckpt import HF_FILES_DIR, load_hf_state_dict
+from prime_rl.trainer.weights import meta_model, peft_name, saved_dtype, write_safetensors
+from prime_rl.utils.hf_layout import checkpoint_state_dict
+from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pairs, merge_weight
 
 
 def convert(
     checkpoint: Path, output: Path, max_shard_size: str = "5GB", merge: bool = False, base: str | None = None
 ) -> Path:
+    """`checkpoint` (checkpoints/step_n or its trainer/ dir) written to `output` as an HF model or adapter dir."""
     output = Path(output)
-    if output.exists() and any(output.iterdir()):  # before the heavy imports: a refusal is instant
+    if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} exists and is not empty")
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from prime_rl.trainer.ckpt import HF_FILES_DIR, load_hf_state_dict
-    from prime_rl.trainer.weights import meta_model, saved_dtype, write_safetensors
-    from prime_rl.utils.hf_layout import checkpoint_state_dict
-    from prime_rl.utils.lora import ADAPTER_CONFIG
-
     checkpoint = Path(checkpoint)
     if not (checkpoint / HF_FILES_DIR).is_dir() and (checkpoint / "trainer").is_dir():
         checkpoint = checkpoint / "trainer"
@@ -85,13 +56,6 @@ def convert_adapter(
     state_dict: dict, hf: Path, output: Path, merge: bool, base: str | None, max_shard_size: str
 ) -> Path:
     """A LoRA checkpoint's adapter as a peft dir, or (`merge`) merged into its base as a full HF model dir."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    from prime_rl.trainer.weights import peft_name, saved_dtype, write_safetensors
-    from prime_rl.utils.hf_layout import checkpoint_state_dict
-    from prime_rl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_pairs, merge_weight
-
     adapter_config = json.loads((hf / ADAPTER_CONFIG).read_text())
     adapter = {peft_name(k): v for k, v in state_dict.items()}
     output.mkdir(parents=True, exist_ok=True)
@@ -114,7 +78,3 @@ def convert_adapter(
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     write_safetensors(checkpoint_state_dict(model, state), output, saved_dtype(model.config), tied, max_shard_size)
     return output
-
-
-if __name__ == "__main__":
-    main()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from prime_rl.protocol.weight_stream import rows_of
 
@@ -19,8 +21,6 @@ def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch
     """The whole tensor of a (possibly FSDP-sharded) parameter: a collective over the trainer's ranks. With
     `dtype`, each rank casts its shard first, so the gather moves the export's bytes (half of fp32's for bf16);
     the cast is elementwise, so the result is the same."""
-    from torch.distributed.tensor import DTensor
-
     tensor = tensor.detach()
     if dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(dtype)
@@ -30,9 +30,6 @@ def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch
 def row_run(tensor: torch.Tensor) -> tuple[int, int] | None:
     """(first row, rows) of the run of dim-0 rows this rank holds of an FSDP-sharded tensor (none: (0, 0), a
     replica after the first), or None when its shard is not a run of rows."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if not isinstance(tensor, DTensor) or tensor.dim() == 0:
         return None
     if not all(p == Shard(0) or isinstance(p, Replicate) for p in tensor.placements):
@@ -103,6 +100,6 @@ def received_bytes(nbytes: int, counts: list[int] | None, rank: int, owner: int)
     return nbytes * (total - counts[rank]) // total if rank == owner and total else 0
 
 
-def _wait(works) -> None:
+def _wait(works: list[dist.Work]) -> None:
     for work in works:
         work.wait()

@@ -24,16 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import distribute_tensor
 from torch.optim import Optimizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from prime_rl.configs import LoraConfig
 from prime_rl.configs.training import TrainingConfig
 from prime_rl.trainer.attention import attention_implementation
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.model import build_model, disable_dropout, prepare
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel import Dist, parallelize
-from prime_rl.utils.hf_layout import checkpoint_files, converted_at_load
+from prime_rl.utils.hf_layout import checkpoint_files, converted_at_load, element_map, header_specs
+from prime_rl.utils.lora import ADAPTER
 
 logger = logging.getLogger("prime_rl")
 
@@ -61,8 +71,6 @@ def checkpoint_dir(name: str) -> Path | None:
     is not cached yet); None when it has none."""
     files = checkpoint_files(name)
     if files is None and not Path(name).is_dir():
-        from huggingface_hub import snapshot_download
-
         try:
             snapshot_download(name, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json"])
         except Exception as e:  # offline, no such repo: the plain load reports it in its own words
@@ -74,12 +82,9 @@ def checkpoint_dir(name: str) -> Path | None:
     return files[0].parent
 
 
-def build_empty(name: str, device_type: str, lora) -> nn.Module:
+def build_empty(name: str, device_type: str, lora: LoraConfig | None) -> nn.Module:
     """`name`'s model with parameters on the meta device and real buffers, prepared as `model.build_model`
     prepares a loaded one (dropout off, checks, LoRA layers)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
@@ -123,9 +128,6 @@ def read_shards(model: nn.Module, path: Path, tied: set[str]) -> None:
     """Collective: fill every checkpoint tensor of `model` (its local shards) from the safetensors in `path`.
     A parameter the checkpoint lacks is an error, but for LoRA adapters and `tied` ones (read through the
     name they are tied to)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     reader = HuggingFaceStorageReader(str(path))
     stored = reader.read_metadata().state_dict_metadata
     state = {key.replace(LORA_BASE, "."): value for key, value in model.state_dict().items()}
@@ -140,10 +142,6 @@ def read_converted(model: nn.Module, path: Path, tied: set[str]) -> None:
     into one 3-D tensor per layer): which elements of a model tensor each checkpoint tensor holds comes from
     `hf_layout.element_map`; each rank reads only the checkpoint tensors that land in its rows (its experts),
     one at a time, and places them. A tensor stored as itself (attention, embeddings) is read as its rows."""
-    from safetensors import safe_open
-
-    from prime_rl.utils.hf_layout import element_map, header_specs
-
     files = sorted(path.glob("*.safetensors"))
     located = {key: file for file in files for key in header_specs(file)}
     with ExitStack() as stack, torch.no_grad():
@@ -198,10 +196,6 @@ def init_adapters(model: nn.Module) -> None:
     """LoRA's A and B as peft initialises them (A as nn.Linear's default, B = 0: the policy starts as the base),
     each drawn whole from the seeded generator and then cut to this rank's shard, so that any rank count
     starts from the same adapter."""
-    from peft.tuners.lora import LoraLayer
-
-    from prime_rl.utils.lora import ADAPTER
-
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
@@ -216,6 +210,5 @@ def shard_like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`whole` laid out as `param` (this rank's piece of it where `param` is a DTensor; no communication)."""
     if not hasattr(param, "device_mesh"):
         return whole.to(param.device)
-    from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None)

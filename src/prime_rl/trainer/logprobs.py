@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
@@ -26,7 +27,11 @@ class PolicyOutput:
 
 
 def forward_logits(
-    model: torch.nn.Module, mb: MicroBatch, device: torch.device, keep=None, keys: dict | None = None
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    keep: torch.Tensor | None = None,
+    keys: dict | None = None,
 ) -> torch.Tensor:
     """Logits [1, L, V] of one packed row, every sample attending only to itself (and, with `keys`, to the
     prompt it shares: trainer/prefix.py `SharedRow.attention_kwargs`); with `keep` (positions, long [K]) only
@@ -200,7 +205,15 @@ class _TargetLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, entropy_grad, rows, kept):
+    def forward(
+        ctx: FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        entropy_grad: bool,
+        rows: int,
+        kept: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         flat, index = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
         acc = torch.promote_types(logits.dtype, torch.float32)
         lse, target, entropy = (flat.new_empty(flat.shape[0], dtype=acc) for _ in range(3))
@@ -216,7 +229,7 @@ class _TargetLogprobs(torch.autograd.Function):
         return (target - lse).view(targets.shape), entropy.view(targets.shape)
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx: FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple:
         logits, targets, lse, entropy = ctx.saved_tensors
         flat, index = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
         g_lp = grad_logprobs.reshape(-1, 1).to(lse.dtype) / ctx.temperature  # dz/dlogits = 1 / T

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import inject_adapter_in_model
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from prime_rl.configs import LoraConfig
 from prime_rl.trainer.attention import attention_implementation, check_supported
@@ -21,16 +23,11 @@ from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.weights import check_export_layout
 from prime_rl.utils.lora import ADAPTER
 
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
 logger = logging.getLogger("prime_rl")
 
 
 def build_model(name: str, device_type: str = "cpu", lora: LoraConfig | None = None) -> torch.nn.Module:
     """Load `name` (hub id or local dir) in float32 on CPU, dropout off, in train mode (+ LoRA adapters)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         config = AutoConfig.from_pretrained(name)
         disable_dropout(config)
@@ -70,9 +67,6 @@ def disable_dropout(config: PretrainedConfig) -> list[str]:
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> None:
     """Freeze the base and inject LoRA layers into the `target_modules` linears (B = 0: the policy is unchanged)."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import inject_adapter_in_model
-
     model.requires_grad_(False)
     config = PeftLoraConfig(
         r=lora.rank,

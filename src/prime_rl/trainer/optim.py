@@ -17,6 +17,7 @@ Only parameters with `requires_grad` are optimized (LoRA freezes the base model)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -57,7 +58,7 @@ def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optim
     return MultiOptimizer(optimizers)
 
 
-def evaluate(closure) -> torch.Tensor | None:
+def evaluate(closure: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
     """An optimizer step's closure, evaluated with gradients on (torch's contract; the trainers pass none)."""
     if closure is None:
         return None
@@ -73,7 +74,7 @@ class Muon(torch.optim.Muon):
     """
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         loss = evaluate(closure)
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
@@ -133,7 +134,7 @@ class MultiOptimizer(torch.optim.Optimizer):
         self._link()
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         loss = evaluate(closure)
         for opt in self.optimizers:
             opt.step()

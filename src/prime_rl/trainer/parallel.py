@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from prime_rl.configs.training import TrainingConfig
 from prime_rl.trainer.errors import TrainerError
@@ -92,8 +95,6 @@ def apply_compile(model: torch.nn.Module, device_type: str) -> None:
 
     Each layer compiles once for every row length (dynamic shapes): inductor fuses the norms, rotary
     embedding and SwiGLU around the matmuls; the packed attention op stays opaque."""
-    import shutil
-
     compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
     if device_type == "cpu" and not any(c and shutil.which(c) for c in compilers):
         raise TrainerError("--compile on CPU needs a C++ compiler (g++, or $CXX); install one or drop --compile")
@@ -116,8 +117,6 @@ def apply_fsdp(
     plain module (FSDP's hooks and DTensor dispatch cost ~4% of a CPU step) and is moved to the device.
     Checkpoints and exported weights are the same either way.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     if world.world_size % replicate:
         raise TrainerError(
             f"parallel.replicate = {replicate} does not divide the {world.world_size} trainer rank(s) into equal groups"
@@ -139,8 +138,6 @@ def apply_fsdp(
 def device_mesh(world: Dist, replicate: int = 1):
     """The ranks as one shard group, or as replicate x shard (HSDP: row r = ranks r * shard ... r * shard + shard
     - 1, a node's ranks under torchrun)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if replicate == 1:
         return init_device_mesh(world.device.type, (world.world_size,))
     shape = (replicate, world.world_size // replicate)

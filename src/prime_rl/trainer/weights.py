@@ -31,10 +31,14 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
+from huggingface_hub import split_torch_state_dict_into_shards
+from peft import LoraConfig as PeftLoraConfig
+from safetensors.torch import save as safetensors_bytes
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from prime_rl.configs import LoraConfig
 from prime_rl.protocol import (
@@ -55,9 +59,6 @@ from prime_rl.trainer.gather import full_tensor, gather_to, received_bytes, row_
 from prime_rl.utils.hf_layout import checkpoint_files, checkpoint_state_dict, converted_at_load, header_specs
 from prime_rl.utils.lora import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX
 from prime_rl.utils.memory import PeakMemory
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 logger = logging.getLogger("prime_rl")
 
@@ -83,8 +84,6 @@ def build_model_files(name: str, lora: LoraConfig | None = None, dtype: torch.dt
     its compute dtype: a bf16 model trained in fp32 (CPU) and served from bf16-rounded weights would sample from
     another policy than the trainer scores (mismatch KL ~0.05 a step at 0.44 B), while on CUDA the bf16 export
     is exactly the bf16 copy the trainer's forward computes with."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
     config = AutoConfig.from_pretrained(name)
     if dtype is not None:
         config.dtype = dtype  # config.json of every weights dir says what its tensors are
@@ -104,8 +103,6 @@ def saved_dtype(config: PretrainedConfig) -> torch.dtype:
 
 def meta_model(config: PretrainedConfig) -> torch.nn.Module:
     """The causal LM of `config` without memory (meta device): enough to revert its weight conversion."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -229,8 +226,6 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_config(files: ModelFiles):
     """peft's LoraConfig of the exported adapter (dropout 0: serving never drops)."""
-    from peft import LoraConfig as PeftLoraConfig
-
     lora = files.lora
     return PeftLoraConfig(
         r=lora.rank,
@@ -338,7 +333,7 @@ def write_own_shards(
         specs = [spec for n in names for spec in parts[n]]
         received += sum(received_bytes(sizes[n], held[n], rank, owner) for n in names)
 
-        def stream(f, names=names, specs=specs) -> None:
+        def stream(f: BinaryIO, names: list[str] = names, specs: list = specs) -> None:
             f.write(safetensors_header(specs))
             for key, tensor in gathered(model, state, exported, parts, names, rank, held):
                 checksum.add(key, tensor)  # on the tensor's device: no host pass over the bytes
@@ -387,9 +382,6 @@ def write_safetensors(
 ) -> None:
     """Shards named like `save_pretrained`'s (`model.safetensors` or `model-0000i-of-0000n.safetensors` + index);
     the tensors as written are added to `checksum` when given."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save
-
     state_dict = drop_tied_head(state_dict, tied)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
     for name, tensor in tensors.items() if checksum is not None else ():
@@ -398,7 +390,9 @@ def write_safetensors(
     split = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_shard_size)
     for shard_file, names in split.filename_to_tensors.items():
         shard = {name: tensors[name] for name in names}
-        atomic_write(path / shard_file, lambda f, shard=shard: f.write(save(shard, metadata={"format": "pt"})))
+        atomic_write(
+            path / shard_file, lambda f, shard=shard: f.write(safetensors_bytes(shard, metadata={"format": "pt"}))
+        )
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
         index["weight_map"] = split.tensor_to_filename

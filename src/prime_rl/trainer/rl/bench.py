@@ -1,21 +1,17 @@
-"""`trainer --bench`: the summary table of a benchmark run (median step time, tokens/s, TFLOP/s and MFU).
-
-Importing it loads no torch (the RL entrypoint imports it at start-up); printing the table does.
-"""
+"""`trainer --bench`: the summary table of a benchmark run (median step time, tokens/s, TFLOP/s and MFU)."""
 
 from __future__ import annotations
 
 import logging
 import statistics
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+
+import torch
+from rich.console import Console
+from rich.table import Table
 
 from prime_rl.configs.trainer import TrainerConfig
-
-if TYPE_CHECKING:
-    import torch
-
-    from prime_rl.trainer.parallel import Dist
+from prime_rl.trainer.parallel import Dist
 
 logger = logging.getLogger("prime_rl")
 
@@ -51,10 +47,6 @@ def mean_causal_context(lengths: Iterable[int]) -> float:
 
 def print_bench_table(history: list[dict], model: torch.nn.Module, config: TrainerConfig, dist: Dist) -> None:
     """Median step time, tokens/s and MFU over the steps after the first (warm-up) one, as a rich table."""
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
     measured = history[1:] or history
     step_time = statistics.median(m["time/train"] for m in measured)
     tokens = statistics.median(m["num_tokens"] for m in measured)

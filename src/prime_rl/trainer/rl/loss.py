@@ -43,14 +43,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from prime_rl.configs.trainer import LossConfig, MaskConfig
 from prime_rl.trainer.errors import TrainerError
-
-if TYPE_CHECKING:
-    from prime_rl.configs.trainer import LossConfig, MaskConfig
 
 MASK_RULES = ("token", "sequence", "tv", "lag")
 KL_MAX = 10.0  # the k3 penalty's cap per token (verl's clamp of its k3, `kl_penalty` in core_algos.py)
@@ -262,7 +259,9 @@ def outside_band(ratio: torch.Tensor, low: float | None, high: float | None) -> 
     return out
 
 
-def aipo_objective(logprobs, log_ratio, advantages, max_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+def aipo_objective(
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, max_ratio: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ℓ = −min(r, max_ratio)·A·log π with the weight detached; clipped where r > max_ratio.
 
     Example: log π = [−1, −2], r = [1, 2], max_ratio 1.5, A = [1, −1] → ℓ = [1·1·1, −1.5·(−1)·(−2)] = [1, −3],
@@ -272,7 +271,9 @@ def aipo_objective(logprobs, log_ratio, advantages, max_ratio: float) -> tuple[t
     return -ratio.clamp(max=max_ratio) * advantages * logprobs, ratio > max_ratio
 
 
-def clipped_objective(ratio, advantages, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO/GRPO: ℓ = −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A); clipped where the clipped branch wins.
 
     Example (ε = 0.2): r = [1.5, 0.5, 1.1], A = [1, −1, 1] → ℓ = [−1.2, 0.8, −1.1]; the first two are clipped
@@ -283,7 +284,9 @@ def clipped_objective(ratio, advantages, clip_low: float, clip_high: float) -> t
     return -torch.minimum(unclipped, clipped_value), clipped_value.detach() < unclipped.detach()
 
 
-def gspo_ratio(logprobs, log_ratio, loss_mask, samples) -> torch.Tensor:
+def gspo_ratio(
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, loss_mask: torch.Tensor, samples: torch.Tensor
+) -> torch.Tensor:
     """GSPO-token ratio s_i,t = sg[s_i]·exp(log π_t − sg[log π_t]): value s_i, gradient s_i ∇log π_t.
 
     Example: one sample with log π − log μ = [ln 2, 0] on its two loss tokens → s = exp(ln 2 / 2) = √2 for both.

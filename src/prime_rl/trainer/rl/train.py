@@ -13,8 +13,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import runpy
+import sys
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -174,7 +177,7 @@ def load_micro_batches(config: TrainerConfig, step: int, dist: Dist, times: dict
         return _read_micro_batches(config, step, dist, path)
 
 
-def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path) -> list[MicroBatch]:
+def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path: Path) -> list[MicroBatch]:
     try:
         micro_batches = read_rank_file(path, step, dist.rank)
     except ValueError as e:  # its message names the file
@@ -307,12 +310,7 @@ if __name__ == "__main__":
     # The script path of docs/usage.md (`torchrun ... src/prime_rl/trainer/rl/train.py @ ...`) is the `trainer`
     # entrypoint: without this block the file only defined its functions and torchrun exited 0 having trained nothing.
     # Its folder leaves sys.path first, so that its loss.py can never stand in for another package's `loss`.
-    import sys
-    from pathlib import Path
-
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     # Run as a program (what `python -m prime_rl.entrypoints.trainer` does), not imported: this module stays
     # below the entrypoints (pyproject's layers).
-    import runpy
-
     runpy.run_module("prime_rl.entrypoints.trainer", run_name="__main__", alter_sys=True)

@@ -21,10 +21,12 @@ template the text is `prompt + completion + eos`. Example with ChatML, prompt "a
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from prime_rl.configs.sft import SFTDataConfig
 from prime_rl.envs import EnvError, load_environment
@@ -45,12 +47,12 @@ def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
         if path.suffix == ".jsonl":
             return _read_jsonl(path)
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # only for .parquet data
 
             rows = pq.read_table(path).to_pylist()
             return rows, [f"{path} row {i}" for i in range(len(rows))]
         raise TrainerError(f"data.path {path}: expected a .jsonl or .parquet file")
-    import datasets
+    import datasets  # only for hub datasets: seconds of imports that jsonl and environment rows skip
 
     try:
         ds = datasets.load_dataset(cfg.name, split=cfg.split)
@@ -61,8 +63,6 @@ def load_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
 
 def _environment_rows(cfg: SFTDataConfig) -> tuple[list[dict], list[str]]:
     """`env_examples` prompts of an environment with its reference answers as the assistant's completion."""
-    import itertools
-
     try:
         env = load_environment(cfg.env_id, **cfg.env_args)
         examples = list(itertools.islice(env.examples(cfg.env_seed), cfg.env_examples))
@@ -92,12 +92,14 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
     return rows, where
 
 
-def tokenize_row(row: dict, where: str, tokenizer, cfg: SFTDataConfig) -> Sample:
+def tokenize_row(row: dict, where: str, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig) -> Sample:
     """Token ids and the completion mask of one row; TrainerError naming `where` if the row is malformed."""
     return tokenize_rows([row], [where], tokenizer, cfg)[0]
 
 
-def tokenize_rows(rows: list[dict], where: list[str], tokenizer, cfg: SFTDataConfig) -> list[Sample]:
+def tokenize_rows(
+    rows: list[dict], where: list[str], tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig
+) -> list[Sample]:
     """`tokenize_row` of each row: the chat templates render row by row, the texts encode in one batch (the
     tokenizer's per-call overhead dominated: reverse-text's 64,000 rows took 20 s one call at a time, 12 s so)."""
     plans = [_plan(row, w, tokenizer, cfg) for row, w in zip(rows, where, strict=True)]
@@ -109,7 +111,7 @@ def tokenize_rows(rows: list[dict], where: list[str], tokenizer, cfg: SFTDataCon
     ]
 
 
-def _plan(row: dict, where: str, tokenizer, cfg: SFTDataConfig) -> Sample | list[str]:
+def _plan(row: dict, where: str, tokenizer: PreTrainedTokenizerBase, cfg: SFTDataConfig) -> Sample | list[str]:
     """A row without a chat template as its Sample, else the texts its loss mask is computed from."""
     tools = _tools(row.get("tools"), where)
     if tools and tokenizer.chat_template is None:
@@ -137,7 +139,7 @@ def _plan(row: dict, where: str, tokenizer, cfg: SFTDataConfig) -> Sample | list
 _TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
-def _as_messages(value, role: str, where: str) -> list[dict]:
+def _as_messages(value: object, role: str, where: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, list) and all(
@@ -150,7 +152,7 @@ def _as_messages(value, role: str, where: str) -> list[dict]:
     raise TrainerError(f"{where}: expected a string or a list of {{'role', 'content'}} messages, got {value!r:.80}")
 
 
-def _tools(value, where: str) -> list[dict] | None:
+def _tools(value: object, where: str) -> list[dict] | None:
     """The row's `tools` (OpenAI function schemas), parsed if given as a JSON string; None if absent."""
     if value is None:
         return None
@@ -164,12 +166,14 @@ def _tools(value, where: str) -> list[dict] | None:
     return value or None
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> str:
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools: list[dict] | None
+) -> str:
     # Encoded later as apply_chat_template(tokenize=True) does: the text, add_special_tokens=False.
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
 
 
-def _chat_texts(messages: list[dict], tokenizer, tools: list[dict] | None) -> list[str]:
+def _chat_texts(messages: list[dict], tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None) -> list[str]:
     """For each assistant turn i: the chat before it with the generation prompt, and the chat up to it; then
     the whole chat if it goes on after the last assistant turn (else that was the last text)."""
     texts = []
@@ -199,7 +203,7 @@ def _chat_sample(renders: list[list[int]], where: str) -> Sample:
     return Sample(list(full), mask)
 
 
-def _plain(prompt: str, completion: str, tokenizer, where: str) -> Sample:
+def _plain(prompt: str, completion: str, tokenizer: PreTrainedTokenizerBase, where: str) -> Sample:
     if not isinstance(prompt, str) or not isinstance(completion, str):
         raise TrainerError(f"{where}: messages need a tokenizer with a chat template")
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -207,7 +211,7 @@ def _plain(prompt: str, completion: str, tokenizer, where: str) -> Sample:
     return Sample(p + c, [False] * len(p) + [True] * len(c))
 
 
-def build_samples(cfg: SFTDataConfig, tokenizer, seq_len: int) -> tuple[list[Sample], int]:
+def build_samples(cfg: SFTDataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> tuple[list[Sample], int]:
     """Every row tokenized (malformed rows fail here, before training) and the number truncated to seq_len."""
     rows, where = load_rows(cfg)
     samples, truncated = [], 0

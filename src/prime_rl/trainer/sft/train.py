@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import runpy
 import sys
 import time
 from contextlib import nullcontext
@@ -238,6 +239,4 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     # Run as a program (what `python -m prime_rl.entrypoints.sft` does), not imported: this module stays
     # below the entrypoints (pyproject's layers).
-    import runpy
-
     runpy.run_module("prime_rl.entrypoints.sft", run_name="__main__", alter_sys=True)

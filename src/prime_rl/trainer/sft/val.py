@@ -8,6 +8,7 @@ figure does not depend on the rank count beyond the last bits of float addition.
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from prime_rl.configs.sft import SFTDataConfig, SFTValConfig
 from prime_rl.protocol.records import MicroBatch
@@ -20,7 +21,7 @@ from prime_rl.utils.timer import timer
 
 
 def build_val_rows(
-    data: SFTDataConfig, seq_len: int, tokenizer, dist: Dist, share_prompts: bool = False
+    data: SFTDataConfig, seq_len: int, tokenizer: PreTrainedTokenizerBase, dist: Dist, share_prompts: bool = False
 ) -> list[MicroBatch]:
     """This rank's packed held-out rows of `data` (`val.data`) in rows of `seq_len` (collective: as many rows
     on every rank; `share_prompts`: packed as a trainer sharing prompts computes them, as the training rows)."""
