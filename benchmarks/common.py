@@ -1,9 +1,13 @@
-"""What the benchmarks share: medians, Markdown tables, starting a server, running `rl`, writing the JSON record.
+"""What the benchmarks share: medians, Markdown tables, subcommands, starting a server, running `rl`, building a
+preset model, writing the JSON record.
 
 A script imports it as `from common import ...`: Python puts a script's own folder (benchmarks/) first on
 sys.path. Everything `prime_rl` comes from the project's environment (`uv run`), never from a path added here,
 so a benchmark measures the code the venv has installed (`orchestration.py --before` alone runs another tree,
 in its own subprocess).
+
+A script answers one question per subcommand (`question_parser`, `add_question`): its docstring holds each one's
+section, which that subcommand's --help shows.
 
 Every benchmark writes one JSON record (`--json PATH`, default benchmarks/results/<name>.json, git-ignored):
 {"benchmark", "date" (UTC), "argv", "args", ...the script's own results}; the script prints its table as well.
@@ -14,6 +18,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +54,26 @@ def markdown_table(header: list[str], rows: Iterable[Iterable[object]]) -> str:
     return "\n".join(lines)
 
 
+def question_parser(doc: str) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """A script's parser (its whole docstring as --help) and its subcommands, one per question (required)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser, parser.add_subparsers(dest="question", required=True)
+
+
+def add_question(sub: argparse._SubParsersAction, doc: str, name: str, help: str) -> argparse.ArgumentParser:
+    """One subcommand; its --help shows the docstring's command lines that run it and its section: from the line
+    that starts with "`name`:" to the next line that starts with another "`subcommand`:"."""
+    lines = doc.splitlines()
+    commands = [line for line in lines if re.search(rf"benchmarks/\S+\.py {re.escape(name)}(\s|$)", line)]
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"`{name}`:"))
+    heads = [i for i, line in enumerate(lines) if re.match(r"`[a-z][\w-]*`: ", line)]
+    end = next((i for i in heads if i > start), len(lines))
+    description = "\n".join(commands) + "\n\n" + "\n".join(lines[start:end]).strip()
+    return sub.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def add_json_argument(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--json",
@@ -69,6 +96,28 @@ def write_json(args: argparse.Namespace, name: str, results: dict) -> Path:
     args.json.write_text(json.dumps(record, indent=1, default=str))
     print(f"results: {args.json}", file=sys.stderr)
     return args.json
+
+
+def print_line(record: dict) -> None:
+    """One JSON line on stdout in one write (< 4 KiB, atomic on a pipe): the lines of ranks that share the pipe
+    never interleave."""
+    os.write(1, (json.dumps(record) + "\n").encode())
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (ru_maxrss, KiB on Linux), GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def preset_model(model_dir: Path, preset: str, layers: int | None) -> Path:
+    """`tiny-model --preset` (random weights of a real model's shape, cut to `layers`) built into `model_dir`,
+    unless it holds a model already."""
+    if not (model_dir / "config.json").is_file():
+        build = [sys.executable, "-m", "prime_rl.utils.tiny_model", str(model_dir), "--preset", preset]
+        done = subprocess.run(build + (["--num-layers", str(layers)] if layers else []), capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"tiny-model --preset {preset} failed:\n{done.stderr[-3000:]}")
+    return model_dir
 
 
 def start_server(model: Path, port: int, out: Path, extra: list[str] = (), timeout: float = 180):

@@ -1,4 +1,5 @@
-"""Where a step of the RL loop spends its time: hand-offs between services, and the orchestrator's own overhead.
+"""Where a step of the RL loop spends its time: hand-offs between services, the orchestrator's own overhead, and
+what having verifiers play the episodes costs.
 
     uv run python benchmarks/loop.py handoffs             # ~9 min: both models, sync and async_level 1
     uv run python benchmarks/loop.py handoffs --models tiny --modes sync --transfers filesystem,broadcast
@@ -6,6 +7,8 @@
     uv run python benchmarks/loop.py handoffs --models 10m --cores shared,split --steps 6  # cores of their own
     uv run python benchmarks/loop.py overhead             # ~1 min: orchestrator overhead at batch 256, both servers
     uv run python benchmarks/loop.py overhead --server real   # or --server fake
+    uv run python benchmarks/loop.py episodes             # ~1 min: 6 steps each, medians over the steps after the first
+    uv run python benchmarks/loop.py episodes --steps 10 --warmup 2
 
 `handoffs`: each case is one real `rl` run (inference server, orchestrator, 1-rank trainer on this machine's
 CPU, fp32) on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the services' own metrics files:
@@ -36,6 +39,17 @@ against two servers, medians over the steps after the first:
 Overhead = step time - time waiting for weights - time in generation requests (the `generate` timer,
 which includes the client's own parsing of the responses and the environment's scoring and advantages, which
 run as each group arrives while the server works on the others); pack and write are timed on their own.
+
+`episodes`: reverse-text played two ways, each a real `rl` run (built-in engine, 1-rank trainer, CPU), one
+invocation:
+- `in-process`: the built-in `reverse-text` environment, sampled by the orchestrator itself (one chat request
+  per group of `rollouts` samples).
+- `verifiers`: the same texts and reward as a verifiers taskset (`prime_rl_reverse`) played by verifiers itself
+  (`verifiers-env`: its `null` harness program on the subprocess runtime, one per episode, calling the pool
+  endpoint through its training client; orchestrator/episodes.py).
+
+Same model, batch, sampling and seed. Reported per way, over the steps after `--warmup`: the median step, its
+generation, tokens per second of the step, and the reward. Needs `uv sync --extra verifiers` and `uv` on PATH.
 """
 
 from __future__ import annotations
@@ -52,10 +66,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from common import (
+    ROOT,
     add_json_argument,
+    add_question,
     markdown_table,
     median,
     median_of,
+    question_parser,
     rl_config_toml,
     run_rl,
     start_server,
@@ -222,10 +239,62 @@ def main_overhead(args: argparse.Namespace) -> None:
     write_json(args, "loop-overhead", {"rows": rows})
 
 
+# ---- episodes ---------------------------------------------------------------------------------------------
+
+EPISODES_MODEL = ROOT / "assets" / "reverse-qwen3"
+EPISODE_WAYS = {
+    "in-process": "",
+    "verifiers": """
+[[orchestrator.env]]
+id = "verifiers-env"
+name = "reverse-text"
+[orchestrator.env.args]
+taskset = { id = "prime_rl_reverse", min_chars = 5, max_chars = 16 }
+agent = { harness = { id = "null" }, runtime = { type = "subprocess" } }
+""",
+}
+
+
+def episodes_case(way: str, out: Path, args: argparse.Namespace) -> dict:
+    config = rl_config_toml(EPISODES_MODEL, out, steps=args.steps, async_level=1, transfer="filesystem",
+                            port=free_port(), backend="builtin", batch_size=args.batch_size, rollouts=args.rollouts,
+                            max_tokens=24, lr=5e-4)  # fmt: skip
+    if EPISODE_WAYS[way]:  # the env table replaces the config's `env.id = "reverse-text"`
+        config = config.replace('env.id = "reverse-text"\n', "") + EPISODE_WAYS[way]
+    else:
+        config = config.replace('env.id = "reverse-text"\n', 'env.id = "reverse-text"\nenv.args = { min_chars = 5, '
+                                'max_chars = 16 }\n')  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f"{way}.toml"
+    path.write_text(config)
+    seconds = run_rl(path, timeout=3600)
+    rows = [m for m in read_metrics(out, "orchestrator") if m["step"] >= args.warmup]
+    return {
+        "rl_seconds": seconds,
+        "step_s": median_of(rows, "time/step"),
+        "generate_s": median_of(rows, "time/generate"),
+        "tokens_per_s": median_of(rows, "tokens_per_s"),
+        "reward": median_of(rows, "reward_mean"),
+    }
+
+
+def main_episodes(args: argparse.Namespace) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for way in EPISODE_WAYS:
+            results[way] = episodes_case(way, Path(tmp) / way / "out", args)
+    header = ["way", "rl run", "step (median)", "generation", "tokens/s", "reward"]
+    print(markdown_table(header, [
+        [way, f"{r['rl_seconds']:.0f} s", f"{r['step_s']:.2f} s", f"{r['generate_s']:.2f} s",
+         f"{r['tokens_per_s']:.0f}", f"{r['reward']:.3f}"]
+        for way, r in results.items()
+    ]))  # fmt: skip
+    write_json(args, "episodes", results)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="question", required=True)
-    h = sub.add_parser("handoffs", help="where a step's time goes, real `rl` runs")
+    parser, sub = question_parser(__doc__)
+    h = add_question(sub, __doc__, "handoffs", "where a step's time goes, real `rl` runs")
     h.add_argument("--models", default="tiny,10m")
     h.add_argument("--modes", default="sync,async", help="sync = async_level 0, async = async_level 1")
     h.add_argument("--transfers", default="filesystem,broadcast")
@@ -236,7 +305,7 @@ def main() -> None:
     h.add_argument("--warmup", type=int, default=2)
     h.add_argument("--port", type=int, default=8791)
     add_json_argument(h, "loop-handoffs")
-    o = sub.add_parser("overhead", help="the orchestrator's share of a step at batch 256")
+    o = add_question(sub, __doc__, "overhead", "the orchestrator's share of a step at batch 256")
     o.add_argument("--server", choices=["real", "fake", "both"], default="both")
     o.add_argument("--batch-size", type=int, default=256)
     o.add_argument("--tokens", type=int, default=64, help="completion tokens per rollout")
@@ -244,8 +313,14 @@ def main() -> None:
     o.add_argument("--model", type=Path, default=None, help="model dir; default: a fresh tiny Qwen3")
     o.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     add_json_argument(o, "loop-overhead")
+    e = add_question(sub, __doc__, "episodes", "reverse-text in-process vs played by verifiers: step, tokens/s")
+    e.add_argument("--steps", type=int, default=6)
+    e.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--rollouts", type=int, default=4)
+    add_json_argument(e, "episodes")
     args = parser.parse_args()
-    {"handoffs": main_handoffs, "overhead": main_overhead}[args.question](args)
+    {"handoffs": main_handoffs, "overhead": main_overhead, "episodes": main_episodes}[args.question](args)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_json_argument, write_json
+from common import add_json_argument, add_question, question_parser, write_json
 
 
 def build(root: Path, args: argparse.Namespace):
@@ -245,9 +245,8 @@ def main_training(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="question", required=True)
-    s = sub.add_parser("serving", help="decode speed: base, merged adapter, runtime adapter; the update's cost")
+    parser, sub = question_parser(__doc__)
+    s = add_question(sub, __doc__, "serving", "decode speed: base, merged adapter, runtime adapter; the update's cost")
     s.add_argument("--hidden", type=int, default=384)
     s.add_argument("--layers", type=int, default=8)
     s.add_argument("--rank", type=int, default=16)
@@ -255,7 +254,7 @@ def main() -> None:
     s.add_argument("--tokens", type=int, default=64, help="decoded tokens per repetition")
     s.add_argument("--reps", type=int, default=5)
     add_json_argument(s, "lora-serving")
-    t = sub.add_parser("training", help="trainer memory and step time: every weight vs a LoRA adapter")
+    t = add_question(sub, __doc__, "training", "trainer memory and step time: every weight vs a LoRA adapter")
     t.add_argument("--hidden", type=int, default=320)
     t.add_argument("--layers", type=int, default=10)
     t.add_argument("--rank", type=int, default=16)

@@ -1,10 +1,14 @@
-"""Orchestration modes side by side, each a real `rl` run (built-in engine, 1-rank trainer, CPU, fp32):
+"""Orchestration: barrier vs continuous mode on a long tail and the cost of evals (real `rl` runs), and how old the
+tokens continuous mode trains on are, per `max_inflight` and lag bound.
 
-    uv run python benchmarks/orchestration.py                  # all cases
-    uv run python benchmarks/orchestration.py --cases long-tail
-    uv run python benchmarks/orchestration.py --cases long-tail --before /tmp/before/src   # and an older commit's
-    uv run python benchmarks/orchestration.py --cases long-tail --backend vllm   # vLLM serving (its CPU build here)
+    uv run python benchmarks/orchestration.py modes                  # all cases: ~15 min
+    uv run python benchmarks/orchestration.py modes --cases long-tail
+    uv run python benchmarks/orchestration.py modes --cases long-tail --before /tmp/before/src  # and an older commit's
+    uv run python benchmarks/orchestration.py modes --cases long-tail --backend vllm  # vLLM serving (its CPU build)
+    uv run python benchmarks/orchestration.py lag                    # max_inflight 16/32/64/128, batch 16: ~1 min
+    uv run python benchmarks/orchestration.py lag --bounds 8 4 unset 1   # bounds side by side
 
+`modes`: orchestration modes side by side, each a real `rl` run (built-in engine, 1-rank trainer, CPU, fp32).
 - `long-tail`: a long-tailed multi-turn environment (benchmarks/long_tail.py: one group in 8 plays 10 model
   turns, the rest 1; 8 groups of 4 a step), barrier mode (each step samples its own batch and waits for
   its slowest group) vs continuous mode (`max_inflight` = 2 batches, `max_off_policy_steps` = 2), same
@@ -28,15 +32,27 @@ the run reports `generated/*`); groups dropped as stale; the evals' share of req
 server's idle share reads vLLM's `vllm:generation_tokens_total`); `long-tail` only.
 Inference and the trainer get one torch thread each: two multi-threaded processes on two cores spin
 against each other, and whichever mode keeps both busier would look slower for that reason alone.
+
+`lag`: how old the tokens continuous mode trains on are, per `max_inflight` and lag bound (`max_off_policy_steps`).
+The orchestrator's real stream (orchestrator/stream.py: admissions paced by deadlines) and client, against an
+in-process server (httpx MockTransport, no model) whose requests take 10 ms, one example in 8 ten times that (a
+long tail), each stamped with the weight step the servers hold when it arrives; the test plays the trainer (30 ms
+a step, weights k + 1 once rollouts k are in) and the orchestrator's policy rule (step n loads the newest weights
+<= n once it holds none >= n - async_level). Reported over the steps after the warm-up: the mean and max lag of
+the trained tokens (step - the policy step that sampled them; `token_lag_mean` / `token_lag_max` in
+metrics/orchestrator.jsonl), groups dropped as stale, and the mean step time (the cost of a tighter bound: fewer
+groups in flight). CPU, seconds a case.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
+import json
 import os
+import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,13 +60,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import add_json_argument, start_server, write_json
+import httpx
+from common import ROOT, add_json_argument, add_question, question_parser, run_rl, start_server, write_json
 
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port
 from prime_rl.utils.tiny_model import create_tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
 
 BASE = """
 output_dir = "{out}"
@@ -123,16 +138,11 @@ def run_case(
     paths = [str(src)] if src is not None else []  # ahead of the venv's own prime_rl
     paths += [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run([sys.executable, "-m", "prime_rl.entrypoints.rl", "@", str(cfg)], cwd=ROOT,
-                          capture_output=True, text=True, env=env)  # fmt: skip
-    if done.returncode != 0:
-        sys.exit(f"rl failed for {cfg}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    run_rl(cfg, env=env)
     return read_metrics(out, "orchestrator")
 
 
 def generation_only(model: Path, out: Path, steps: int, continuous: bool, port: int) -> list[dict]:
-    import asyncio
-
     from prime_rl.configs.orchestrator import OrchestratorConfig
     from prime_rl.launch.supervise import stop_all
     from prime_rl.orchestrator.orchestrator import orchestrate
@@ -166,8 +176,6 @@ class ServerLoad(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        import httpx
-
         while not self.stopped.wait(self.interval):
             sent = time.time()
             try:
@@ -240,16 +248,7 @@ def cells(r: dict) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="long-tail,long-tail-generation,eval")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--backend", choices=["builtin", "vllm"], default="builtin")
-    parser.add_argument("--before", type=Path, help="also run `rl` from this source tree (an older commit's "
-                        "worktree's src/), each mode before this tree's")  # fmt: skip
-    add_json_argument(parser, "orchestration")
-    args = parser.parse_args()
+def main_modes(args: argparse.Namespace) -> None:
     results: dict[str, list[dict]] = {}
     trees = {"before": args.before, "after": None} if args.before is not None else {"": None}
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
@@ -284,6 +283,137 @@ def main() -> None:
                     print(cells(results[case][-1]), flush=True)
                     print(f"    ({label}: run {time.perf_counter() - start:.0f} s)", file=sys.stderr)
     write_json(args, "orchestration", {"cases": results})
+
+
+# ---- lag --------------------------------------------------------------------------------------------------
+
+REQUEST_S, LONG_REQUEST_S, TRAIN_S = 0.01, 0.1, 0.03  # a request, a long-tail request, a trainer step
+
+
+class Numbered:
+    def examples(self, seed):
+        from prime_rl.envs import Example
+
+        i = 0
+        while True:
+            yield Example(prompt=[{"role": "user", "content": str(i)}], answer="a", info={"i": i})
+            i += 1
+
+    def score(self, text, example):
+        return random.random()  # varied rewards: no group has zero advantage
+
+
+class Servers:
+    """The inference servers: hold weight step `step`; a request takes REQUEST_S (LONG_REQUEST_S for every 8th
+    example)."""
+
+    def __init__(self):
+        self.step = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        stamp = self.step
+        await asyncio.sleep(LONG_REQUEST_S if int(body["messages"][0]["content"]) % 8 == 0 else REQUEST_S)
+        logprobs = {"content": [{"token": f"token_id:{i}", "logprob": -1.0} for i in (5, 6)]}
+        choices = [{"index": j, "message": {"content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6],
+                    "logprobs": logprobs} for j in range(body["n"])]  # fmt: skip
+        data = {"prompt_token_ids": [1], "choices": choices}
+        return httpx.Response(200, json=data, headers={"x-weight-step": str(stamp)})
+
+
+async def lag_case(inflight: int, bound: int | None, steps: int, warmup: int, batch: int, group: int) -> dict:
+    from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig
+    from prime_rl.orchestrator.batch import DataStream, EnvMix, EnvSlot, token_lags
+    from prime_rl.orchestrator.rollout import RolloutSource
+    from prime_rl.orchestrator.servers.client import InferenceClient
+    from prime_rl.orchestrator.staleness import Staleness
+    from prime_rl.orchestrator.stream import RolloutStream
+
+    random.seed(0)
+    config = OrchestratorConfig(batch_size=batch, rollouts_per_example=group, max_inflight=inflight,
+                                max_off_policy_steps=bound, async_level=1)  # fmt: skip
+    servers, env = Servers(), Numbered()
+    source = RolloutSource(env, "env", config.sampling, config.seq_len, None)
+    mix = EnvMix([EnvSlot(EnvConfig(id="x:y", name="env"), source, DataStream(env, 0))])
+    client = InferenceClient(config.client, "m", transport=httpx.MockTransport(servers))
+    stream = RolloutStream(client, mix, config, None)
+    written = asyncio.Event()
+    trained = 0  # the newest weight step the trainer has written
+
+    async def trainer():
+        nonlocal trained
+        for k in range(steps):
+            while stream.step <= k:  # rollouts k are in once the stream moved past step k
+                written.clear()
+                await written.wait()
+            await asyncio.sleep(TRAIN_S)
+            trained = k + 1
+
+    lags, maxes, stale, times = [], [], 0, []
+    train = asyncio.create_task(trainer())
+    try:
+        for n in range(steps):
+            start = time.perf_counter()
+            need = max(0, n - config.async_level)
+            while trained < need:
+                await asyncio.sleep(0.001)
+            if servers.step < need:  # policy.wait_for_policy: the newest weights <= n
+                servers.step = min(trained, n)
+                for server in client.pool.servers:
+                    server.step = servers.step
+            client.set_floor(Staleness.of(config).oldest(n))
+            taken = await stream.take(n)
+            written.set()
+            if n >= warmup:
+                m = token_lags(taken.rollouts, n)
+                lags.append(m["token_lag_mean"])
+                maxes.append(m["token_lag_max"])
+                stale += taken.stale
+                times.append(time.perf_counter() - start)
+    finally:
+        train.cancel()
+        await stream.close()
+        await client.close()
+    return {"inflight": inflight, "bound": Staleness.of(config).lag, "lag_mean": statistics.fmean(lags),
+            "lag_max": max(maxes), "stale": stale, "step_s": statistics.fmean(times)}  # fmt: skip
+
+
+def main_lag(args: argparse.Namespace) -> None:
+    rows = []
+    print("| max_inflight | max_off_policy_steps | token lag mean | token lag max | stale groups | step (ms) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for inflight in args.inflight:
+        for bound in args.bounds:
+            r = asyncio.run(lag_case(inflight, bound, args.steps, args.warmup, args.batch, args.group))
+            rows.append(r)
+            print(f"| {r['inflight']} | {r['bound']}{'' if bound is not None else ' (default)'} | {r['lag_mean']:.2f} "
+                  f"| {r['lag_max']} | {r['stale']} | {1000 * r['step_s']:.0f} |", flush=True)  # fmt: skip
+    write_json(args, "continuous_lag", {"rows": rows})
+
+
+def main() -> None:
+    parser, sub = question_parser(__doc__)
+    m = add_question(sub, __doc__, "modes", "barrier vs continuous mode on a long tail, the cost of evals (rl runs)")
+    m.add_argument("--cases", default="long-tail,long-tail-generation,eval")
+    m.add_argument("--steps", type=int, default=10, help="measured steps (after the warm-up)")
+    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--backend", choices=["builtin", "vllm"], default="builtin")
+    m.add_argument("--before", type=Path, help="also run `rl` from this source tree (an older commit's "
+                   "worktree's src/), each mode before this tree's")  # fmt: skip
+    add_json_argument(m, "orchestration")
+    g = add_question(sub, __doc__, "lag", "how old the trained tokens are per max_inflight and lag bound (no model)")
+    g.add_argument("--inflight", type=int, nargs="+", default=[16, 32, 64, 128])
+    g.add_argument(
+        "--bounds", type=lambda v: None if v == "unset" else int(v), nargs="+", default=[8, None],
+        help="max_off_policy_steps values; 'unset' = the default (async_level + 1)",
+    )  # fmt: skip
+    g.add_argument("--steps", type=int, default=40)
+    g.add_argument("--warmup", type=int, default=10)
+    g.add_argument("--batch", type=int, default=16)
+    g.add_argument("--group", type=int, default=4)
+    add_json_argument(g, "continuous_lag")
+    args = parser.parse_args()
+    {"modes": main_modes, "lag": main_lag}[args.question](args)
 
 
 if __name__ == "__main__":

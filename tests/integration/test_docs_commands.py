@@ -246,7 +246,7 @@ def why_not_run(line: Line) -> str | None:
     if "--model.lora" in c:
         return "the debug run again with LoRA (tests/integration/test_rl.py runs LoRA)"
     if "--bench" in c:
-        return "a trainer benchmark (benchmarks/trainer.py times it)"
+        return "a trainer benchmark (benchmarks/trainer.py step times it)"
     if re.match(r"uv run (inference|orchestrator|trainer) ", c):
         return "one service alone: a server runs until stopped, the others wait for it (rl starts all three)"
     if kind == "script" and c.startswith("uv run python benchmarks/"):
@@ -430,7 +430,8 @@ def test_script_line_flags_exist(line):
             argv = [str(BIN / w[2])]
         help_text = subprocess.run([*argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert help_text.returncode == 0, help_text.stderr
-        missing = [f for f in _flags(line.command) if f not in help_text.stdout]
+        options = help_text.stdout.split("options:", 1)[-1]  # argparse's flag list, not the prose above it
+        missing = [f for f in _flags(line.command) if f not in options]
     assert not missing, f"{line}: flags the command does not have: {missing}"
 
 

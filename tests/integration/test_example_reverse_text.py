@@ -4,7 +4,7 @@ SFT of the shipped random-init model (Muon) on an imperfect demonstrator's answe
 characters, one character in five slipped) until its loss on held-out exact answers is below the config's
 target, RL on 5-16 scored on the exact reversal, eval of both on 512 held-out prompts. The eval reward
 after RL must beat the one after SFT, and the training reward must rise over the RL run, by the margins
-`benchmarks/reverse_text.py` supports (docs/examples/reverse_text.md: every run of its table gains more).
+`benchmarks/learning.py reverse-text` supports (docs/examples/reverse_text.md: every run of its table gains more).
 The seed is one that table does not use.
 """
 

@@ -45,7 +45,9 @@ def test_a_planted_pickle_never_runs(checkpoint, tmp_path):
     # convert-checkpoint says so in one line and exits 1 (it used to run the payload).
     out = tmp_path / "hf"
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.entrypoints.convert", str(checkpoint), str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "prime_rl.entrypoints.convert", str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1 and "refusing to load" in result.stderr and "Traceback" not in result.stderr
     assert not marker.exists()
