@@ -5,8 +5,8 @@ answer, the task's data as `info`). verifiers' side, through its chat dialect (`
 `message_to_wire`): a task's prompt, and what its hooks inspect: a `vf.Trace` of the conversation (one
 branch of message nodes, the model's sampled turns as its calls), the `vf.Response` of the model's last
 message and the `vf.Request` of the next turn. What a taskset may not do is refused elsewhere
-(verifiers_adapter); these functions only translate (and read a taskset's tasks: `load_tasks`, `task_order`,
-for both ways verifiers tasksets are played here).
+(verifiers_adapter); these functions only translate (and import verifiers, `import_vf`, and read a taskset's
+tasks, `load_tasks` and `task_order`, for both ways verifiers tasksets are played here).
 """
 
 from __future__ import annotations
@@ -15,6 +15,28 @@ from collections.abc import Iterator
 from typing import Any
 
 from prime_rl.envs.base import EnvError, Example, shuffled_forever
+
+INSTALL_HINT = "uv sync --extra verifiers (or pip install verifiers==0.4.0), plus the taskset's own package"
+
+
+def import_vf(env_id: str) -> Any:
+    """verifiers 0.4's `verifiers.v1`, or an EnvError saying what to install for `env_id`."""
+    try:
+        import verifiers
+    except ImportError:
+        raise EnvError(
+            f"environment 'verifiers:{env_id}' needs the optional 'verifiers' package, which is not installed "
+            f"({INSTALL_HINT})"
+        ) from None
+    try:
+        import verifiers.v1 as vf
+    except ImportError as e:
+        found = getattr(verifiers, "__version__", "unknown")
+        raise EnvError(
+            f"environment 'verifiers:{env_id}' needs verifiers 0.4 (its verifiers.v1 stack); the installed "
+            f"verifiers {found} has none ({type(e).__name__}: {e}); {INSTALL_HINT}"
+        ) from None
+    return vf
 
 
 def load_tasks(taskset: Any, where: str) -> tuple[list | None, Any]:

@@ -42,33 +42,13 @@ from typing import Any
 
 from prime_rl.envs.base import DEFAULT_MAX_TURNS, EnvError
 from prime_rl.envs.verifiers_adapter import VerifiersEnv, VerifiersToolEnv
+from prime_rl.envs.verifiers_convert import import_vf
 from prime_rl.envs.verifiers_episodes import PLAYED_BY_VERIFIERS
-
-INSTALL_HINT = "uv sync --extra verifiers (or pip install verifiers==0.4.0), plus the taskset's own package"
-
-
-def _import_vf(env_id: str) -> Any:
-    try:
-        import verifiers
-    except ImportError:
-        raise EnvError(
-            f"environment 'verifiers:{env_id}' needs the optional 'verifiers' package, which is not installed "
-            f"({INSTALL_HINT})"
-        ) from None
-    try:
-        import verifiers.v1 as vf
-    except ImportError as e:
-        found = getattr(verifiers, "__version__", "unknown")
-        raise EnvError(
-            f"environment 'verifiers:{env_id}' needs verifiers 0.4 (its verifiers.v1 stack); the installed "
-            f"verifiers {found} has none ({type(e).__name__}: {e}); {INSTALL_HINT}"
-        ) from None
-    return vf
 
 
 def load_verifiers_environment(env_id: str, **args: Any) -> VerifiersEnv:
     """The verifiers taskset `env_id` (an installed taskset id, or 'module:function'), adapted to our protocol."""
-    vf = _import_vf(env_id)
+    vf = import_vf(env_id)
     turns = int(args.pop("max_turns", DEFAULT_MAX_TURNS))
     if turns < 1:
         raise EnvError(f"verifiers:{env_id}: max_turns must be >= 1, got {turns}")
@@ -78,7 +58,7 @@ def load_verifiers_environment(env_id: str, **args: Any) -> VerifiersEnv:
 
 def adapt_taskset(taskset: Any, env_id: str = "taskset", max_turns: int = DEFAULT_MAX_TURNS) -> VerifiersEnv:
     """A built vf.Taskset as one of our environments: multi-turn when its tasks have tools."""
-    vf = _import_vf(env_id)
+    vf = import_vf(env_id)
     shared = list(type(taskset).toolsets(taskset.config))  # one server for the whole taskset
     per_task = list(type(taskset).task_type().toolsets(taskset.config.task))  # verifiers: one per rollout
     if shared or per_task:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prime_rl.envs.base import EnvError, Example
-from prime_rl.envs.verifiers_convert import load_tasks, task_order
+from prime_rl.envs.verifiers_convert import import_vf, load_tasks, task_order
 
 ID = "verifiers-env"
 # what the in-process path's refusals suggest
@@ -55,9 +55,7 @@ class EpisodeEnv:
 
 def load_episode_env(**args: Any) -> EpisodeEnv:
     """verifiers' Env for the env config `args` (EnvError naming what it could not load)."""
-    from prime_rl.envs.verifiers_env import _import_vf  # which imports this module's refusal hint
-
-    _import_vf(ID)
+    import_vf(ID)
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
     args = {**args, "timeout": {"episode": EPISODE_TIMEOUT, **args.get("timeout", {})}}

@@ -31,8 +31,8 @@ from prime_rl.configs.eval import EvalConfig
 from prime_rl.configs.orchestrator import SamplingConfig
 from prime_rl.envs import EnvError, load_environment
 from prime_rl.orchestrator.evaluation import EnvResult, sample_and_score
-from prime_rl.orchestrator.rollout import make_source
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
+from prime_rl.orchestrator.sources import make_source
 from prime_rl.protocol import (
     DiskFull,
     atomic_write_text,

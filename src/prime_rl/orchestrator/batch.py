@@ -24,9 +24,10 @@ from prime_rl.orchestrator.advantage import apply_length_penalty, apply_truncati
 from prime_rl.orchestrator.ckpt import Progress
 from prime_rl.orchestrator.distill import Teacher, teacher_kl
 from prime_rl.orchestrator.packing import rollout_sample
-from prime_rl.orchestrator.rollout import Group, Rollout, RolloutSource, build_source, derive_seed
+from prime_rl.orchestrator.rollout import Group, Rollout, RolloutSource, derive_seed
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.sinks import ProgressLine
+from prime_rl.orchestrator.sources import build_source
 from prime_rl.protocol.records import Sample
 from prime_rl.utils.memory import peak_rss_gib
 from prime_rl.utils.round_robin import SmoothRoundRobin

@@ -23,8 +23,9 @@ from prime_rl.configs.orchestrator import EvalEnvConfig, OrchestratorConfig
 from prime_rl.envs import EnvError, EpisodeFailed, Example
 from prime_rl.orchestrator.observer import StepObserver
 from prime_rl.orchestrator.policy import load_weights
-from prime_rl.orchestrator.rollout import Group, RolloutSource, build_source
+from prime_rl.orchestrator.rollout import Group, RolloutSource
 from prime_rl.orchestrator.servers.client import InferenceClient
+from prime_rl.orchestrator.sources import build_source
 from prime_rl.protocol import heartbeat_age, wait_for_weights
 from prime_rl.utils.aio import gather_or_cancel
 from prime_rl.utils.metrics import MetricsWriter

@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from prime_rl.configs.orchestrator import EnvConfig, OrchestratorConfig, SamplingConfig
-from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, load_environment, max_turns, split_score
-from prime_rl.envs.verifiers_episodes import EpisodeEnv
+from prime_rl.configs.orchestrator import SamplingConfig
+from prime_rl.envs import EnvError, Environment, Example, is_multi_turn, max_turns, split_score
 from prime_rl.orchestrator.servers.client import Completion, InferenceClient
-from prime_rl.utils.hub import check_model_source
 from prime_rl.utils.tool_calls import parse_tool_calls
 
 SENTINEL = "\u2063PRIME_RL_TURN\u2063"  # an assistant message placeholder that no template alters
@@ -296,39 +293,3 @@ class RolloutSource:
         values = await asyncio.gather(*(resolve(self.env.score(r.completion, group.example)) for r in group.rollouts))
         for rollout, value in zip(group.rollouts, values, strict=True):
             rollout.reward, rollout.metrics = split_score(value, self.name)
-
-
-def build_source(
-    cfg: EnvConfig, config: OrchestratorConfig, sampling: SamplingConfig | None = None
-) -> tuple[Environment, RolloutSource]:
-    """An `[[env]]` (or `[[eval]]`) entry's environment and its sampler (sampling: config.sampling unless given);
-    it asks for sampling masks when top-p / top-k is on (the orchestrator trains on what it samples)."""
-    env = load_environment(cfg.id, **cfg.args)
-    return env, make_source(env, cfg.label, sampling or config.sampling, config.seq_len, config.model.name,
-                            config.max_turns, cfg.max_tokens, masks=True)  # fmt: skip
-
-
-def make_source(env: Environment, name: str, sampling: SamplingConfig, seq_len: int, model_name: str,
-                turns: int | None = None, max_tokens: int | None = None, masks: bool = False) -> Any:  # fmt: skip
-    """The sampler of `env` (group, score, token_budget, used inside its `serving(client)`): an EpisodeSource where
-    verifiers plays the episodes, else a RolloutSource."""
-    if isinstance(env, EpisodeEnv):
-        from prime_rl.orchestrator.episodes import EpisodeSource
-
-        return EpisodeSource(env, name, sampling, seq_len, model_name, max_tokens, masks)
-    tokenizer = load_tokenizer(env, model_name)
-    return RolloutSource(env, name, sampling, seq_len, tokenizer, turns, max_tokens, masks)
-
-
-def load_tokenizer(env: Environment, model_name: str) -> Any:
-    """The model's tokenizer, loaded only for multi-turn environments (which render env replies locally)."""
-    return _tokenizer(model_name) if is_multi_turn(env) else None
-
-
-@functools.cache
-def _tokenizer(model_name: str) -> Any:
-    """Loaded once per process: every multi-turn training and eval env of a run shares it."""
-    from transformers import AutoTokenizer
-
-    check_model_source(model_name, EnvError)  # no network: one line now, not transformers' retries
-    return AutoTokenizer.from_pretrained(model_name)

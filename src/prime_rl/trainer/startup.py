@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import runpy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,3 +54,14 @@ def stopped_status() -> int:
 def run_lock(output_dir: Path, role: str, rank: int) -> contextlib.AbstractContextManager:
     """The output dir's lock for this trainer world, held by global rank 0 (see protocol/lock.py)."""
     return RunLock(output_dir, role) if rank == 0 else contextlib.nullcontext()
+
+
+def run_as_script(script: str, entrypoint: str) -> None:
+    """A trainer module run as a script (`torchrun ... src/prime_rl/trainer/rl/train.py @ ...`, docs/usage.md) runs
+    its command's entrypoint: without this the file only defined its functions and torchrun exited 0 having
+    trained nothing. Its folder leaves sys.path first, so that its loss.py or data.py can never stand in for
+    another package's module; the entrypoint runs as a program, not imported, so the trainer stays below the
+    entrypoints (pyproject's layers)."""
+    folder = Path(script).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != folder]
+    runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)

@@ -117,16 +117,22 @@ def _token_steps(choice: dict, ids: list[int]) -> list[int] | None:
 
 def parse_chat_response(data: dict) -> list[Choice]:
     """The choices of a chat completion, in index order."""
-    prompt_ids = data.get("prompt_token_ids")
-    if not isinstance(prompt_ids, list):
-        raise ValueError("response lacks prompt_token_ids (the server must support return_token_ids)")
+    prompt_ids, choices = _prompt_and_choices(data, "the server must support return_token_ids")
     out = []
-    for choice in sorted(data["choices"], key=lambda c: c["index"]):
+    for choice in choices:
         content = _content(choice)
         masks = [t["sampling_mask"] for t in content] if content and "sampling_mask" in content[0] else None
         text = (choice.get("message") or {}).get("content") or ""
         out.append(_content_choice(choice, prompt_ids, [parse_token_id(t["token"]) for t in content], masks, text))
     return out
+
+
+def _prompt_and_choices(data: dict, needs: str) -> tuple[list[int], list[dict]]:
+    """A response's prompt ids (one list for all its choices) and its choices in index order."""
+    prompt_ids = data.get("prompt_token_ids")
+    if not isinstance(prompt_ids, list):
+        raise ValueError(f"response lacks prompt_token_ids ({needs})")
+    return prompt_ids, sorted(data["choices"], key=lambda c: c["index"])
 
 
 def _content(choice: dict) -> list[dict]:
@@ -167,11 +173,9 @@ def parse_completion_response(data: dict) -> list[Choice]:
 
 def parse_generate_response(data: dict) -> list[Choice]:
     """The same for the token-in/token-out route (/inference/v1/generate), whose logprob entries carry ids."""
-    prompt_ids = data.get("prompt_token_ids")
-    if not isinstance(prompt_ids, list):
-        raise ValueError("response lacks prompt_token_ids (the request must ask for return_token_ids)")
+    prompt_ids, choices = _prompt_and_choices(data, "the request must ask for return_token_ids")
     out = []
-    for choice in sorted(data["choices"], key=lambda c: c["index"]):
+    for choice in choices:
         ids = [int(t["token_id"]) for t in _content(choice)]
         out.append(_content_choice(choice, prompt_ids, ids, choice.get("sampling_mask"), ""))
     return out

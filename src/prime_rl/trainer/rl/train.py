@@ -13,8 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import runpy
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -36,7 +34,7 @@ from prime_rl.protocol import (
     weights_dir,
 )
 from prime_rl.protocol.records import MicroBatch, read_rank_file
-from prime_rl.trainer import service
+from prime_rl.trainer import service, startup
 from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
@@ -307,10 +305,4 @@ def log_step(step: int, m: dict) -> None:
 
 
 if __name__ == "__main__":
-    # The script path of docs/usage.md (`torchrun ... src/prime_rl/trainer/rl/train.py @ ...`) is the `trainer`
-    # entrypoint: without this block the file only defined its functions and torchrun exited 0 having trained nothing.
-    # Its folder leaves sys.path first, so that its loss.py can never stand in for another package's `loss`.
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-    # Run as a program (what `python -m prime_rl.entrypoints.trainer` does), not imported: this module stays
-    # below the entrypoints (pyproject's layers).
-    runpy.run_module("prime_rl.entrypoints.trainer", run_name="__main__", alter_sys=True)
+    startup.run_as_script(__file__, "prime_rl.entrypoints.trainer")

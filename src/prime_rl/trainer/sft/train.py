@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import runpy
 import sys
 import time
 from contextlib import nullcontext
@@ -34,7 +33,7 @@ from transformers import AutoTokenizer
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.protocol import check_resume_before_end, checkpoint_due, link_final_weights, run_dir
 from prime_rl.protocol.records import MicroBatch
-from prime_rl.trainer import service
+from prime_rl.trainer import service, startup
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput
@@ -233,10 +232,4 @@ def log_step(step: int, m: dict) -> None:
 
 
 if __name__ == "__main__":
-    # The script path of docs/usage.md (`torchrun src/prime_rl/trainer/sft/train.py @ ...`) is the `sft` entrypoint:
-    # without this block the file only defined its functions and torchrun exited 0 having trained nothing. Its folder
-    # leaves sys.path first, so that its data.py can never stand in for another package's `data`.
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-    # Run as a program (what `python -m prime_rl.entrypoints.sft` does), not imported: this module stays
-    # below the entrypoints (pyproject's layers).
-    runpy.run_module("prime_rl.entrypoints.sft", run_name="__main__", alter_sys=True)
+    startup.run_as_script(__file__, "prime_rl.entrypoints.sft")
