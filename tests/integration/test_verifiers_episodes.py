@@ -39,7 +39,7 @@ def sums_taskset(tmp_path, monkeypatch) -> str:
     return "sums_taskset"
 
 
-def play(server, args: dict, n: int, temperature: float = 0.7):
+def play(server, args: dict, n: int, temperature: float = 0.7, max_tokens: int = 16):
     """`n` episodes of the env's first task through the pool endpoint: the example, each episode with its answers,
     and the endpoint's answers to a request without its key and to one under an episode key never opened."""
     from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
@@ -48,7 +48,7 @@ def play(server, args: dict, n: int, temperature: float = 0.7):
     from prime_rl.orchestrator.servers.client import InferenceClient
 
     env = load_environment("verifiers-env", **args)
-    sampling = SamplingConfig(temperature=temperature, max_tokens=16)
+    sampling = SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     source = EpisodeSource(env, "sim", sampling, 512, str(CALC_MODEL), masks=True)
     example = next(env.examples(0))
 
@@ -99,6 +99,44 @@ def test_a_user_sim_episode_trains_the_assistants_turns_at_the_servers_logprobs_
         episode_rollouts(episode, [], example, 512, "sim")
     assert keyless.status_code == 401
     assert ended.status_code == 404 and "no episode 0123 in flight" in ended.json()["error"]["message"]
+
+
+def test_a_long_episode_is_one_sequence_a_branch_of_the_servers_tokens_and_is_cut_at_seq_len(server):
+    """A long episode: a simulated user and the assistant taking turns (each turn a model call through a harness
+    program of its own; some twenty calls, until the user's prompt outgrows the servers' context and it closes).
+    Each assistant branch is one sequence, its model turns exactly the servers' answers for their contexts (at the
+    trainer's logprobs) with the user's turns masked between them; with a seq_len shorter than the branch it is cut
+    there, marked cut (trained as a truncated episode), the tokens before the cut as they were."""
+    from prime_rl.orchestrator.episodes import describe, episode_rollouts
+
+    if server.backend != "builtin":
+        pytest.skip("the episode's packing is the orchestrator's, alike on both backends")
+    # reverse-text's short prompts and 6-token turns, so that many turns fit the servers' 1,024 tokens (a user turn
+    # whose prompt would not is refused, which the simulated user takes as closing)
+    taskset = {"id": "prime_rl_reverse", "min_chars": 5, "max_chars": 8}
+    args = {"id": "user_sim", "taskset": taskset, "user": {"max_turns": 16, "runtime": SUBPROCESS},
+            "assistant": {"harness": {"id": "null"}, "runtime": SUBPROCESS, "max_turns": 16}}  # fmt: skip
+    example, [(episode, answers)], _, _ = play(server, args, 1, max_tokens=6)
+    whole, untrained = episode_rollouts(episode, answers, example, 4096, "sim")
+    assert untrained == 1 and len(answers) >= 16, describe((episode, answers))  # 20 here: the user closes at 10
+    assistant_turns = sum(r.turns for r in whole)
+    assert assistant_turns >= 8 and not any(r.cut for r in whole)
+    longest = max(whole, key=lambda r: len(r.completion_ids))
+    runs = [m for i, m in enumerate(longest.completion_mask) if i == 0 or m != longest.completion_mask[i - 1]]
+    assert runs == [True, False] * (len(runs) // 2) + [True] * (len(runs) % 2) and len(runs) >= 15
+    trainer = trainer_logprobs(CALC_MODEL, longest.prompt_ids, longest.completion_ids, 0.7)
+    gaps = [abs(a - b) for a, b, m in zip(longest.logprobs, trainer, longest.completion_mask, strict=True) if m]
+    assert max(gaps) <= 1e-4
+    # The same episode in rows of half its length: cut there, its first tokens unchanged.
+    seq_len = (len(longest.prompt_ids) + len(longest.completion_ids)) // 2
+    cut = max(episode_rollouts(episode, answers, example, seq_len, "sim")[0], key=lambda r: len(r.completion_ids))
+    assert cut.cut and cut.truncated and len(cut.prompt_ids) + len(cut.completion_ids) == seq_len
+    assert cut.completion_ids == longest.completion_ids[: len(cut.completion_ids)]
+    assert cut.logprobs == longest.logprobs[: len(cut.logprobs)]
+    print(
+        f"{len(answers)} model calls, {assistant_turns} assistant turns in {len(whole)} sample(s); the longest "
+        f"{len(longest.prompt_ids) + len(longest.completion_ids)} tokens, max |recorded - trainer| {max(gaps):.1e}"
+    )
 
 
 def test_eval_of_a_verifiers_env_counts_the_groups_that_failed_and_its_seed_replays_its_episodes(server, monkeypatch):

@@ -284,6 +284,8 @@ class Engine:
             threads = cpu_threads(self.cpu_threads, self._cores, tokens * self._params)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
+        # Counted before it runs: its requests may resolve inside it, and whoever they wake must see it counted.
+        self.iterations += 1
         with torch.inference_mode():
             admitted = self._score_prompts(admitted)
             if admitted:
@@ -291,7 +293,6 @@ class Engine:
                 self._drop_cancelled()  # a row whose request failed in the prefill has no token to decode
             if self._batch.rows:
                 self._decode()
-        self.iterations += 1
 
     def _drop_cancelled(self) -> None:
         with self._wake:
