@@ -242,3 +242,34 @@ def test_a_killed_harness_a_killed_env_server_and_a_blocking_scorer_fail_only_th
     assert noticed < 15 and len(set(pids)) == 3  # a poll (0.5 s), then the new server's start
     assert EPISODE_S + grace <= blocked < EPISODE_S + grace + 20
     assert after_kill.ok and after_block.ok, (after_kill.last_error, after_block.last_error)
+
+
+def test_a_tool_that_never_answers_fails_its_episode_at_the_episode_bound(server, monkeypatch):
+    """The model calls the `add` tool and verifiers' tool server in the runtime never answers: the episode ends at
+    timeout.episode as a failed one (training counts it and draws another), not a stuck group."""
+    import os
+    import time
+
+    from prime_rl.envs import EpisodeFailed
+    from prime_rl.orchestrator.episodes import describe, episode_rollouts
+
+    if server.backend != "builtin":
+        pytest.skip("the episode's bound is verifiers' and the orchestrator's, alike on both backends")
+    tasksets = str(Path(__file__).resolve().parents[1] / "tasksets")
+    monkeypatch.syspath_prepend(tasksets)  # the env server imports the taskset, the tool server runs its module
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tasksets, os.environ.get("PYTHONPATH")])))
+    episode_s = 30  # room to start the harness program and the tool server (~10-18 s with the suite beside)
+    renderer = {"name": "custom", "import_path": "prime_rl.envs.hermes_renderer.HermesTextRenderer"}
+    args = {"taskset": {"id": "hanging_tool_taskset"}, "timeout": {"episode": episode_s}, "renderer": renderer,
+            "agent": {"harness": {"id": "null"}, "runtime": SUBPROCESS}}  # fmt: skip
+    started = time.monotonic()
+    example, [(episode, answers)], _, _ = play(server, args, 1, max_tokens=96)
+    took = time.monotonic() - started
+    error = episode.last_error
+    print(f"{describe((episode, answers))}; ended after {took:.1f}s: {error and error.type}: {error and error.message}")
+    # the model's turn was answered (verifiers serves the tools before it asks the model), then the tool hung
+    assert not episode.ok and len(answers) >= 1
+    assert error.type == "TimeoutError" and f"exceeded its {episode_s}s deadline" in error.message
+    assert episode_s <= took < episode_s + 60  # the env server's start, then the bound
+    with pytest.raises(EpisodeFailed, match="verifiers' episode of task .* failed"):
+        episode_rollouts(episode, answers, example, 512, "hanging")
