@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -102,11 +101,6 @@ def print_line(record: dict) -> None:
     """One JSON line on stdout in one write (< 4 KiB, atomic on a pipe): the lines of ranks that share the pipe
     never interleave."""
     os.write(1, (json.dumps(record) + "\n").encode())
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident memory so far (ru_maxrss, KiB on Linux), GiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def preset_model(model_dir: Path, preset: str, layers: int | None) -> Path:

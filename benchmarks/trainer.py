@@ -48,12 +48,13 @@ from common import (
     add_question,
     markdown_table,
     median,
-    peak_rss_gib,
     preset_model,
     print_line,
     question_parser,
     write_json,
 )
+
+from prime_rl.utils.memory import peak_rss_gib
 
 VARIANTS = {
     "padded": "padded transformers loop",

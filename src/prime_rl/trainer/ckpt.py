@@ -235,7 +235,6 @@ class AsyncCheckpointer:
         # parameters and AdamW moments change in place, so their storages stay). A fresh stager per save
         # allocates and faults in 12 B/param each time: at 0.44 B on CPU that took longer (11 s) than the
         # synchronous save it replaces (9 s); reused, a save waits for a plain copy.
-
         plain = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                use_non_blocking_copy=False)  # fmt: skip
         self.stager = DefaultStager(plain)  # host memory, staged in the calling thread
