@@ -251,6 +251,29 @@ def test_update_weights_changes_the_policy_and_reload_restores_it_exactly(server
     assert greedy_logprobs(client, str(tiny_model)) == base
 
 
+def thread_count(pid: int) -> int:
+    return int(re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
+
+
+def test_weight_updates_leave_no_thread_behind_to_slow_the_decode(server, client, tiny_model):
+    """A thread that reads weights and lives on keeps the OpenMP pool torch gave it; libgomp, then managing more
+    threads than cores, stops spinning between regions and the engine's decode ran ~35 % slower after the first
+    update (docs/benchmarks.md). The reads run in a thread that ends with them, so the server's threads after
+    two updates and a reload are the ones it had before."""
+    if server.backend != "builtin":
+        pytest.skip("the built-in engine's threads (vLLM's CPU build binds its own OpenMP threads per worker)")
+    greedy_logprobs(client, str(tiny_model))  # the engine has decoded: its own pool exists
+    before = thread_count(server.proc.pid)
+    for step in (21, 22):
+        step_dir = write_perturbed_weights(tiny_model, server.output_dir, step=step)
+        assert server.post("/update_weights", json={"weight_dir": str(step_dir)}).status_code == 200
+    assert server.post("/reload_weights").status_code == 200
+    deadline = time.monotonic() + 10  # the reading thread exits just after it answers
+    while (after := thread_count(server.proc.pid)) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after == before
+
+
 class BroadcastingTrainer:
     """Plays trainer rank 0 of a weight broadcast group with `server` as its one receiver (the real trainer's
     side, which gathers from FSDP shards, runs in test_rl and test_weight_broadcast)."""
