@@ -14,13 +14,14 @@ builds it (0.44 B at 28 layers), loaded in fp32. The tokens: a GRPO batch of 8 p
 - train, transformers: the step TRL's GRPOTrainer takes on them: left-padded micro batches of `--micro-batch`
   samples, forward with `logits_to_keep` = the completion, log-softmax at the completion's ids and the entropy
   (TRL logs it), the token-mean policy-gradient loss (on-policy: ratio 1), backward, clip, fused AdamW;
-- decode, ours: the built-in engine (in this process, its own worker thread) given the 8 prompts x n=8 at once,
-  `--completion` tokens each (ignore_eos), temperature 1;
+- decode, ours: the built-in engine (its worker thread, in a process set up as the server's) given the 8 prompts
+  x n=8 at once, `--completion` tokens each (ignore_eos), temperature 1;
 - decode, transformers: `model.generate` on the same 64 prompts, left-padded, KV cache, sampling, exactly
   `--completion` new tokens.
 Each is warmed up once, then timed `--reps` times, the two sides taking turns (with `--apart`, one side after the
-other, each freed before the next is built); one more run of each under torch.profiler gives its top ops and
-Python frames by self CPU time. The table shows medians and ours / theirs.
+other, each freed before the next is built; the decode's sides always one after the other, each in a process of
+its own); one more run of each under torch.profiler gives its top ops and Python frames by self CPU time. The
+table shows medians and ours / theirs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import multiprocessing
+import os
+import queue
 import re
 import statistics
 import tempfile
@@ -184,6 +188,7 @@ def transformers_decode(path: Path, args, prompts, _) -> Callable[[], None]:
 
 
 COMPARISONS = {"train": (ours_train, transformers_train), "decode": (ours_decode, transformers_decode)}
+SIDES = ["ours", "transformers"]
 
 
 BUILTIN = re.compile(r"<built-in (?:method|function) (\w+)(?: of [^>]*)?>")  # shown as `name (built-in)`
@@ -208,28 +213,69 @@ def profiled(fn: Callable[[], None], top: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def compare(name: str, path: Path, args, tokens) -> dict:
-    """Both sides of one comparison: built and warmed up, timed taking turns (a slow spell slows both), profiled;
-    with `--apart` each side is built, timed, profiled and freed before the other is built."""
-    builders = dict(zip(("ours", "transformers"), COMPARISONS[name], strict=True))
-    groups = [[side] for side in builders] if args.apart else [list(builders)]
+def timed(sides: dict[str, Callable[[], None]], args) -> dict:
+    """Warm each side up, time `--reps` runs taking turns (a slow spell slows both), then profile one run each."""
+    for fn in sides.values():
+        fn()
+    times = {side: [] for side in sides}
+    for rep in range(args.reps):
+        for side in sorted(sides, reverse=rep % 2 == 1):
+            start = time.perf_counter()
+            sides[side]()
+            times[side].append(time.perf_counter() - start)
     result = {}
-    for group in groups:
-        sides = {side: builders[side](path, args, *tokens) for side in group}
-        for fn in sides.values():
-            fn()  # warm-up
-        times = {side: [] for side in sides}
-        for rep in range(args.reps):
-            for side in sorted(sides, reverse=rep % 2 == 1):
-                start = time.perf_counter()
-                sides[side]()
-                times[side].append(time.perf_counter() - start)
-        for side, fn in sides.items():
-            result[side] = {"times": times[side], "median": statistics.median(times[side])}
-            result[side]["profile"] = profiled(fn, args.top)
-            getattr(fn, "close", lambda: None)()  # the engine's worker
-        del sides, fn
+    for side, fn in sides.items():
+        result[side] = {
+            "times": times[side],
+            "median": statistics.median(times[side]),
+            "profile": profiled(fn, args.top),
+        }
+        getattr(fn, "close", lambda: None)()  # the engine's worker
+    return result
+
+
+def compare(name: str, path: Path, args, tokens) -> dict:
+    """Both sides of one comparison, built in this process and timed taking turns; with `--apart` each side is
+    built, timed, profiled and freed before the other is built. The decode's sides run in processes of their own."""
+    if name == "decode":
+        return {side: in_own_process(side, path, args, tokens) for side in SIDES}
+    builders = dict(zip(SIDES, COMPARISONS[name], strict=True))
+    result = {}
+    for group in [[side] for side in SIDES] if args.apart else [SIDES]:
+        result |= timed({side: builders[side](path, args, *tokens) for side in group}, args)
         gc.collect()
+    return result
+
+
+def decode_side(side: str, path: Path, args, tokens, results: multiprocessing.Queue) -> None:
+    """A spawned process's work: one decode side, timed and profiled."""
+    build = COMPARISONS["decode"][SIDES.index(side)]
+    results.put(timed({side: build(path, args, *tokens)}, args)[side])
+
+
+def in_own_process(side: str, path: Path, args, tokens) -> dict:
+    """One decode side in a process of its own, ours with OMP_NUM_THREADS=1 as the server runs it (only the
+    engine's worker computes on several threads, prime_rl.inference.server). In one process the engine's worker
+    and the thread running `generate` would each keep an OpenMP pool, and libgomp, managing more threads than
+    cores, stops spinning between parallel regions: small ops of both sides ran ~2x slower."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=decode_side, args=(side, path, args, tokens, results))
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if side == "ours":
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by the child's libgomp when it imports torch
+    try:
+        process.start()
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None) if saved is None else os.environ.update(OMP_NUM_THREADS=saved)
+    while True:
+        try:
+            result = results.get(timeout=1)
+            break
+        except queue.Empty:
+            if not process.is_alive():
+                raise SystemExit(f"the {side} decode process exited with {process.exitcode}") from None
+    process.join(timeout=60)
     return result
 
 
