@@ -73,8 +73,9 @@ def prepare_process() -> bool:
 
 
 def one_thread_outside_the_engine() -> None:
-    """On CPU, only the engine's worker computes on several cores (it sets its own thread count each
-    iteration); every other thread (loading, weight reads, the event loop) computes on one.
+    """On CPU, only the engine's worker keeps threads to compute on several cores (it sets its own count each
+    iteration); the main thread (loading the model, the event loop) computes on one, and weight reads run in a
+    thread that ends with them (`engine._in_own_thread`).
 
     libgomp spins briefly between parallel regions, which small decode ops depend on, but only while the threads
     it manages do not outnumber the cores: a second thread that ever ran a 2-thread op (the main thread loading
