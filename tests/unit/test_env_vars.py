@@ -72,6 +72,27 @@ def test_rl_starts_each_service_with_its_own_under_what_rl_sets(tmp_path):
     assert env["trainer"]["RL_RUN_LOCK_TOKEN"] == "lock-token" and env["trainer"]["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_a_cpu_server_computing_beside_the_trainer_waits_passively_and_one_with_its_own_cores_spins(
+    tmp_path, monkeypatch
+):
+    """OpenMP threads spinning between regions hold cores the other service needs (generation stalled 0.5-0.9 s
+    in a third of the debug run's steps): passive while the server computes beside the trainer on its cores."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    base = ["--output-dir", str(tmp_path), "--async-level", "1"]
+    shared, _ = service_env(load_config(RLConfig, base), "t")
+    assert shared["inference"]["OMP_WAIT_POLICY"] == "passive" and "OMP_WAIT_POLICY" not in shared["trainer"]
+    overlapping, _ = service_env(load_config(RLConfig, [*base, "--inference-cpus", "0,1", "--trainer-cpus", "1"]), "t")
+    assert overlapping["inference"]["OMP_WAIT_POLICY"] == "passive"
+    apart, _ = service_env(load_config(RLConfig, [*base, "--inference-cpus", "0", "--trainer-cpus", "1"]), "t")
+    assert "OMP_WAIT_POLICY" not in apart["inference"]
+    sync, _ = service_env(load_config(RLConfig, [*base, "--async-level", "0"]), "t")
+    assert "OMP_WAIT_POLICY" not in sync["inference"]  # the services take turns
+    chosen, _ = service_env(load_config(RLConfig, [*base, "--inference.env-vars.OMP_WAIT_POLICY", "active"]), "t")
+    assert chosen["inference"]["OMP_WAIT_POLICY"] == "active"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the shell's choice: the service inherits it
+    assert "OMP_WAIT_POLICY" not in service_env(load_config(RLConfig, base), "t")[0]["inference"]
+
+
 def test_rl_gives_its_services_the_output_dir_it_resolved_over_an_exported_one(tmp_path, monkeypatch):
     """$OUTPUT_DIR outranks the run/*.toml a service reads: `rl --output-dir B` under an exported OUTPUT_DIR=A
     must still run every service in B."""

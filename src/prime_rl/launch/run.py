@@ -21,6 +21,7 @@ from prime_rl.launch.services import (
     resume_step,
     service_commands,
     service_configs,
+    wait_passively_beside_the_trainer,
 )
 from prime_rl.launch.supervise import Restarter, Service, stop_all, wait_for_inference, watch
 from prime_rl.launch.watchdog import Watchdog
@@ -115,6 +116,8 @@ def service_env(config: RLConfig, lock_token: str) -> tuple[dict[str, dict[str, 
         # $OUTPUT_DIR outranks the run/*.toml the services read: theirs is the dir this run resolved, whatever the
         # user's shell exported (`rl --output-dir B` with OUTPUT_DIR=A exported runs in B).
         env[name] = {**getattr(config, name).env_vars, **env[name], OUTPUT_DIR_VAR: str(config.orchestrator.output_dir)}
+    if env["inference"].get("CUDA_VISIBLE_DEVICES") == "":  # on CPU
+        env["inference"] = wait_passively_beside_the_trainer(config, env["inference"])
     if config.teacher is not None:  # the teacher server shares the policy server's devices (on CPU: its cores)
         env["teacher"] = {**env["inference"], **config.teacher.env_vars, OUTPUT_DIR_VAR: str(config.teacher.output_dir)}
     for name in ("orchestrator", "trainer"):
