@@ -163,6 +163,7 @@ def run_mode(args) -> dict:
     from prime_rl.configs.trainer import TrainerConfig
     from prime_rl.trainer.fake_data import fake_micro_batches
     from prime_rl.trainer.loading import build_training
+    from prime_rl.trainer.micro_batch import MicroBatch
     from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.train import train_step
 
@@ -175,7 +176,10 @@ def run_mode(args) -> dict:
     vocab = model.config.vocab_size
     times = []
     for step in range(args.steps):
-        rows = fake_micro_batches(step, 0, args.micro_batches, args.seq_len, 16, 512, vocab, seed=0)
+        rows = [
+            MicroBatch.from_row(r)
+            for r in fake_micro_batches(step, 0, args.micro_batches, args.seq_len, 16, 512, vocab, seed=0)
+        ]
         start = time.perf_counter()
         train_step(model, optimizer, rows, config, d)
         times.append(time.perf_counter() - start)

@@ -99,6 +99,7 @@ def ours_train(path: Path, args, prompts, completions) -> Callable[[], None]:
     from prime_rl.protocol.packing import pack_rows
     from prime_rl.protocol.records import Sample
     from prime_rl.trainer.loading import build_training
+    from prime_rl.trainer.micro_batch import MicroBatch
     from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.train import rl_loss, train_step
 
@@ -111,7 +112,8 @@ def ours_train(path: Path, args, prompts, completions) -> Callable[[], None]:
         prompt = prompts[i // ROLLOUTS]
         mask = [False] * len(prompt) + [True] * len(completion)
         samples.append(Sample(prompt + completion, mask, [advantage] * len(mask), [-7.0] * len(mask)))
-    rows, loss = pack_rows(samples, args.seq_len, temperature=1.0), rl_loss(config.loss)
+    rows = [MicroBatch.from_row(row) for row in pack_rows(samples, args.seq_len, temperature=1.0)]
+    loss = rl_loss(config.loss)
     return lambda: train_step(model, optimizer, rows, config, dist, loss)
 
 

@@ -160,6 +160,7 @@ def build_ours(args, samples):
     from prime_rl.configs.trainer import TrainerConfig
     from prime_rl.trainer.fake_data import pack_samples
     from prime_rl.trainer.loading import build_training
+    from prime_rl.trainer.micro_batch import MicroBatch
     from prime_rl.trainer.parallel import init_distributed
     from prime_rl.trainer.rl.train import train_step
 
@@ -167,7 +168,7 @@ def build_ours(args, samples):
     config = TrainerConfig(model={"name": str(args.model)}, device="cpu", optim={"lr": 1e-5}, compile=compile)
     d = init_distributed("cpu")
     model, optimizer, _ = build_training(config, d, max_steps=1)
-    rows = pack_samples(samples, args.seq_len, seed=0)
+    rows = [MicroBatch.from_row(row) for row in pack_samples(samples, args.seq_len, seed=0)]
 
     def step() -> int:
         return train_step(model, optimizer, rows, config, d).num_tokens

@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 
 from prime_rl.orchestrator.rollout import Rollout
-from prime_rl.protocol.records import MicroBatch, Sample
+from prime_rl.protocol import rank_file
+from prime_rl.protocol.records import Sample, read_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 
 
 def sample(
@@ -77,3 +79,8 @@ def scored_rollout(
     logprobs = [0.0] * n if logprobs is None else list(logprobs)
     return Rollout(None, list(prompt_ids), list(completion_ids), mask, logprobs, "", "stop", 0, advantage=advantage,
                    **fields)  # fmt: skip
+
+
+def rank_file_batches(output_dir: Path, step: int, rank: int = 0) -> list[MicroBatch]:
+    """The micro batches of a rank file as the trainer takes them (tensors)."""
+    return [MicroBatch.from_row(row) for row in read_rank_file(rank_file(output_dir, step, rank), step, rank)]

@@ -14,12 +14,11 @@ from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig, TeacherC
 from prime_rl.orchestrator.distill import Teacher
 from prime_rl.orchestrator.rollout import Group, from_completion
 from prime_rl.orchestrator.servers.client import InferenceClient
-from prime_rl.protocol import rank_file
-from prime_rl.protocol.records import read_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port as another_free_port
+from tests.samples import rank_file_batches
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +52,7 @@ def test_rl_with_a_teacher_records_teacher_kl_and_trains_on_the_distillation_adv
     # 0.5 · A_env (|A_env| <= 1: rewards are in [0, 1]); log p_T is the trainer's on the teacher model at the
     # sampling temperature. The step's teacher_kl is the mean of log μ - log p_T over those tokens.
     teacher_model, gaps = build_model(str(tiny_qwen3_hd32)), []
-    for mb in read_rank_file(rank_file(out, 1, 0), 1, 0):
+    for mb in rank_file_batches(out, 1):
         for start, end in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist(), strict=True):
             one = type(mb)(
                 input_ids=mb.input_ids[:, start:end], position_ids=torch.arange(end - start)[None],

@@ -50,7 +50,7 @@ def test_a_failed_trainer_under_torchrun_is_its_own_line_and_ours_without_torchs
     lines = result.stderr.splitlines()
     assert lines[-1] == "trainer rank 0 failed first (exit status 1); its error is above"
     assert lines[-2].endswith(f"trainer ERROR timed out after 1s waiting for rollouts for step 0 "
-                              f"({tmp_path}/rollouts/step_0/rank_0.pt)")  # fmt: skip
+                              f"({tmp_path}/rollouts/step_0/rank_0.safetensors)")  # fmt: skip
     assert "failed (exitcode" not in result.stderr and "Traceback" not in result.stderr
 
 

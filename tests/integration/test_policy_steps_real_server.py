@@ -20,7 +20,7 @@ from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.servers.client import InferenceClient
 from prime_rl.orchestrator.servers.weights import inflight_ask
-from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.protocol.records import PackedRow, write_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
@@ -75,7 +75,7 @@ def test_a_swap_inside_a_request_labels_its_tokens_and_the_trainer_masks_the_old
 
     # The rank file of step 1 carries them; the trainer at step 1 masks the step-0 tokens (lag 1 > 0).
     rollout = scored_rollout(PROMPT, completion.completion_ids, completion.logprobs, 1.0, token_steps=steps)
-    write_rank_file(tmp_path, 1, 0, [MicroBatch.pack([rollout_sample(rollout)], 1.0)])
+    write_rank_file(tmp_path, 1, 0, [PackedRow.pack([rollout_sample(rollout)], 1.0)])
     # async_level 0: max_token_lag 0 masks every token of a run at async_level >= 1 (refused at parse)
     config = TrainerConfig(model={"name": str(tiny_model)}, output_dir=tmp_path, async_level=0,
                            loss={"max_token_lag": 0})  # fmt: skip

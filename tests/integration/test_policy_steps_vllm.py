@@ -29,8 +29,8 @@ import torch
 from prime_rl.configs.orchestrator import ClientConfig, SamplingConfig
 from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.servers.client import InferenceClient, parse_completion_response
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_fsdp
 from prime_rl.utils.tiny_model import write_perturbed_weights

@@ -19,6 +19,7 @@ from prime_rl.utils.lora import ADAPTER, PEFT_PREFIX
 from prime_rl.utils.metrics import read_metrics
 from prime_rl.utils.net import free_port as another_free_port
 from prime_rl.utils.tiny_model import create_tiny_model
+from tests.samples import rank_file_batches
 
 pytestmark = pytest.mark.slow
 
@@ -417,9 +418,6 @@ def test_rl_trains_on_a_verifiers_tool_env_and_a_single_turn_env_on_policy(tmp_p
     pytest.importorskip("verifiers.v1", reason="verifiers is not installed (uv sync --extra verifiers)")
     from pathlib import Path
 
-    from prime_rl.protocol import rank_file
-    from prime_rl.protocol.records import read_rank_file
-
     model = Path(__file__).resolve().parents[2] / "assets" / "calc-qwen3"
     if not (model / "model.safetensors").is_file():
         pytest.skip(f"{model} is missing")
@@ -811,7 +809,7 @@ def test_lora_rl_ships_adapters_and_serves_exactly_the_trainers_policy(tiny_mode
             }
             missing = model.load_state_dict(state, strict=False)
             assert not missing.unexpected_keys
-        for mb in read_rank_file(rank_file(out, step, 0), step, 0):
+        for mb in rank_file_batches(out, step):
             mask = mb.loss_mask & ~sample_starts(mb)
             if not mask.any():
                 continue

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.protocol import is_stable, weights_dir
-from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.protocol.records import PackedRow, write_rank_file
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.utils.hf_layout import iter_safetensors
 from prime_rl.utils.metrics import read_metrics
@@ -33,7 +34,7 @@ TRAIN_PY = Path(__file__).parents[2] / "src" / "prime_rl" / "entrypoints" / "tra
 TRAINER = Path(sys.executable).parent / "trainer"
 
 
-def _micro_batches(tiny_model, num: int, seed: int = 0) -> list[MicroBatch]:
+def _micro_batches(tiny_model, num: int, seed: int = 0) -> list[PackedRow]:
     """`num` packed micro batches of random samples; μ = the base model's logprobs (ratios ≈ 1)."""
     model = build_model(str(tiny_model))
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +45,7 @@ def _micro_batches(tiny_model, num: int, seed: int = 0) -> list[MicroBatch]:
             n = int(torch.randint(6, 24, (1,), generator=g))
             ids = torch.randint(3, 1000, (n,), generator=g).tolist()
             samples.append(on_policy_sample(model, ids, 4, float(torch.randn(1, generator=g))))
-        batches.append(MicroBatch.pack(samples, temperature=1.0))
+        batches.append(PackedRow.pack(samples, temperature=1.0))
     return batches
 
 
@@ -160,7 +161,7 @@ def test_lora_on_two_fsdp_ranks_trains_the_adapter_of_one_rank(tiny_model, runs,
     )  # fmt: skip
     torch.manual_seed(config.seed)  # the trainer's own seeding: lora_A starts from the same draw
     model, optimizer, _ = build_training(config, one_rank, max_steps=1)
-    train_step(model, optimizer, runs["batches"], config, one_rank)
+    train_step(model, optimizer, [MicroBatch.from_row(b) for b in runs["batches"]], config, one_rank)
     one_rank_adapter = adapter_state(model)
     assert two_ranks.keys() == one_rank_adapter.keys()
     for name, value in one_rank_adapter.items():
@@ -219,7 +220,7 @@ def test_missing_rank_file_exits_nonzero_naming_what_it_waited_for(runs):
     rc, output = _finish(proc, timeout=90)
     assert rc == 1, output[-4000:]
     assert "timed out after 2s waiting for rollouts for step 0" in output
-    assert "rollouts/step_0/rank_0.pt" in output
+    assert "rollouts/step_0/rank_0.safetensors" in output
     assert "Traceback" not in output
 
 

@@ -1,15 +1,17 @@
-"""Orchestrator checkpoints: `checkpoints/step_n/orchestrator.pt`, in step with the trainer's (docs/design.md §2).
+"""Orchestrator checkpoints: `checkpoints/step_n/orchestrator.json`, in step with the trainer's (docs/design.md §2).
 
 The file holds the progress when the orchestrator is about to produce rollouts for step n: the step,
 running totals, the data position (how many examples it has drawn from each environment's stream, and
 how many groups the mix has assigned) and the state of its RNG. Resuming rebuilds each stream from the
 same seed and skips the examples already drawn, so step n continues with exactly the examples an
 uninterrupted run would have used (in continuous mode, examples that were in flight are not redone).
-Written at every step when checkpointing is on (it is a few KB); `protocol.checkpoints` says which are kept.
+Written at every step when checkpointing is on (it is a few KB of JSON: the orchestrator needs no torch);
+`protocol.checkpoints` says which are kept.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import asdict, dataclass, field
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from prime_rl.configs import CkptConfig
 from prime_rl.protocol import (
-    atomic_write,
+    atomic_write_text,
     checkpoints_root,
     orchestrator_checkpoint_file,
     prune_checkpoints,
@@ -25,7 +27,7 @@ from prime_rl.protocol import (
 )
 
 logger = logging.getLogger("prime_rl")
-VERSION = 1
+VERSION = 2  # 1: orchestrator.pt (torch.save)
 
 
 class CheckpointError(ValueError):
@@ -45,10 +47,8 @@ class Progress:
 
 
 def save_checkpoint(output_dir: Path, progress: Progress, ckpt: CkptConfig, max_steps: int) -> Path:
-    import torch
-
     record = {"version": VERSION, **asdict(progress)}
-    path = atomic_write(orchestrator_checkpoint_file(output_dir, progress.step), lambda f: torch.save(record, f))
+    path = atomic_write_text(orchestrator_checkpoint_file(output_dir, progress.step), json.dumps(record))
     prune_checkpoints(output_dir, "orchestrator", ckpt.keep, max_steps, ckpt.interval)
     logger.debug(f"saved orchestrator checkpoint {path}")
     return path
@@ -56,8 +56,6 @@ def save_checkpoint(output_dir: Path, progress: Progress, ckpt: CkptConfig, max_
 
 def load_checkpoint(output_dir: Path, resume_step: int | str | None) -> Progress | None:
     """The progress saved at the resume step, or None to start fresh; ValueError if it is missing."""
-    import torch
-
     try:
         step = resolve_resume_step(output_dir, resume_step, "orchestrator")
     except ValueError as e:
@@ -66,12 +64,18 @@ def load_checkpoint(output_dir: Path, resume_step: int | str | None) -> Progress
         return None
     path = orchestrator_checkpoint_file(output_dir, step)
     try:
-        record = torch.load(path, weights_only=True)
-    except Exception as e:  # a truncated or foreign file: say which one
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # a truncated or foreign file: say which one
         raise CheckpointError(f"cannot read orchestrator checkpoint {path}: {e}") from None
-    if record.pop("version", None) != VERSION:
-        raise CheckpointError(f"{path}: unknown orchestrator checkpoint version")
-    progress = Progress(**record)
+    if not isinstance(record, dict) or record.pop("version", None) != VERSION:
+        raise CheckpointError(f"{path}: not an orchestrator checkpoint of version {VERSION}")
+    try:
+        progress = Progress(**record)
+        if progress.rng_state is not None:  # JSON has lists where random.getstate() has tuples
+            version, state, gauss = progress.rng_state
+            progress.rng_state = (version, tuple(state), gauss)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: malformed orchestrator checkpoint: {e}") from None
     logger.info(
         f"resuming from {path}: step {progress.step}, {progress.examples_drawn} examples drawn "
         f"(under {checkpoints_root(output_dir)})"

@@ -7,7 +7,7 @@ For each step n (`run_step`):
    ones step n may use.
 3. The step's groups with their advantages: `loop.batches.take(n)` (stream.py: `Barrier`, or `RolloutStream`
    in continuous mode, `max_inflight` set).
-4. `build_samples` + `pack_micro_batches` + `write_rank_files`: one atomic `rollouts/step_n/rank_r.pt`
+4. `build_samples` + `pack_micro_batches` + `write_rank_files`: one atomic `rollouts/step_n/rank_r.safetensors`
    per trainer rank.
 5. `step_metrics`: one line in metrics/orchestrator.jsonl (and W&B, with the servers' numbers), one INFO line;
    then the checkpoint for step n + 1.
@@ -54,6 +54,7 @@ from prime_rl.protocol import (
     prepare_output_dir,
     ticking,
 )
+from prime_rl.protocol.records import PackedRow, write_rank_file
 from prime_rl.utils.metrics import MetricsWriter
 from prime_rl.utils.process import StopRequested, catch_stop_signals, stop_requested
 from prime_rl.utils.timer import timer
@@ -80,9 +81,7 @@ class Loop:
     wandb: NoSink | WandbSink
 
 
-def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list) -> None:
-    from prime_rl.protocol.records import write_rank_file
-
+def write_rank_files(config: OrchestratorConfig, step: int, per_rank: list[list[PackedRow]]) -> None:
     for rank, micro_batches in enumerate(per_rank):
         write_rank_file(config.output_dir, step, rank, micro_batches)
 

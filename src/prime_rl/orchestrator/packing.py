@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from prime_rl.orchestrator.rollout import Rollout
 from prime_rl.protocol.packing import SampleTooLong, packed_rows, pad_rows
-from prime_rl.protocol.records import MicroBatch, Sample
+from prime_rl.protocol.records import PackedRow, Sample
 
 # SampleTooLong is re-exported: the orchestrator catches what `pack_micro_batches` raises by this module.
 __all__ = ["SampleTooLong", "pack_micro_batches", "rollout_sample", "split_over_ranks"]
@@ -66,12 +66,12 @@ def pack_micro_batches(
     pad_id: int = 0,
     env_names: list[str] = (),
     share_prompts: bool = False,
-) -> list[list[MicroBatch]]:
+) -> list[list[PackedRow]]:
     """The micro batches of each rank, all ranks with the same number of them (every row carries `env_names`,
     the labels the samples' `env` index, so each rank reports the same per-env metrics; `share_prompts`: a
     prompt that several samples of a row share counts once toward `seq_len`)."""
     bins, sizes = packed_rows(samples, seq_len, share_prompts)
-    rows = [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
+    rows = [PackedRow.pack([samples[i] for i in b], temperature, env_names) for b in bins]
     per_rank = [[rows[i] for i in idx] for idx in split_over_ranks(sizes, num_ranks)]
     count = max(1, max(len(mbs) for mbs in per_rank))
     return [pad_rows(mbs, count, temperature, pad_id=pad_id, env_names=env_names) for mbs in per_rank]

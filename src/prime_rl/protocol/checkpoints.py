@@ -3,7 +3,7 @@
 `checkpoints/step_n/` holds two parts, each complete on its own:
 
     trainer/          the trainer's state after n optimizer steps (complete once it holds STABLE)
-    orchestrator.pt   the orchestrator's progress when about to produce step n (written atomically)
+    orchestrator.json the orchestrator's progress when about to produce step n (written atomically)
 
 Cadence: both parts are due every `interval` steps and at the end of the run (`checkpoint_due`). The
 orchestrator's progress is a few KB, so it also records it at every other step: only the newest such record

@@ -2,7 +2,7 @@
 SFT (data rows) and the trainer's fake data.
 
 A sample is a `protocol.records.Sample` (token ids, loss mask, advantages, μ, ... one entry per token), laid end
-to end by `MicroBatch.pack`.
+to end by `PackedRow.pack`.
 
 1. `first_fit_decreasing`: samples go into rows of at most `seq_len` tokens. Longest first, each sample goes
    into the first row with room, else opens a new row. Lengths [5, 2, 7, 3, 4], seq_len 10:
@@ -19,20 +19,15 @@ to end by `MicroBatch.pack`.
    tokens the trainer computes: a sample costs only its tokens past the longest start of its prompt that the
    row already holds. Two samples of 9 tokens whose first 6 are one prompt, seq_len 12: rows [9], [9] without,
    [9, 9] (9 + 3) with.
-2. `pack_rows`: each of those rows becomes one `MicroBatch` (positions restarting at 0 per sample).
+2. `pack_rows`: each of those rows becomes one `PackedRow` (positions restarting at 0 per sample).
 3. `pad_rows`: a rank with fewer rows than the others gets all-masked padding rows up to `count`, so every
    rank runs the same number of forward/backward passes and FSDP collectives stay in lockstep. Rows [r0, r1]
    padded to 3 → [r0, r1, pad]; to 2 or fewer → unchanged.
-
-Importing this module needs no torch (the orchestrator's start-up stays light); building rows does.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from prime_rl.protocol.records import MicroBatch, Sample
+from prime_rl.protocol.records import PackedRow, Sample
 
 # Padding rows are all masked, so their content never matters. A few tokens keep their compute negligible
 # while sparing the trainer zero-size tensors after its next-token shift.
@@ -120,25 +115,21 @@ def packed_rows(samples: list[Sample], seq_len: int, share_prompts: bool = False
 
 def pack_rows(
     samples: list[Sample], seq_len: int, temperature: float, env_names: list[str] = (), share_prompts: bool = False
-) -> list[MicroBatch]:
+) -> list[PackedRow]:
     """`samples` packed first-fit-decreasing into rows of at most `seq_len` tokens (`share_prompts`: counting a
-    shared prompt once), one MicroBatch each (`env_names`: the labels the samples' `env` indexes, carried by
+    shared prompt once), one PackedRow each (`env_names`: the labels the samples' `env` indexes, carried by
     every row)."""
-    from prime_rl.protocol.records import MicroBatch  # torch, imported only when packing
-
     bins, _ = packed_rows(samples, seq_len, share_prompts)
-    return [MicroBatch.pack([samples[i] for i in b], temperature, env_names) for b in bins]
+    return [PackedRow.pack([samples[i] for i in b], temperature, env_names) for b in bins]
 
 
 def pad_rows(
-    rows: list[MicroBatch],
+    rows: list[PackedRow],
     count: int,
     temperature: float,
     length: int = PADDING_LENGTH,
     pad_id: int = 0,
     env_names: list[str] = (),
-) -> list[MicroBatch]:
+) -> list[PackedRow]:
     """`rows` followed by all-masked rows of `length` tokens up to `count` rows (none if it has that many)."""
-    from prime_rl.protocol.records import MicroBatch
-
-    return rows + [MicroBatch.padding(length, temperature, pad_id, env_names) for _ in range(count - len(rows))]
+    return rows + [PackedRow.padding(length, temperature, pad_id, env_names) for _ in range(count - len(rows))]

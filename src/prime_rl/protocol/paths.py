@@ -52,7 +52,7 @@ def rollout_step_dir(output_dir: Path, step: int) -> Path:
 
 
 def rank_file(output_dir: Path, step: int, rank: int) -> Path:
-    return rollout_step_dir(output_dir, step) / f"rank_{rank}.pt"
+    return rollout_step_dir(output_dir, step) / f"rank_{rank}.safetensors"
 
 
 def weights_root(output_dir: Path) -> Path:
@@ -111,7 +111,7 @@ def trainer_checkpoint_dir(output_dir: Path, step: int) -> Path:
 
 def orchestrator_checkpoint_file(output_dir: Path, step: int) -> Path:
     """Orchestrator progress when it is about to produce rollouts for `step`."""
-    return checkpoint_dir(output_dir, step) / "orchestrator.pt"
+    return checkpoint_dir(output_dir, step) / "orchestrator.json"
 
 
 def step_dir(parent: Path, step: int) -> Path:

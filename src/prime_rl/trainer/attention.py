@@ -133,10 +133,12 @@ def torch_uses_file_baton() -> bool:
 
 
 def kernel_name() -> str:
-    """The kernel's module name: per CPU capability and per torch install. torch's build dir is shared by every
-    environment on the machine, and its build commands name the torch headers by path, so two checkouts' venvs
-    sharing one name rebuilt it (~30 s, unlogged) each time a process of the other one loaded it."""
-    install = hashlib.sha256(str(Path(torch.__file__).parent).encode()).hexdigest()[:8]
+    """The kernel's module name: per CPU capability, torch install and checkout. torch's build dir is shared by
+    every environment on the machine, and its build commands name the torch headers and our source by path, so two
+    venvs (or two checkouts of one venv, as git worktrees) sharing one name rebuilt it (~30 s, unlogged) each time
+    a process of the other one loaded it."""
+    paths = f"{Path(torch.__file__).parent}|{Path(__file__).parent}"
+    install = hashlib.sha256(paths.encode()).hexdigest()[:8]
     return f"prime_rl_causal_attention_{torch.backends.cpu.get_cpu_capability().lower()}_{install}"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from prime_rl.protocol.packing import first_fit_decreasing, pack_rows, pad_rows
-from prime_rl.protocol.records import MicroBatch, Sample
+from prime_rl.protocol.records import PackedRow, Sample
 
 
 def random_samples(num: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -19,7 +19,7 @@ def random_samples(num: int, min_len: int, max_len: int, vocab_size: int, seed: 
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def pack_samples(samples: list[list[int]], seq_len: int, seed: int) -> list[MicroBatch]:
+def pack_samples(samples: list[list[int]], seq_len: int, seed: int) -> list[PackedRow]:
     """First-fit-decreasing into rows of ≤ seq_len; loss on all but the first quarter (the "prompt") of each."""
     g = torch.Generator().manual_seed(seed)
     # Advantages are drawn in packed order (row by row; `pack_rows` packs the same rows again), so a seed
@@ -37,8 +37,8 @@ def pack_samples(samples: list[list[int]], seq_len: int, seed: int) -> list[Micr
 
 def fake_micro_batches(
     step: int, rank: int, num: int, seq_len: int, min_len: int, max_len: int, vocab_size: int, seed: int
-) -> list[MicroBatch]:
-    """`num` packed rows for (`step`, `rank`): samples are drawn until `num` rows are full."""
+) -> list[PackedRow]:
+    """`num` packed rows for (`step`, `rank`), as a rank file holds them: samples drawn until `num` rows are full."""
     base = seed * 1_000_003 + step * 1009 + rank
     mean = (min_len + max_len) // 2
     # Draw 1.5x what fills the rows, so the first `num` first-fit-decreasing rows are (nearly) full.

@@ -27,7 +27,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import init_empty_weights
 from huggingface_hub import snapshot_download
-from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -198,7 +197,7 @@ def init_adapters(model: nn.Module) -> None:
     starts from the same adapter."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and ADAPTER in module.lora_A:
                 a = module.lora_A[ADAPTER].weight
                 whole = torch.empty(a.shape, dtype=a.dtype)
                 nn.init.kaiming_uniform_(whole, a=math.sqrt(5))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx
 
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.micro_batch import MicroBatch
 
 
 @dataclass

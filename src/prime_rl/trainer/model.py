@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from prime_rl.configs import LoraConfig
@@ -67,6 +65,10 @@ def disable_dropout(config: PretrainedConfig) -> list[str]:
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> None:
     """Freeze the base and inject LoRA layers into the `target_modules` linears (B = 0: the policy is unchanged)."""
+    # peft only with LoRA: its import is ~0.6 s of every trainer process's start (11 % of its imports)
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
     model.requires_grad_(False)
     config = PeftLoraConfig(
         r=lora.rank,

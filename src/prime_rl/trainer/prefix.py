@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from prime_rl.protocol.packing import shareable_prompt
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import PolicyOutput, forward_logprobs, kept_at
+from prime_rl.trainer.micro_batch import MicroBatch
 
 
 @dataclass(frozen=True)

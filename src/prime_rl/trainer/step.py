@@ -30,10 +30,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from prime_rl.protocol.liveness import stamp
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput, sample_starts
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.parallel import Dist, all_reduce, set_micro_batch_sync
 from prime_rl.trainer.prefix import policy_output, shared_row, shares_prompts
 from prime_rl.utils.memory import peak_rss_gib

@@ -36,7 +36,6 @@ from typing import BinaryIO
 import torch
 import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
-from peft import LoraConfig as PeftLoraConfig
 from safetensors.torch import save as safetensors_bytes
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
@@ -226,6 +225,8 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_config(files: ModelFiles):
     """peft's LoraConfig of the exported adapter (dropout 0: serving never drops)."""
+    from peft import LoraConfig as PeftLoraConfig  # LoRA only (model.py `apply_lora`)
+
     lora = files.lora
     return PeftLoraConfig(
         r=lora.rank,

@@ -12,7 +12,7 @@ from prime_rl.configs.orchestrator import ClientConfig, OrchestratorConfig, Samp
 from prime_rl.orchestrator.packing import rollout_sample
 from prime_rl.orchestrator.rollout import RolloutSource
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
-from prime_rl.protocol.records import MicroBatch
+from prime_rl.trainer.micro_batch import MicroBatch
 
 BASE = "http://127.0.0.1:9/v1"
 

@@ -46,11 +46,11 @@ def test_a_rank_file_and_a_metrics_record_on_a_full_disk_are_one_diskfull_line_a
         """
 import torch
 from prime_rl.protocol import DiskFull, rank_file
-from prime_rl.protocol.records import MicroBatch, write_rank_file
+from prime_rl.protocol.records import PackedRow, write_rank_file
 from prime_rl.utils.metrics import MetricsWriter
 metrics = MetricsWriter(out, "orchestrator")
 try:
-    write_rank_file(out, 0, 0, [MicroBatch.padding(300_000, 1.0)])  # ~5 MB: more than the disk
+    write_rank_file(out, 0, 0, [PackedRow.padding(300_000, 1.0)])  # ~5 MB: more than the disk
 except DiskFull as e:
     report["rank_file"] = str(e)
 try:
@@ -65,8 +65,10 @@ except DiskFull as e:
 """,
     )
     assert "error" not in report, report["error"]
-    assert report["rank_file"] == (f"no space left on the device of {tmp_path}/disk/rollouts/step_0/rank_0.pt while "
-                                   "writing it; free space there")  # fmt: skip
+    assert report["rank_file"] == (
+        f"no space left on the device of {tmp_path}/disk/rollouts/step_0/rank_0.safetensors while writing it; "
+        "free space there"
+    )
     assert report["metrics"].startswith(f"no space left on the device of {tmp_path}/disk/metrics/orchestrator.jsonl")
     # No temporary file, no rank file: the trainer waits for one that never passes for complete.
     assert report["left"] == ["filler", "metrics", "metrics/orchestrator.jsonl", "rollouts", "rollouts/step_0"]

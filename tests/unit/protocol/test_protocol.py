@@ -4,8 +4,9 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ from prime_rl.protocol import (
     weights_root,
 )
 from prime_rl.protocol.liveness import RUN_VAR, STARTED
-from prime_rl.protocol.records import MicroBatch, Sample, read_rank_file, write_rank_file
+from prime_rl.protocol.records import PackedRow, Sample, read_rank_file, write_rank_file
 from tests.samples import sample
 
 
@@ -55,13 +56,16 @@ def test_only_stable_dirs_count_and_pruning_keeps_newest(tmp_path):
 
 def test_rank_file_round_trip_and_mismatch_is_an_error(tmp_path):
     one = sample([5, 6, 7], 1, [0, 1, 1], [0, -1.5, -0.5])
-    mb = MicroBatch.pack([one, one], temperature=0.7)
+    mb = PackedRow.pack([one, replace(one, env=1, kept=[[], [2, 3], [4]], policy_steps=[-1, 3, 3])], 0.7, ["a", "b"])
     assert mb.cu_seqlens.tolist() == [0, 3, 6]
     assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
-    write_rank_file(tmp_path, 3, 1, [mb, MicroBatch.padding(4, 0.7)])
+    write_rank_file(tmp_path, 3, 1, [mb, PackedRow.padding(4, 0.7)])
     loaded = read_rank_file(rank_file(tmp_path, 3, 1), step=3, rank=1)
-    assert torch.equal(loaded[0].input_ids, mb.input_ids) and loaded[0].temperature == 0.7
-    assert not loaded[1].loss_mask.any()
+    for name, value in mb.arrays().items():  # every field back with its dtype and shape
+        got = getattr(loaded[0], name)
+        assert got.dtype == value.dtype and np.array_equal(got, value), name
+    assert (loaded[0].temperature, loaded[0].env_names) == (0.7, ["a", "b"])
+    assert not loaded[1].loss_mask.any() and loaded[1].env_names == []
     with pytest.raises(ValueError, match="holds step 3 rank 1, expected 4/1"):
         read_rank_file(rank_file(tmp_path, 3, 1), step=4, rank=1)
 
@@ -79,22 +83,21 @@ def test_a_sample_has_one_entry_per_token_in_every_list_and_packs_without_the_op
     # No advantage, μ or kept set off the loss mask; an SFT sample (none given) packs as zeros, -1 steps beside others'.
     one = Sample([5, 6, 7], [False, True, False], [1.0] * 3, [-0.5] * 3, kept=[[1], [2, 3], [4]]).masked()
     assert (one.advantages, one.inference_logprobs, one.kept) == ([0.0, 1.0, 0.0], [0.0, -0.5, 0.0], [[], [2, 3], []])
-    mb = MicroBatch.pack([Sample([8, 9], [True, True]), sample([1, 2], 1, 0.5, policy_steps=[-1, 4])], 1.0)
+    mb = PackedRow.pack([Sample([8, 9], [True, True]), sample([1, 2], 1, 0.5, policy_steps=[-1, 4])], 1.0)
     mb.validate()
     assert mb.advantages.tolist() == [[0.0, 0.0, 0.5, 0.5]] and mb.inference_logprobs.tolist() == [[0.0] * 4]
-    assert mb.policy_steps.tolist() == [[-1, -1, -1, 4]] and mb.kept_ids.numel() == 0
+    assert mb.policy_steps.tolist() == [[-1, -1, -1, 4]] and mb.kept_ids.size == 0
 
 
 def test_malformed_micro_batch_is_rejected():
-    mb = MicroBatch.padding(4, 1.0)
-    mb.loss_mask = mb.loss_mask.long()
+    mb = PackedRow.padding(4, 1.0)
     with pytest.raises(ValueError, match="loss_mask"):
-        mb.validate()
+        replace(mb, loss_mask=mb.loss_mask.astype(np.int64)).validate()
 
 
 def test_wait_times_out_naming_what_it_waited_for(tmp_path):
     start = time.monotonic()
-    with pytest.raises(WaitTimeout, match=r"rollouts for step 2 .*rank_0.pt"):
+    with pytest.raises(WaitTimeout, match=r"rollouts for step 2 .*rank_0.safetensors"):
         wait_for_rank_file(tmp_path, 2, 0, timeout=0.3, heartbeat_timeout=60)
     assert time.monotonic() - start < 3
 
@@ -233,9 +236,9 @@ def test_broadcast_buckets_are_runs_of_one_dtype_within_the_byte_limit():
 
 
 def test_a_truncated_rank_file_is_one_value_error_naming_it(tmp_path):
-    """Issue 48, point 9: cut short at some lengths, torch.load raises `OSError: [Errno 22] Invalid argument`,
-    which the trainer let through as a 34-line traceback naming no file."""
-    path = write_rank_file(tmp_path, 0, 0, [MicroBatch.padding(100_000, 1.0)] * 3)
+    """Issue 48, point 9: a rank file cut short (torch.load's `OSError: [Errno 22] Invalid argument` went through as
+    a 34-line traceback naming no file) is one line naming the file, at any length."""
+    path = write_rank_file(tmp_path, 0, 0, [PackedRow.padding(100_000, 1.0)] * 3)
     data = path.read_bytes()
     reasons = set()
     for n in range(0, len(data), len(data) // 200):
@@ -245,4 +248,23 @@ def test_a_truncated_rank_file_is_one_value_error_naming_it(tmp_path):
         assert len(str(raised.value).splitlines()) == 1
         assert str(raised.value).startswith(f"{path}: not a readable rank file (cut short or overwritten?): ")
         reasons.add(str(raised.value).split("?): ")[1].split(":")[0])
-    assert "OSError" in reasons, reasons  # the case reported, among EOFError and torch's RuntimeError
+    assert reasons == {"SafetensorError"}, reasons
+
+
+def test_a_rank_file_is_data_a_pickle_there_runs_no_code(tmp_path):
+    """What a rank file holds is read as tensors and JSON, never unpickled: a pickle put in its place (one that would
+    create a file when loaded) is refused as unreadable and nothing runs."""
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = rank_file(tmp_path, 0, 0)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(pickle.dumps({"version": 5, "step": 0, "rank": 0, "micro_batches": [Payload()]}))
+    with pytest.raises(ValueError, match="rank_0.safetensors: not a readable rank file"):
+        read_rank_file(path, 0, 0)
+    assert not marker.exists()

@@ -185,12 +185,16 @@ def test_a_build_killed_mid_compile_does_not_stop_the_next_start():
     assert leftover != attention.torch_uses_file_baton()
 
 
-def test_each_torch_install_builds_its_own_kernel(monkeypatch):
-    """Two checkouts' venvs shared one build dir, and their build commands name their own torch headers: each
-    load from the other venv rebuilt the kernel (~30 s at a trainer's start, nothing logged)."""
+def test_each_torch_install_and_checkout_builds_its_own_kernel(monkeypatch):
+    """Two checkouts' venvs shared one build dir, and their build commands name their own torch headers (and two
+    worktrees of one venv, their own source): each load from the other one rebuilt the kernel (~30 s at a
+    trainer's start, nothing logged)."""
     here = attention.kernel_name()
     assert here == attention.kernel_name() and here.isidentifier()  # stable, and a valid module name
-    monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/lib/python3.11/site-packages/torch/__init__.py")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__file__", "/elsewhere/.venv/lib/python3.11/site-packages/torch/__init__.py")
+        assert attention.kernel_name() != here
+    monkeypatch.setattr(attention, "__file__", "/worktree/src/prime_rl/trainer/attention.py")
     assert attention.kernel_name() != here
 
 

@@ -6,11 +6,11 @@ import shutil
 import pytest
 import torch
 
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer import attention
 from prime_rl.trainer.attention import check_supported
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.utils.tiny_model import GEMMA2_SLIDING_WINDOW, create_tiny_model
 from tests.samples import sample

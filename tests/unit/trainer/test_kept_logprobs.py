@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import kept_at, target_logprobs_and_entropy, token_logprobs_and_entropy
+from prime_rl.trainer.micro_batch import MicroBatch
 from tests.samples import sample
 
 

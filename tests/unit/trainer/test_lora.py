@@ -14,11 +14,11 @@ from prime_rl.inference.engine.weights import model_linears
 from prime_rl.inference.weights import read_adapter
 from prime_rl.protocol import is_stable
 from prime_rl.protocol.parity import read_checksum
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.ckpt import Progress, _safe_reader, load_checkpoint, save_checkpoint
 from prime_rl.trainer.convert import convert
 from prime_rl.trainer.loading import build_training
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.rl.train import train_step
 from prime_rl.trainer.weights import save_weights
 from prime_rl.utils.lora import adapter_pairs, merge_weight

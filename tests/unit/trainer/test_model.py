@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import forward_logprobs, sample_starts
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel import apply_ac, apply_compile
 from tests.samples import sample

@@ -9,8 +9,8 @@ import torch
 from prime_rl.configs.shared import LoraConfig
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.packing import packed_rows
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.logprobs import sample_starts
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp

@@ -20,9 +20,10 @@ import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.parity import canary_file, is_gate_step, read_canaries, write_sampled, write_trainer_scores
-from prime_rl.protocol.records import MicroBatch, Sample
+from prime_rl.protocol.records import Sample
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 
 logger = logging.getLogger("prime_rl")
 

@@ -1,6 +1,6 @@
 """RL trainer entrypoint: read packed rollouts, take one FSDP2 optimizer step, publish HF weights.
 
-Step n (docs/design.md §3): every rank waits for `rollouts/step_n/rank_{r}.pt`, runs forward/backward over its
+Step n (docs/design.md §3): every rank waits for `rollouts/step_n/rank_{r}.safetensors`, runs forward/backward over its
 micro batches (gradient accumulation), the ranks clip and step AdamW together, and rank 0 writes
 `weights/step_{n+1}` for inference. The loss is in `loss.py`, the packed forward in `model.py`.
 
@@ -33,13 +33,14 @@ from prime_rl.protocol import (
     wait_for_rank_file,
     weights_dir,
 )
-from prime_rl.protocol.records import MicroBatch, read_rank_file
+from prime_rl.protocol.records import read_rank_file
 from prime_rl.trainer import service, startup
 from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.fake_data import fake_micro_batches
 from prime_rl.trainer.logprobs import PolicyOutput
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.parallel import Dist, all_reduce
 from prime_rl.trainer.rl.bench import print_bench_table
 from prime_rl.trainer.rl.loss import MASK_RULES, load_custom_loss, policy_loss, sample_index, token_lag
@@ -177,7 +178,7 @@ def load_micro_batches(config: TrainerConfig, step: int, dist: Dist, times: dict
 
 def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path: Path) -> list[MicroBatch]:
     try:
-        micro_batches = read_rank_file(path, step, dist.rank)
+        micro_batches = [MicroBatch.from_row(row) for row in read_rank_file(path, step, dist.rank)]
     except ValueError as e:  # its message names the file
         raise TrainerError(str(e)) from None
     if dist.is_main and rank_file(config.output_dir, step, dist.world_size).exists():
@@ -199,9 +200,10 @@ def _read_micro_batches(config: TrainerConfig, step: int, dist: Dist, path: Path
 def generated_micro_batches(f: DataConfig, model: str, seed: int, step: int, dist: Dist) -> list[MicroBatch]:
     """`data.fake`: this rank's generated micro batches of `step`, over `model`'s vocabulary."""
     vocab = AutoConfig.from_pretrained(model).vocab_size
-    return fake_micro_batches(
+    rows = fake_micro_batches(
         step, dist.rank, f.fake_micro_batches, f.fake_seq_len, f.fake_min_len, f.fake_max_len, vocab, seed
     )
+    return [MicroBatch.from_row(row) for row in rows]
 
 
 def train_step(

@@ -31,8 +31,9 @@ from transformers import PreTrainedTokenizerBase
 from prime_rl.configs.sft import SFTDataConfig
 from prime_rl.envs import EnvError, load_environment
 from prime_rl.protocol.packing import pack_rows, pad_rows
-from prime_rl.protocol.records import MicroBatch, Sample
+from prime_rl.protocol.records import Sample
 from prime_rl.trainer.errors import TrainerError
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.parallel import Dist, all_reduce
 
 
@@ -259,4 +260,4 @@ def pack_rank_rows(mine: list[Sample], seq_len: int, dist: Dist, share_prompts: 
     (collective): FSDP's collectives need every rank to run as many forwards."""
     rows = pack_rows(mine, seq_len, temperature=1.0, share_prompts=share_prompts)
     (most,) = all_reduce([len(rows)], dist.device, op="max")
-    return pad_rows(rows, int(most), 1.0)
+    return [MicroBatch.from_row(row) for row in pad_rows(rows, int(most), 1.0)]

@@ -32,11 +32,11 @@ from transformers import AutoTokenizer
 
 from prime_rl.configs.sft import SFTConfig
 from prime_rl.protocol import check_resume_before_end, checkpoint_due, link_final_weights, run_dir
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer import service, startup
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import PolicyOutput
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.parallel import Dist
 from prime_rl.trainer.prefix import shares_prompts
 from prime_rl.trainer.sft.data import Sample, batch_epoch, build_samples, next_batch, pack_rank_rows

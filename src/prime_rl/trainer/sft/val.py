@@ -11,9 +11,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from prime_rl.configs.sft import SFTDataConfig, SFTValConfig
-from prime_rl.protocol.records import MicroBatch
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import sample_starts
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.parallel import Dist, all_reduce
 from prime_rl.trainer.prefix import policy_output, shared_row
 from prime_rl.trainer.sft.data import build_samples, pack_rank_rows

@@ -10,8 +10,9 @@ import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol.parity import read_sampled, sampled_file
-from prime_rl.protocol.records import MicroBatch, Sample, read_rank_file, write_rank_file
+from prime_rl.protocol.records import PackedRow, Sample, read_rank_file, write_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
@@ -28,8 +29,9 @@ def sample(mu: list[float], steps: list[int], servers: list[int]) -> Sample:
 
 def test_the_rank_file_carries_each_tokens_server(tmp_path):
     a = sample([0.0] * 6, [4, 4, 4], [1, 1, 0])  # a multi-turn sample whose last turn went to server 0
-    write_rank_file(tmp_path, 4, 0, [MicroBatch.pack([a, replace(a, servers=None)], 1.0)])
-    [mb] = read_rank_file(tmp_path / "rollouts" / "step_4" / "rank_0.pt", 4, 0)
+    write_rank_file(tmp_path, 4, 0, [PackedRow.pack([a, replace(a, servers=None)], 1.0)])
+    [row] = read_rank_file(tmp_path / "rollouts" / "step_4" / "rank_0.safetensors", 4, 0)
+    mb = MicroBatch.from_row(row)
     assert mb.token_server.tolist() == [[-1, -1, -1, 1, 1, 0] + [-1] * 6]
 
 

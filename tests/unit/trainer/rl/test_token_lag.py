@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from prime_rl.configs.trainer import LossConfig, TrainerConfig
-from prime_rl.protocol.records import MicroBatch, Sample, write_rank_file
+from prime_rl.protocol.records import PackedRow, Sample, write_rank_file
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
@@ -77,8 +78,8 @@ def _step_5(tiny_model, tmp_path, one_rank, late_advantage: float):
     a = replace(a, advantages=a.advantages[:7] + [late_advantage] * 5)  # only the lagging tokens' advantage varies
     b = _sample(model, list(range(200, 208)), -1.0, [4] * 5)
     plain = _sample(model, list(range(40, 48)), 0.5, None)
-    write_rank_file(tmp_path, 5, 0, [MicroBatch.pack([a, b], 1.0), MicroBatch.pack([plain], 1.0),
-                                     MicroBatch.padding(4, 1.0)])  # fmt: skip
+    write_rank_file(tmp_path, 5, 0, [PackedRow.pack([a, b], 1.0), PackedRow.pack([plain], 1.0),
+                                     PackedRow.padding(4, 1.0)])  # fmt: skip
     mbs = load_micro_batches(config, 5, one_rank, {})
     assert mbs[0].policy_steps.tolist() == [[-1] * 3 + [5] * 4 + [3] * 5 + [-1] * 3 + [4] * 5]
     assert mbs[1].policy_steps.numel() == 0

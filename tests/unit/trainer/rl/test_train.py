@@ -7,9 +7,10 @@ import torch
 
 from prime_rl.configs.trainer import TrainerConfig
 from prime_rl.protocol import list_steps, rank_file, rollout_step_dir, weights_dir, weights_root
-from prime_rl.protocol.records import MicroBatch, Sample, write_rank_file
+from prime_rl.protocol.records import PackedRow, Sample, write_rank_file
 from prime_rl.trainer.errors import TrainerError
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.micro_batch import MicroBatch
 from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer
 from prime_rl.trainer.parallel import apply_fsdp
@@ -62,7 +63,7 @@ def test_a_rank_file_token_outside_the_vocabulary_is_a_trainer_error_not_an_inde
 
 
 def test_load_micro_batches_refuses_rollouts_split_over_more_ranks(tiny_model, tmp_path, one_rank):
-    mb = MicroBatch.padding(4, 1.0)
+    mb = PackedRow.padding(4, 1.0)
     write_rank_file(tmp_path, 0, 0, [mb])
     write_rank_file(tmp_path, 0, 1, [mb])
     with pytest.raises(TrainerError, match="num_train_workers must equal the trainer world size"):
@@ -73,7 +74,9 @@ def test_load_micro_batches_reports_an_unreadable_rank_file(tiny_model, tmp_path
     path = rank_file(tmp_path, 0, 0)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a torch file")
-    with pytest.raises(TrainerError, match=r"rank_0.pt: not a readable rank file \(cut short or overwritten\?\)"):
+    with pytest.raises(
+        TrainerError, match=r"rank_0.safetensors: not a readable rank file \(cut short or overwritten\?\)"
+    ):
         load_micro_batches(_config(tiny_model, tmp_path), 0, one_rank, {})
 
 
