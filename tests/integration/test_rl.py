@@ -215,34 +215,6 @@ def test_a_service_failing_at_every_start_ends_the_run_fast_with_its_own_error(t
     assert not (tmp_path / "out3" / "logs" / "inference.log").exists()
 
 
-def test_ctrl_c_stops_every_service_and_leaves_no_orphans(tiny_model, tmp_path, free_port):
-    import signal
-    import time
-
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.entrypoints.rl", "--model.name", str(tiny_model), "--output-dir", str(out),
-         "--max-steps", "1000", "--inference.server.port", str(free_port), "--orchestrator.batch-size", "4",
-         "--orchestrator.rollouts-per-example", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    trainer_log = out / "logs" / "trainer.log"
-    deadline = time.monotonic() + 180
-    try:
-        while not (trainer_log.is_file() and "step 0 |" in trainer_log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, show_logs(out)
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        leave_nothing_running(proc, {})  # a failed wait would leave a 1000-step run loading the machine
-    assert proc.returncode == 130, stderr
-    assert "interrupted; stopped all services" in stderr
-    no_traceback(stderr, out)
-    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], "orphan processes left behind"
-
-
 def test_a_stop_signal_stops_the_run_resumably_with_no_traceback_anywhere(tiny_model, tmp_path, free_port):
     """USR1 (Slurm's stop signal) to a checkpointing `rl`: the trainer checkpoints after its step, rl exits 3,
     and neither the console nor any log shows a traceback (torchrun used to print its SignalException)."""
@@ -572,15 +544,21 @@ def _read(path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
-def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path, free_port):
+def test_a_second_run_on_a_live_runs_dir_is_refused_and_ctrl_c_stops_every_service_leaving_no_orphans(
+    tiny_model, tmp_path, free_port
+):
     """A second `rl` (or orchestrator) on a live run's dir used to delete the live run's rollouts and weights
-    as "left by an earlier run" and exit 0; now it is refused, naming the holder, and the live run goes on."""
+    as "left by an earlier run" and exit 0; now it is refused, naming the holder, and the live run goes on.
+    Ctrl-C then stops every service of the live run: exit 130, no traceback anywhere, no process left."""
     import signal
     import time
 
     out = tmp_path / "out"
     args = small_run(tiny_model, out, free_port)
-    live = start_rl(args)
+    live = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.entrypoints.rl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         while len(read_metrics(out, "orchestrator")) < 2:
@@ -597,9 +575,15 @@ def test_a_second_run_on_a_live_runs_output_dir_is_refused(tiny_model, tmp_path,
         while len(read_metrics(out, "orchestrator")) < steps + 2:  # the live run was not disturbed
             assert live.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
+        live.send_signal(signal.SIGINT)
+        _, stderr = live.communicate(timeout=60)
     finally:
-        live.send_signal(signal.SIGTERM)
-        live.wait(60)
+        leave_nothing_running(live, {})  # a failed wait would leave a 500-step run loading the machine
+    assert live.returncode == 130, stderr
+    assert "interrupted; stopped all services" in stderr
+    no_traceback(stderr, out)
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "orphan processes left behind"
 
 
 def finished(rl: subprocess.Popen, out, seen: dict[int, str]) -> str:
