@@ -27,6 +27,8 @@ def test_two_real_layers_run_both_weight_transfers_with_every_figure_measured(tm
             # The model is stored in bf16 and trained in fp32: the servers get the trainer's fp32 weights, so
             # they sample the policy it scores (bf16-rounded weights gave ~0.05 a step at 0.44 B).
             assert row["mismatch_kl"] < 1e-4, row
-        # Every service's process tree was seen, and the services' own per-step records hold their peak RSS.
-        assert all(case["peaks"][s] > 0.1 for s in ("inference", "orchestrator", "trainer")), case["peaks"]
+        # Every service's process tree was seen, and the services' own per-step records hold their peak RSS (the
+        # orchestrator's ~70 MB: it imports no torch).
+        assert all(case["peaks"][s] > 0.1 for s in ("inference", "trainer")), case["peaks"]
+        assert case["peaks"]["orchestrator"] > 0.03, case["peaks"]
         assert case["peaks"]["trainer (metrics)"] > 0.1 and case["peaks"]["orchestrator (metrics)"] > 0.05

@@ -4,7 +4,7 @@ SFT progress line; the live line off a terminal."""
 import json
 import time
 
-from prime_rl.protocol import eval_dir, eval_summary_file
+from prime_rl.protocol import eval_dir, eval_summary_file, orchestrator_checkpoint_file
 from prime_rl.protocol.paths import STABLE
 from prime_rl.utils.console import LiveLine
 from prime_rl.utils.metrics import MetricsWriter
@@ -57,7 +57,7 @@ def test_rl_summary_names_the_newest_complete_checkpoint_and_the_resume_command(
     log(tmp_path, "trainer", [{"loss": 1.0}] * 4)
     for step in (2, 4):
         stable(tmp_path / "checkpoints" / f"step_{step}" / "trainer")
-        (tmp_path / "checkpoints" / f"step_{step}" / "orchestrator.pt").touch()
+        orchestrator_checkpoint_file(tmp_path, step).touch()
     stable(tmp_path / "checkpoints" / "step_6" / "trainer")  # no orchestrator part: incomplete
     argv = ["@", "my rl.toml", "--ckpt.interval", "2", "--ckpt.resume-step", "2", "--max-steps", "4"]
     lines = rl_summary(tmp_path, 4, 3.0, argv, [])
@@ -81,9 +81,9 @@ def test_rl_summary_reports_and_advises_only_this_runs_checkpoints(tmp_path):
 
     def checkpoint(step: int, when: float) -> None:
         stable(tmp_path / "checkpoints" / f"step_{step}" / "trainer")
-        (tmp_path / "checkpoints" / f"step_{step}" / "orchestrator.pt").touch()
+        orchestrator_checkpoint_file(tmp_path, step).touch()
         for path in (tmp_path / "checkpoints" / f"step_{step}" / "trainer" / STABLE,
-                     tmp_path / "checkpoints" / f"step_{step}" / "orchestrator.pt"):  # fmt: skip
+                     orchestrator_checkpoint_file(tmp_path, step)):  # fmt: skip
             os.utime(path, (when, when))
 
     checkpoint(40, 1000.0)  # the earlier run's
