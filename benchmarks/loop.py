@@ -1,5 +1,5 @@
-"""Where a step of the RL loop spends its time: hand-offs between services, the orchestrator's own overhead, and
-what having verifiers play the episodes costs.
+"""Where a step of the RL loop spends its time: hand-offs between services, the orchestrator's own overhead,
+what having verifiers play the episodes costs, and what each service costs to run at all.
 
     uv run python benchmarks/loop.py handoffs             # ~9 min: both models, sync and async_level 1
     uv run python benchmarks/loop.py handoffs --models tiny --modes sync --transfers filesystem,broadcast
@@ -9,6 +9,8 @@ what having verifiers play the episodes costs.
     uv run python benchmarks/loop.py overhead --server real   # or --server fake
     uv run python benchmarks/loop.py episodes             # ~1 min: 6 steps each, medians over the steps after the first
     uv run python benchmarks/loop.py episodes --steps 10 --warmup 2
+    uv run python benchmarks/loop.py services             # ~1 min: the README's debug run, 3 times
+    uv run python benchmarks/loop.py services --src ../before --runs 5   # another tree's rl, taking turns
 
 `handoffs`: each case is one real `rl` run (inference server, orchestrator, 1-rank trainer on this machine's
 CPU, fp32) on reverse-text: 8 prompts × 8 samples, ≤ 32 tokens. Per step, from the services' own metrics files:
@@ -50,6 +52,12 @@ invocation:
 
 Same model, batch, sampling and seed. Reported per way, over the steps after `--warmup`: the median step, its
 generation, tokens per second of the step, and the reward. Needs `uv sync --extra verifiers` and `uv` on PATH.
+
+`services`: the README's first command (`rl @ configs/debug/rl.toml`, 5 steps of the tiny model) `--runs` times,
+each process of the run sampled every 50 ms from /proc: its CPU seconds (user + system, start-up included: on 2
+cores a short run's services spend most of theirs importing) and its peak resident memory (VmHWM), medians per
+service over the runs. With `--src DIR` another checkout's `rl` (its `src/` on PYTHONPATH, this environment) takes
+turns with this one's, run by run, so the two compare on the same machine state.
 """
 
 from __future__ import annotations
@@ -60,8 +68,10 @@ import itertools
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -292,6 +302,81 @@ def main_episodes(args: argparse.Namespace) -> None:
     write_json(args, "episodes", results)
 
 
+def sample_processes(command: list[str], env: dict[str, str]) -> dict[str, dict]:
+    """Run `command`; per service of it (the entrypoint a process runs, or its first word) the largest CPU seconds
+    and peak RSS its processes reached while it ran."""
+    tick = os.sysconf("SC_CLK_TCK")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: dict[int, dict] = {}
+    while proc.poll() is None:
+        family = {proc.pid}
+        for pid, ppid in _parents().items():  # descendants: /proc lists children after their parents
+            if ppid in family:
+                family.add(pid)
+        for pid in family:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                status = Path(f"/proc/{pid}/status").read_text()
+                argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            except OSError:
+                continue
+            hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")), 0)
+            name = next((a.rsplit(".", 1)[1] for a in argv if a.startswith("prime_rl.entrypoints.")), None)
+            row = seen.setdefault(pid, {"service": name or Path(argv[0]).name, "cpu_s": 0.0, "rss_mib": 0.0})
+            row["cpu_s"] = max(row["cpu_s"], (int(stat[11]) + int(stat[12])) / tick)
+            row["rss_mib"] = max(row["rss_mib"], hwm / 1024)
+        time.sleep(0.05)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(command)} exited {proc.returncode}")
+    services: dict[str, dict] = {}
+    for row in seen.values():
+        if row["cpu_s"] > 0.05:
+            total = services.setdefault(row["service"], {"cpu_s": 0.0, "rss_mib": 0.0})
+            total["cpu_s"] += row["cpu_s"]
+            total["rss_mib"] = max(total["rss_mib"], row["rss_mib"])
+    return services
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+    return parents
+
+
+def main_services(args: argparse.Namespace) -> None:
+    trees = {"this": ROOT} | ({"src": args.src.resolve()} if args.src else {})
+    runs: dict[str, list[dict]] = {tree: [] for tree in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            for tree, root in trees.items():
+                env = os.environ | {"PYTHONPATH": str(root / "src")}
+                out = Path(tmp) / f"{tree}-{i}"
+                start = time.perf_counter()
+                rl = [sys.executable, "-m", "prime_rl.entrypoints.rl", "@", "configs/debug/rl.toml", "--output-dir"]
+                services = sample_processes([*rl, str(out), "--inference.server.port", str(free_port())], env)
+                runs[tree].append({"wall_s": time.perf_counter() - start, "services": services})
+    results, rows = {}, []
+    for tree, records in runs.items():
+        names = sorted(
+            {n for r in records for n in r["services"]},
+            key=lambda n: -records[0]["services"].get(n, {}).get("cpu_s", 0),
+        )
+        results[tree] = {"root": str(trees[tree]), "runs": records, "wall_s": median(r["wall_s"] for r in records)}
+        for name in names:
+            cpu = median(r["services"].get(name, {}).get("cpu_s") for r in records)
+            rss = median(r["services"].get(name, {}).get("rss_mib") for r in records)
+            rows.append([tree, name, f"{cpu:.2f} s", f"{rss:.0f} MiB"])
+        cpu_all = median(sum(v["cpu_s"] for v in r["services"].values()) for r in records)
+        rows.append([tree, "**all**", f"{cpu_all:.2f} s", f"wall {results[tree]['wall_s']:.1f} s"])
+    print(markdown_table(["tree", "service", "CPU (median)", "peak RSS (median)"], rows))
+    write_json(args, "loop-services", results)
+
+
 def main() -> None:
     parser, sub = question_parser(__doc__)
     h = add_question(sub, __doc__, "handoffs", "where a step's time goes, real `rl` runs")
@@ -319,8 +404,14 @@ def main() -> None:
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--rollouts", type=int, default=4)
     add_json_argument(e, "episodes")
+    v = add_question(sub, __doc__, "services", "CPU seconds and peak memory of each service of the debug run")
+    v.add_argument("--runs", type=int, default=3)
+    v.add_argument("--src", type=Path, default=None, help="another checkout whose rl takes turns with this one's")
+    add_json_argument(v, "loop-services")
     args = parser.parse_args()
-    {"handoffs": main_handoffs, "overhead": main_overhead, "episodes": main_episodes}[args.question](args)
+    questions = {"handoffs": main_handoffs, "overhead": main_overhead, "episodes": main_episodes}
+    questions["services"] = main_services
+    questions[args.question](args)
 
 
 if __name__ == "__main__":
