@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.inference.engine import Engine, EngineBusy, RequestFailed, SamplingParams, WeightsError, build_engine
 from prime_rl.inference.engine.batch import left_padded_positions
-from prime_rl.inference.engine.engine import cpu_threads
+from prime_rl.inference.engine.engine import ARRIVAL_GAP, cpu_threads
 from prime_rl.inference.engine.weights import checkpoint_specs
 from prime_rl.inference.weights import check_specs
 from prime_rl.protocol import mark_stable, weights_dir
@@ -59,17 +60,25 @@ def test_left_padded_batch_gives_the_same_logits_as_each_sequence_alone(engine):
 
 def test_requests_reaching_an_idle_engine_a_few_ms_apart_share_one_prefill(engine):
     """A client's requests sent together reach the worker one by one (the server parses and templates each);
-    admitted as they come, the later ones would pay a prefill and a decode pass of their own."""
+    admitted as they come, the later ones would pay a prefill and a decode pass of their own. The premise, the
+    requests reaching it within ARRIVAL_GAP of each other, is the test's own: on a loaded machine (CI's image
+    build beside it) a 2 ms sleep can take longer, and such a try is made again, at most 3 times."""
 
     async def go():
-        tasks = []
+        tasks, sent = [], []
         for ids in [PROMPT, *OTHERS]:
+            sent.append(time.monotonic())
             tasks.append(asyncio.create_task(engine.generate(ids, GREEDY)))
             await asyncio.sleep(0.002)  # < ARRIVAL_GAP
-        return await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks), max(b - a for a, b in itertools.pairwise(sent))
 
-    prefills, iterations = engine.prefills, engine.iterations
-    results = asyncio.run(go())
+    for _ in range(3):
+        prefills, iterations = engine.prefills, engine.iterations
+        results, widest = asyncio.run(go())
+        if widest < ARRIVAL_GAP:
+            break
+    else:
+        pytest.fail(f"the requests never reached the engine within ARRIVAL_GAP of each other (last: {widest:.4f} s)")
     assert engine.prefills == prefills + 1
     assert engine.iterations - iterations == max(len(s.token_ids) for (s,) in results) - 1  # the prefill draws one
     for (sample,), ids in zip(results, [PROMPT, *OTHERS], strict=True):  # the same tokens as alone
