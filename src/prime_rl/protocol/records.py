@@ -243,9 +243,13 @@ def read_rank_file(path: Path, step: int, rank: int) -> list[PackedRow]:
     if header.get("step") != str(step) or header.get("rank") != str(rank):
         raise ValueError(f"{path}: holds step {header.get('step')} rank {header.get('rank')}, expected {step}/{rank}")
     try:
+        per_row: dict[str, dict[str, np.ndarray]] = {}
+        for name, a in arrays.items():  # "{i}.{field}"
+            i, key = name.split(".", 1)
+            per_row.setdefault(i, {})[key] = a
         rows = []
         for i, meta in enumerate(json.loads(header["rows"])):
-            mine = {name.split(".", 1)[1]: a for name, a in arrays.items() if name.split(".", 1)[0] == str(i)}
+            mine = per_row.get(str(i), {})
             row = PackedRow(**mine, temperature=float(meta["temperature"]), env_names=list(meta["env_names"]))
             row.validate()
             rows.append(row)
