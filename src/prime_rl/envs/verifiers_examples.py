@@ -84,10 +84,6 @@ class CalcTools(vf.Toolset[vf.ToolsetConfig]):
 
 
 class CalcTask(vf.Task[AdditionData, vf.State, vf.TaskConfig]):
-    @classmethod
-    def toolsets(cls, config: vf.TaskConfig) -> list[vf.Toolset]:
-        return [CalcTools(vf.ToolsetConfig())]
-
     @vf.reward
     async def correct(self, task: AdditionData, trace: vf.Trace) -> float:
         numbers = _INTEGER.findall(trace.last_reply)
@@ -99,6 +95,12 @@ class CalcTask(vf.Task[AdditionData, vf.State, vf.TaskConfig]):
 
 
 class CalcTaskset(vf.Taskset[CalcTask, AdditionConfig]):
+    @classmethod
+    def toolsets(cls, config: AdditionConfig) -> list[vf.Toolset]:
+        """`add` keeps no state: one tool server for the whole taskset, not one per episode (each is a Python
+        process importing verifiers, ~8 CPU-s on 2 cores)."""
+        return [CalcTools(vf.ToolsetConfig())]
+
     def load(self) -> Iterator[CalcTask]:
         for a, b in _pairs(self.config):
             yield CalcTask(AdditionData(prompt=f"What is {a} + {b}?", a=a, b=b, answer=a + b), self.config.task)
