@@ -44,6 +44,7 @@ timeout = {{ episode = 20 }}
 {NULL_AGENT}
 """
 ENVS = EXAMPLE.read_text() + FAULTY
+STEPS = 3  # each faulty env fails episodes within them
 # textarena's games draw their words from nltk's word lists, which nltk downloads from GitHub at load: this machine
 # cannot reach it (the download fails at once, and the games read what NLTK_DATA holds), so the tests give Hangman
 # a word list of their own.
@@ -102,18 +103,18 @@ def test_rl_trains_on_episodes_verifiers_plays_on_policy_and_survives_a_scorer_t
     On-policy, the trainer's logprobs of the trained tokens match the servers' (mismatch KL < 1e-3); every failed
     group is counted and replaced."""
     start = time.perf_counter()
-    result, out = run(tmp_path, free_port, ENVS, 3, "--orchestrator.batch-size", "14")  # 7 groups of 2
+    result, out = run(tmp_path, free_port, ENVS, STEPS, "--orchestrator.batch-size", "14")  # 7 groups of 2
     assert result.returncode == 0, result.stderr + show_logs(out)
     orch, trainer = read_metrics(out, "orchestrator"), read_metrics(out, "trainer")
     envs = ("reverse", "calc", "bash", "sim", "broken", "slow", "game")
     errors = {env: sum(m[f"env_errors/{env}"] for m in orch) for env in envs}
-    print(f"3 steps in {time.perf_counter() - start:.0f}s, env errors {errors}; per step: " + "; ".join(
+    print(f"{STEPS} steps in {time.perf_counter() - start:.0f}s, env errors {errors}; per step: " + "; ".join(
         f"reverse {m['reward/reverse']:.3f}, calc {m['reward/calc']:.2f} over {m['turns/calc']:.1f} turns, "
         f"bash {m['reward/bash']:.2f} over {m['turns/bash']:.1f} turns, "
         f"sim {m['reward/sim']:.3f} over {m['turns/sim']:.1f} turns, "
         f"game {m['reward/game']:.2f} over {m['turns/game']:.1f} turns, "
         f"gen {m['time/generate']:.1f}s" for m in orch))  # fmt: skip
-    assert [m["step"] for m in trainer] == [0, 1, 2]
+    assert [m["step"] for m in trainer] == list(range(STEPS))
     assert all(m["mismatch_kl"] < 1e-3 for m in trainer), [m["mismatch_kl"] for m in trainer]
     assert all(m[f"groups/{env}"] == 1 for m in orch for env in errors)
     assert all(m["untrained_traces/sim"] == 2 and m["untrained_traces/reverse"] == 0 for m in orch)
