@@ -50,7 +50,7 @@ class Server:
 
     def __init__(self, model: Path, output_dir: Path, backend: str, *args: str, api_key: str | None = None):
         self.url = ""
-        self.backend, self.api_key = backend, api_key
+        self.model, self.backend, self.api_key = model, backend, api_key
         self.output_dir = output_dir
         self.log_path = output_dir / "server.out"
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -128,19 +128,42 @@ def tiny_model(tiny_qwen3_hd32, tmp_path_factory):
     return path
 
 
+def tiny_moe(root: Path) -> Path:
+    """A tiny Qwen3-MoE (head_dim 32; transformers fuses its experts at load)."""
+    return create_tiny_model(root / "tiny-qwen3-moe", "qwen3_moe", hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(tiny_model, tmp_path_factory, vllm_installed) -> dict[str, Server]:
+    """The module's three vLLM servers, started together when the first is needed: the keyed one every vLLM test
+    uses, one staging by `stream` and one serving a tiny MoE. A start is mostly one process importing vLLM then
+    spawning its EngineCore to import it again (each about one core, ~25 s here): side by side, the three take
+    about as long as two one after the other. Each fixture waits for its own."""
+    root = tmp_path_factory.mktemp("inference-vllm")
+    started = {
+        "keyed": Server(tiny_model, root / "keyed", "vllm", api_key="secret"),
+        "stream": Server(tiny_model, root / "stream", "vllm", "--weight-staging", "stream"),
+        "moe": Server(tiny_moe(root), root / "moe", "vllm", api_key="secret"),
+    }
+    try:
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
 @pytest.fixture(scope="module", params=["builtin", "vllm"])
 def servers(request, tiny_model, tmp_path_factory):
-    backend = request.param
-    if backend == "vllm":
-        request.getfixturevalue("vllm_installed")
-    root = tmp_path_factory.mktemp(f"inference-{backend}")
-    if backend == "builtin":
-        started = [
-            Server(tiny_model, root / "open", backend),
-            Server(tiny_model, root / "keyed", backend, api_key="secret"),
-        ]
-    else:
-        started = [Server(tiny_model, root / "keyed", backend, api_key="secret")]
+    if request.param == "vllm":
+        keyed = request.getfixturevalue("vllm_servers")["keyed"]
+        keyed.wait_ready()
+        yield [keyed]
+        return
+    root = tmp_path_factory.mktemp("inference-builtin")
+    started = [
+        Server(tiny_model, root / "open", "builtin"),
+        Server(tiny_model, root / "keyed", "builtin", api_key="secret"),
+    ]
     try:
         for s in started:
             s.wait_ready()
@@ -393,15 +416,14 @@ def test_a_trainer_killed_mid_broadcast_is_a_400_naming_it_and_the_old_weights_k
 
 
 @pytest.fixture(scope="module")
-def streaming(tiny_model, tmp_path_factory, vllm_installed) -> Server:
+def streaming(vllm_servers) -> Server:
     """A vLLM server that loads broadcast steps into the model as they arrive (no staged copy)."""
-    started = Server(tiny_model, tmp_path_factory.mktemp("streaming") / "serve", "vllm", "--weight-staging", "stream")
+    started = vllm_servers["stream"]
     try:
         started.wait_ready()
         yield started
     finally:
         print(f"--- streaming server log ---\n{started.new_output()}")
-        started.stop()
 
 
 def assert_a_broadcast_serves_what_the_same_dir_does(server: Server, tiny_model, group: str, step: int = 11):
@@ -759,14 +781,18 @@ def test_vllm_flags_pass_through_to_vllm(server):
 
 
 @pytest.fixture(scope="module")
-def moe_server(server, tmp_path_factory):
-    """A server of the same backend serving a tiny Qwen3-MoE (transformers fuses its experts at load)."""
-    root = tmp_path_factory.mktemp(f"moe-{server.backend}")
-    model = create_tiny_model(root / "tiny-qwen3-moe", "qwen3_moe", hidden_size=128)
-    moe = Server(model, root / "serve", server.backend, api_key=server.api_key)
+def moe_server(server, request, tmp_path_factory):
+    """A server of the same backend serving a tiny Qwen3-MoE."""
+    if server.backend == "vllm":
+        moe = request.getfixturevalue("vllm_servers")["moe"]
+        moe.wait_ready()
+        yield moe, moe.model
+        return
+    root = tmp_path_factory.mktemp("moe-builtin")
+    moe = Server(tiny_moe(root), root / "serve", "builtin", api_key=server.api_key)
     try:
         moe.wait_ready()
-        yield moe, model
+        yield moe, moe.model
     finally:
         moe.stop()
 

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,22 +275,45 @@ def test_rl_with_broadcast_weight_transfer_is_on_policy_and_writes_only_the_last
     assert_on_policy_over_broadcast(out)
 
 
+@pytest.fixture(scope="module")
+def vllm_runs(vllm_installed, tiny_qwen3_hd32, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """The two vLLM runs (dense, MoE on 2 trainer ranks), started together: half of each is vLLM's start, one
+    process importing vLLM at a time, which the other run's start fills. Their stderr goes to a file (a pipe
+    nobody reads while the other run is awaited could fill and stall it)."""
+    import os
+
+    # vLLM sizes its KV cache from the run: a share of host RAM would not fit beside a trainer
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    runs = {}
+    for kind in ("dense", "moe"):
+        root = tmp_path_factory.mktemp(f"vllm-{kind}")
+        model = create_tiny_model(root / "moe", "qwen3_moe", hidden_size=128) if kind == "moe" else tiny_qwen3_hd32
+        extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512", "--inference.enforce-eager"]
+        extra += ["--trainer-cpu-ranks", "2"] if kind == "moe" else []
+        args = on_policy_broadcast_run(model, root / "out", another_free_port(), *extra)
+        with open(root / "rl.stderr", "w") as stderr:
+            cmd = [sys.executable, "-m", "prime_rl.entrypoints.rl", *args]
+            runs[kind] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env), root / "out")
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(
-    vllm_installed, tiny_qwen3_hd32, tmp_path, free_port, monkeypatch, kind
-):
+def test_rl_with_the_vllm_backend_is_on_policy_at_temperature_0_7(vllm_runs, kind):
     """`rl --inference.backend vllm` (vLLM's CPU build) with weight_transfer = broadcast: every step reaches
     vLLM's worker over the gloo group through vLLM's weight-transfer phases (the filesystem route to vLLM is
     tested in test_inference_server). vLLM sizes its KV cache from the run, so it starts beside the trainer.
     moe: a Qwen3-MoE on 2 trainer ranks, each sending its own rows (the experts, fused in the trainer, gathered
     and sent per expert as vLLM's loader takes them)."""
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # a share of host RAM would not fit beside a trainer
-    out = tmp_path / "out"
-    model = create_tiny_model(tmp_path / "moe", "qwen3_moe", hidden_size=128) if kind == "moe" else tiny_qwen3_hd32
-    extra = ["--inference.backend", "vllm", "--inference.max-model-len", "512", "--inference.enforce-eager"]
-    extra += ["--trainer-cpu-ranks", "2"] if kind == "moe" else []
-    result = run_rl(on_policy_broadcast_run(model, out, free_port, *extra), timeout=900)
-    assert result.returncode == 0, result.stderr + show_logs(out)
+    proc, out = vllm_runs[kind]
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rl ({kind}, vLLM) did not finish within 900 s\n" + show_logs(out))
+    assert proc.returncode == 0, (out.parent / "rl.stderr").read_text() + show_logs(out)
     assert_on_policy_over_broadcast(out)
     log = (out / "logs" / "inference.log").read_text()
     assert "backend vllm" in log and "vLLM KV cache: " in log
