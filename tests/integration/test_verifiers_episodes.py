@@ -244,32 +244,61 @@ def test_a_killed_harness_a_killed_env_server_and_a_blocking_scorer_fail_only_th
     assert after_kill.ok and after_block.ok, (after_kill.last_error, after_block.last_error)
 
 
-def test_a_tool_that_never_answers_fails_its_episode_at_the_episode_bound(server, monkeypatch):
-    """The model calls the `add` tool and verifiers' tool server in the runtime never answers: the episode ends at
-    timeout.episode as a failed one (training counts it and draws another), not a stuck group."""
-    import os
+HANGING_TOOL_S = 30  # its timeout.episode: room to start the harness program and the tool server (~10-18 s, busy)
+
+
+def play_the_hanging_tool(server) -> tuple:
+    """One episode of tests/tasksets/hanging_tool_taskset.py (its `add` never answers): the example, the episode, its
+    answers and how long it took."""
     import time
 
+    renderer = {"name": "custom", "import_path": "prime_rl.envs.hermes_renderer.HermesTextRenderer"}
+    args = {"taskset": {"id": "hanging_tool_taskset"}, "timeout": {"episode": HANGING_TOOL_S}, "renderer": renderer,
+            "agent": {"harness": {"id": "null"}, "runtime": SUBPROCESS}}  # fmt: skip
+    started = time.monotonic()
+    example, [(episode, answers)], _, _ = play(server, args, 1, max_tokens=96)
+    return example, episode, answers, time.monotonic() - started
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hanging_tool(request):
+    """The never-answering tool's episode, played on the built-in server in a thread from the module's first test:
+    it spends its bound waiting with the machine idle, so it waits beside the tests before its own (none of them
+    bounded in time). None where the session does not run its test."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = any(item.originalname == "test_a_tool_that_never_answers_fails_its_episode_at_the_episode_bound"
+                 for item in request.session.items)  # fmt: skip
+    if not wanted or shutil.which("uv") is None:
+        yield None
+        return
+    server = request.getfixturevalue("calc_servers").ready("builtin")
+    tasksets = str(Path(__file__).resolve().parents[1] / "tasksets")
+    patch = pytest.MonkeyPatch()
+    patch.syspath_prepend(tasksets)  # the env server imports the taskset, the tool server runs its module
+    patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tasksets, os.environ.get("PYTHONPATH")])))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            yield pool.submit(play_the_hanging_tool, server)
+    finally:
+        patch.undo()
+
+
+def test_a_tool_that_never_answers_fails_its_episode_at_the_episode_bound(server, hanging_tool):
+    """The model calls the `add` tool and verifiers' tool server in the runtime never answers: the episode ends at
+    timeout.episode as a failed one (training counts it and draws another), not a stuck group."""
     from prime_rl.envs import EpisodeFailed
     from prime_rl.orchestrator.episodes import describe, episode_rollouts
 
     if server.backend != "builtin":
         pytest.skip("the episode's bound is verifiers' and the orchestrator's, alike on both backends")
-    tasksets = str(Path(__file__).resolve().parents[1] / "tasksets")
-    monkeypatch.syspath_prepend(tasksets)  # the env server imports the taskset, the tool server runs its module
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tasksets, os.environ.get("PYTHONPATH")])))
-    episode_s = 30  # room to start the harness program and the tool server (~10-18 s with the suite beside)
-    renderer = {"name": "custom", "import_path": "prime_rl.envs.hermes_renderer.HermesTextRenderer"}
-    args = {"taskset": {"id": "hanging_tool_taskset"}, "timeout": {"episode": episode_s}, "renderer": renderer,
-            "agent": {"harness": {"id": "null"}, "runtime": SUBPROCESS}}  # fmt: skip
-    started = time.monotonic()
-    example, [(episode, answers)], _, _ = play(server, args, 1, max_tokens=96)
-    took = time.monotonic() - started
+    example, episode, answers, took = hanging_tool.result(timeout=HANGING_TOOL_S + 300)
     error = episode.last_error
     print(f"{describe((episode, answers))}; ended after {took:.1f}s: {error and error.type}: {error and error.message}")
     # the model's turn was answered (verifiers serves the tools before it asks the model), then the tool hung
     assert not episode.ok and len(answers) >= 1
-    assert error.type == "TimeoutError" and f"exceeded its {episode_s}s deadline" in error.message
-    assert episode_s <= took < episode_s + 60  # the env server's start, then the bound
+    assert error.type == "TimeoutError" and f"exceeded its {HANGING_TOOL_S}s deadline" in error.message
+    assert HANGING_TOOL_S <= took < HANGING_TOOL_S + 60  # the env server's start, then the bound
     with pytest.raises(EpisodeFailed, match="verifiers' episode of task .* failed"):
         episode_rollouts(episode, answers, example, 512, "hanging")
