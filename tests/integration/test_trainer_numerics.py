@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import finish
+
 ROOT = Path(__file__).parents[2]
 RTOL = 1e-5
 
@@ -66,15 +68,6 @@ RL = [
 ]  # fmt: skip
 
 
-def first_steps(args: list[str], service: str, out: Path) -> dict[int, dict]:
-    result = subprocess.run(
-        [sys.executable, "-m", *args, "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {m["step"]: m for m in map(json.loads, (out / "metrics" / f"{service}.jsonl").open())}
-
-
 CASES = {  # case: (entrypoint args, the metrics file it writes)
     "sft": (["prime_rl.entrypoints.sft"], "sft"),
     "sft-muon": (["prime_rl.entrypoints.sft", "--optim.type", "muon"], "sft"),
@@ -82,14 +75,32 @@ CASES = {  # case: (entrypoint args, the metrics file it writes)
 }
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Every case's run, started together: each is one process that keeps one core busy (importing, mostly), so the
+    three side by side take ~13 s here, one after another ~21 s."""
+    started = {}
+    for case, (args, _) in CASES.items():
+        root = tmp_path_factory.mktemp(case)
+        if args[0] == "prime_rl.entrypoints.sft":
+            (root / "sft.toml").write_text(SFT_CONFIG)
+            args = [args[0], "@", str(root / "sft.toml"), *args[1:]]
+        cmd = [sys.executable, "-m", *args, "--output-dir", str(root / "run")]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started[case] = (proc, root / "run")
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_first_steps_match_the_pinned_loss_and_grad_norm(case, tmp_path):
-    args, service = CASES[case]
-    if service == "sft":
-        config = tmp_path / "sft.toml"
-        config.write_text(SFT_CONFIG)
-        args = [args[0], "@", str(config), *args[1:]]
-    steps = first_steps(args, service, tmp_path / "run")
+def test_first_steps_match_the_pinned_loss_and_grad_norm(case, runs):
+    proc, out = runs[case]
+    rc, output = finish(proc, case, timeout=300)
+    assert rc == 0, output[-3000:]
+    steps = {m["step"]: m for m in map(json.loads, (out / "metrics" / f"{CASES[case][1]}.jsonl").open())}
     got = {(case, s): {k: steps[s][k] for k in PINNED[(case, s)]} for s in (0, 1)}
     print(json.dumps({f"{k[0]} step {k[1]}": v for k, v in got.items()}, indent=1))
     for key, metrics in got.items():
