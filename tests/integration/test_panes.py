@@ -34,24 +34,42 @@ def age_heartbeats(out, seconds: float) -> None:
         path.write_text(json.dumps(beat))
 
 
+def waiting_for_the_trainer(log: Path, since: int, proc: subprocess.Popen) -> None:
+    """Until the orchestrator's log says, after byte `since`, that a step waits for the trainer's weights."""
+    deadline = time.monotonic() + 120
+    while "waiting for the trainer" not in (log.read_text()[since:] if log.is_file() else ""):
+        assert proc.poll() is None, f"the orchestrator ended (exit {proc.returncode}):\n{proc.stderr.read()}"
+        assert time.monotonic() < deadline, "the orchestrator never waited for the trainer"
+        time.sleep(0.2)
+
+
 def test_three_panes_run_again_in_a_used_output_dir_whose_heartbeats_are_old(tmp_path, free_port):
     """A new run in a dir whose last run ended long ago (heartbeats older than any heartbeat timeout) used to
     die at once on the previous run's trainer heartbeat; a beat from before a service started is not its
-    peer's, and the run completes. The trainer is started last, seconds after the orchestrator waits."""
+    peer's, and the run completes. The trainer is started last, once the orchestrator waits for it. The server
+    runs on from the first run, holding its last weights: the second run samples from its base model again
+    (it used to sample the first run's step 3 for its steps 0-4, at mismatch KL 0.001-0.005)."""
     out = tmp_path / "out"
     url = f"http://127.0.0.1:{free_port}/v1"
+    log = out / "logs" / "orchestrator.log"
     server = service("inference", "@", "configs/debug/infer.toml", "--output-dir", str(out),
                      "--server.port", str(free_port))  # fmt: skip
     try:
         for attempt in range(2):
+            since = log.stat().st_size if log.is_file() else 0
             orchestrator = service("orchestrator", "@", "configs/debug/orch.toml", "--output-dir", str(out),
                                    "--client.base-url", url, "--heartbeat-timeout", "5")  # fmt: skip
-            time.sleep(8)  # the orchestrator's waits for the trainer have begun when the trainer starts
+            waiting_for_the_trainer(log, since, orchestrator)
             trainer = service("trainer", "@", "configs/debug/train.toml", "--output-dir", str(out))
             for proc, name in ((orchestrator, "orchestrator"), (trainer, "trainer")):
                 _, stderr = proc.communicate(timeout=300)
                 assert proc.returncode == 0, f"run {attempt}, {name}:\n{stderr}"
+                if name == "orchestrator":
+                    assert ("servers hold an earlier run's weights" in stderr) == (attempt == 1), stderr
             assert [m["step"] for m in read_metrics(out, "trainer")] == list(range(5))
+            orch = read_metrics(out, "orchestrator")
+            assert orch[0]["weight_step"] == 0 and all(m["off_policy_gap"] >= 0 for m in orch), orch
+            assert all(m["mismatch_kl"] < 1e-3 for m in read_metrics(out, "trainer")), read_metrics(out, "trainer")
             age_heartbeats(out, 1000)
     finally:
         for proc in (server, orchestrator, trainer):

@@ -35,7 +35,7 @@ from prime_rl.orchestrator.evaluation import Evals
 from prime_rl.orchestrator.observer import Observers
 from prime_rl.orchestrator.packing import SampleTooLong, pack_micro_batches
 from prime_rl.orchestrator.parity import ParityGate
-from prime_rl.orchestrator.policy import relay_broadcasts, wait_for_policy
+from prime_rl.orchestrator.policy import relay_broadcasts, start_from_the_base, wait_for_policy
 from prime_rl.orchestrator.servers.client import InferenceClient, InferenceError
 from prime_rl.orchestrator.servers.fleet import FleetFile
 from prime_rl.orchestrator.servers.metrics import ServerMetrics
@@ -169,7 +169,9 @@ async def open_loop(config: OrchestratorConfig, state: Progress, resumed: Progre
         )
         for sink in (wandb, progress, evals):
             stack.enter_context(closing(sink))
-        await client.wait_for_servers(config.client.health_timeout)
+        held = await client.wait_for_servers(config.client.health_timeout)
+        if resumed is None:
+            await start_from_the_base(client, held)
         for source in [slot.source for slot in mix.slots] + [source for _, source, _ in evals.envs]:
             await stack.enter_async_context(source.serving(client))  # verifiers' episodes reach the pool by it
         if isinstance(wandb, WandbSink):  # the servers' own numbers (inference/*), read in the background

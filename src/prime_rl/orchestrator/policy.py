@@ -59,6 +59,20 @@ async def _wait_for_policy(client: InferenceClient, config: OrchestratorConfig, 
     return await load_weights(client, config, newest, times)
 
 
+async def start_from_the_base(client: InferenceClient, held: dict[str, int]) -> None:
+    """A fresh run's step 0 samples the base model, which its trainer starts from. A server still holding weights
+    of an earlier run (one left running between runs: the three panes, a multi-node fleet) goes back to its base
+    weights; else the run would sample an old policy that the trainer, computing the base's logprobs, never
+    reproduces, and wait for none of its own weights until the step numbers caught up."""
+    earlier = {url: step for url, step in held.items() if step != 0}
+    if not earlier:
+        return
+    said = ", ".join(f"{url} weights step {step}" for url, step in earlier.items())
+    logger.warning(f"fresh run: servers hold an earlier run's weights ({said}); reloading their base weights")
+    if (step := await client.reload_weights()) != 0:
+        raise InferenceError(f"servers report weights step {step} after reloading their base weights")
+
+
 async def load_weights(client: InferenceClient, config: OrchestratorConfig, step: int, times: dict) -> int:
     weight_dir = weights_dir(config.output_dir, step)
     with timer(times, "update_weights"):
