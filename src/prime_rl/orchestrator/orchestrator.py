@@ -1,5 +1,8 @@
 """The `orchestrator` entrypoint: environments → rollouts → advantages → packed rank files (docs/design.md §3, §6).
 
+Before the first step (`open_loop`): environments, servers, teacher, sinks; a fresh run's servers that hold an
+earlier run's weights reload their base weights (policy.py `start_from_the_base`).
+
 For each step n (`run_step`):
 1. The servers' /health: the weight step each holds.
 2. `wait_for_policy` (policy.py): every live server samples from weights no older than n - async_level;
