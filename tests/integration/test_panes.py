@@ -66,10 +66,10 @@ def test_three_panes_run_again_in_a_used_output_dir_whose_heartbeats_are_old(tmp
                 assert proc.returncode == 0, f"run {attempt}, {name}:\n{stderr}"
                 if name == "orchestrator":
                     assert ("servers hold an earlier run's weights" in stderr) == (attempt == 1), stderr
-            assert [m["step"] for m in read_metrics(out, "trainer")] == list(range(5))
-            orch = read_metrics(out, "orchestrator")
+            trainer_steps, orch = read_metrics(out, "trainer"), read_metrics(out, "orchestrator")
+            assert [m["step"] for m in trainer_steps] == list(range(5))
             assert orch[0]["weight_step"] == 0 and all(m["off_policy_gap"] >= 0 for m in orch), orch
-            assert all(m["mismatch_kl"] < 1e-3 for m in read_metrics(out, "trainer")), read_metrics(out, "trainer")
+            assert all(m["mismatch_kl"] < 1e-3 for m in trainer_steps), trainer_steps
             age_heartbeats(out, 1000)
     finally:
         for proc in (server, orchestrator, trainer):

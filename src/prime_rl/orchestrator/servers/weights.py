@@ -156,7 +156,9 @@ class WeightControl:
         steps = {s.step for s in self.pool.live()}
         if len(steps) != 1:
             raise InferenceError(f"servers report different steps after reloading their weights: {sorted(steps)}")
-        return steps.pop()
+        if (step := steps.pop()) != 0:
+            raise InferenceError(f"servers report weights step {step} after reloading their base weights")
+        return step
 
     def serve_broadcasts(self) -> None:
         """The pool serves broadcast steps from now on: a dir loaded before is no longer its policy (a server that
